@@ -1,0 +1,26 @@
+# Two entry points: `make demo` and `make test`. Both create .venv when missing and install into it.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test install clean bench
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip setuptools wheel cffi
+
+$(STAMP): $(PY) pyproject.toml setup.py native/build.py $(wildcard native/*.c native/*.h)
+	$(PY) -m pip install -q --no-build-isolation -e ".[test,plot,peer]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: install
+	$(PY) -m cachedarrays.demo
+
+test: install
+	$(PY) -m pytest tests
+
+clean:
+	rm -rf build *.egg-info cachedarrays/_native*.so native/_native.c
