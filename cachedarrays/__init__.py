@@ -1,0 +1,33 @@
+"""cachedarrays: NumPy arrays larger than fast memory.
+
+Each array lives in a small fast memory (DRAM) or a large slow one (persistent memory, CXL
+memory or a file-backed mapping); a pluggable policy decides where, and moves whole arrays.
+"""
+
+from . import errors
+from .array import CachedArray, check_dtype, implements, readable, writable
+from .annotations import (annotate, arrays_in, cleanup, evict, in_fast, noescape, onobjects,
+                          prefetch, preserve, softevict, unsafe_free)
+from .creation import (array, asarray, empty, empty_like, full, full_like, ones, ones_like,
+                       zeros, zeros_like)
+from .defaults import default_manager, set_default_manager
+from .devices import DRAM, Device, SlowDevice
+from .errors import (CachedArraysError, DeviceError, HeapCorruptionError, OutOfMemoryError,
+                     PinnedError, UseAfterFreeError)
+from .manager import Manager, Object, Region, policy_names, register_policy
+from .sizes import format_size, parse_size
+from . import policies  # noqa: E402  (registers the built-in policies)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CachedArray", "Manager", "Object", "Region", "Device", "DRAM", "SlowDevice",
+    "asarray", "array", "empty", "zeros", "ones", "full",
+    "empty_like", "zeros_like", "ones_like", "full_like",
+    "readable", "writable", "prefetch", "evict", "softevict", "in_fast", "unsafe_free",
+    "onobjects", "arrays_in", "preserve", "cleanup", "noescape", "annotate",
+    "default_manager", "set_default_manager", "policies", "policy_names", "register_policy",
+    "check_dtype", "implements", "parse_size", "format_size", "errors",
+    "CachedArraysError", "OutOfMemoryError", "DeviceError", "UseAfterFreeError",
+    "PinnedError", "HeapCorruptionError",
+]

@@ -1,0 +1,726 @@
+"""CachedArray: a NumPy-compatible array whose bytes live in a manager's fast or slow device.
+
+A CachedArray is a view description (dtype, shape, strides, byte offset) over an Object. It
+never keeps a pointer: each use pins the object, builds an ndarray over the primary region's
+current bytes, runs, and unpins. So views stay correct across evict/prefetch, and nothing moves
+an array while a kernel reads or writes it.
+"""
+
+import numbers
+import operator
+import threading
+import weakref
+
+import numpy as np
+from numpy.lib.mixins import NDArrayOperatorsMixin
+
+from .errors import UseAfterFreeError
+from .heap import HEADER
+from .sizes import format_size
+
+HANDLED_FUNCTIONS = {}
+_tls = threading.local()
+_INPLACE_FIRST = {np.copyto, np.put, np.place, np.putmask, np.fill_diagonal,
+                  np.put_along_axis}
+_SCALARS = (numbers.Number, np.generic, str, bytes, type(None))
+
+
+def implements(*numpy_functions):
+    """Register a dedicated implementation of NumPy functions for CachedArray."""
+    def decorator(fn):
+        for f in numpy_functions:
+            HANDLED_FUNCTIONS[f] = fn
+        return fn
+    return decorator
+
+
+def check_dtype(dtype):
+    """Return np.dtype(dtype) if a CachedArray can hold it; refuse types holding references."""
+    dt = np.dtype(dtype)
+    if dt.hasobject or dt.kind == "T":
+        raise TypeError(f"CachedArray cannot hold dtype {dt}: its elements are Python objects "
+                        "or references; use a fixed-size dtype (numbers, bool, fixed-width "
+                        "strings, structured types of those)")
+    return dt
+
+
+def _shape_tuple(shape):
+    if isinstance(shape, (int, np.integer)):
+        shape = (shape,)
+    try:
+        shape = tuple(operator.index(s) for s in shape)
+    except TypeError:
+        raise TypeError(f"shape must be an int or a tuple of ints, got {shape!r}") from None
+    if any(s < 0 for s in shape):
+        raise ValueError(f"negative dimensions are not allowed: {shape}")
+    return shape
+
+
+def _contiguous_strides(shape, itemsize, order="C"):
+    strides = [0] * len(shape)
+    step = itemsize
+    dims = range(len(shape) - 1, -1, -1) if order == "C" else range(len(shape))
+    for i in dims:
+        strides[i] = step
+        step *= max(shape[i], 1)
+    return tuple(strides)
+
+
+# ---- noescape scopes (filled by the annotations layer) -------------------------------------
+
+def _scopes():
+    s = getattr(_tls, "scopes", None)
+    if s is None:
+        s = _tls.scopes = []
+    return s
+
+
+def push_scope():
+    """Start recording objects allocated by this thread; returns the record list."""
+    rec = []
+    _scopes().append(rec)
+    return rec
+
+
+def pop_scope(rec):
+    s = _scopes()
+    s.remove(rec)
+
+
+# ---- allocation ------------------------------------------------------------------------------
+
+def new_pinned(manager, shape, dtype, order="C"):
+    """Allocate an array through the manager's policy, returned pinned (release with _unpin)."""
+    dt = check_dtype(dtype)
+    shape = _shape_tuple(shape)
+    if order not in ("C", "F"):
+        order = "C"
+    n = 1
+    for s in shape:
+        n *= s
+    nbytes = n * dt.itemsize
+    with manager._lock:
+        obj = manager.policy.allocate(nbytes)
+        obj.pins += 1
+    scopes = getattr(_tls, "scopes", None)
+    if scopes:
+        ref = weakref.ref(obj)
+        for rec in scopes:
+            rec.append(ref)
+    return CachedArray._make(obj, manager, shape, dt, _contiguous_strides(shape, dt.itemsize,
+                                                                           order), 0)
+
+
+def _unpin(arr):
+    arr._m.release((arr._obj,))
+
+
+def _from_ndarray(manager, a):
+    """A new CachedArray holding a copy of ndarray a."""
+    order = "F" if (a.flags.f_contiguous and not a.flags.c_contiguous) else "C"
+    out = new_pinned(manager, a.shape, a.dtype, order)
+    try:
+        np.copyto(out._view(), a, casting="no")
+    finally:
+        _unpin(out)
+    return out
+
+
+# ---- the array type --------------------------------------------------------------------------
+
+class CachedArray(NDArrayOperatorsMixin):
+    """An n-dimensional array in tiered memory; behaves like numpy.ndarray."""
+
+    __slots__ = ("_obj", "_m", "_shape", "_dtype", "_strides", "_offset", "__weakref__")
+    __array_priority__ = 20
+
+    @classmethod
+    def _make(cls, obj, manager, shape, dtype, strides, offset):
+        self = object.__new__(cls)
+        self._obj = obj
+        self._m = manager
+        self._shape = shape
+        self._dtype = dtype
+        self._strides = strides
+        self._offset = offset
+        return self
+
+    def __init__(self, *args, **kwargs):
+        raise TypeError("create CachedArrays with ca.asarray, ca.array, ca.empty, ca.zeros, "
+                        "ca.ones, ca.full or their *_like forms")
+
+    # ---- resolution (call only while pinned) ---------------------------------------------
+
+    def _view(self, readonly=False):
+        obj = self._obj
+        r = obj.primary
+        if r is None:
+            raise UseAfterFreeError(
+                f"CachedArray of shape {self._shape} (object {obj.id}, "
+                f"{format_size(obj.nbytes)}) was freed; it cannot be used any more")
+        if r.nbytes == 0:
+            a = np.empty(self._shape, self._dtype)
+        else:
+            a = np.ndarray(self._shape, self._dtype, r.device._mm,
+                           r.offset + HEADER + self._offset, self._strides)
+        if readonly:
+            a.flags.writeable = False
+        return a
+
+    def _derive(self, base, view):
+        """A CachedArray view for ndarray `view`, which shares memory with `base` (self's view)."""
+        start = base.__array_interface__["data"][0] - self._offset
+        off = view.__array_interface__["data"][0] - start
+        return CachedArray._make(self._obj, self._m, view.shape, view.dtype, view.strides, off)
+
+    # ---- properties ----------------------------------------------------------------------
+
+    shape = property(lambda self: self._shape)
+    dtype = property(lambda self: self._dtype)
+    strides = property(lambda self: self._strides)
+    ndim = property(lambda self: len(self._shape))
+    itemsize = property(lambda self: self._dtype.itemsize)
+
+    @property
+    def size(self):
+        n = 1
+        for s in self._shape:
+            n *= s
+        return n
+
+    @property
+    def nbytes(self):
+        return self.size * self._dtype.itemsize
+
+    @property
+    def manager(self):
+        return self._m
+
+    @property
+    def object(self):
+        """The manager's Object behind this array (shared by all its views)."""
+        return self._obj
+
+    @property
+    def device(self):
+        """'fast' or 'slow': where the newest copy of the data lives now."""
+        return self._obj.device
+
+    @property
+    def is_freed(self):
+        return self._obj.freed
+
+    @property
+    def T(self):
+        return self.transpose()
+
+    @property
+    def mT(self):
+        if self.ndim < 2:
+            raise ValueError("matrix transpose needs at least 2 dimensions")
+        return self.swapaxes(-1, -2)
+
+    @property
+    def real(self):
+        return self._viewop(lambda v: v.real)
+
+    @property
+    def imag(self):
+        return self._viewop(lambda v: v.imag)
+
+    @property
+    def flags(self):
+        with readable(self) as v:
+            return v.flags
+
+    # ---- NumPy protocols -----------------------------------------------------------------
+
+    def __array__(self, dtype=None, copy=None):
+        if copy is False:
+            raise ValueError(
+                "a CachedArray cannot be viewed without a copy: its data can move between "
+                "devices; use `with ca.readable(x) as a:` for a zero-copy view inside a scope")
+        with readable(self) as v:
+            self._m.count("asarray", self.nbytes, id=self._obj.id)
+            return np.array(v, dtype=dtype, copy=True)
+
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        return _array_ufunc(ufunc, method, inputs, kwargs)
+
+    def __array_function__(self, func, types, args, kwargs):
+        for t in types:
+            if not (issubclass(t, CachedArray) or issubclass(t, np.ndarray)):
+                return NotImplemented
+        impl = HANDLED_FUNCTIONS.get(func)
+        if impl is not None:
+            return impl(*args, **kwargs)
+        return _call_on_views(func, args, kwargs)
+
+    # ---- indexing ------------------------------------------------------------------------
+
+    def __getitem__(self, key):
+        key = _plain_key(key)
+        m, obj = self._m, self._obj
+        m.acquire((obj,))
+        try:
+            v = self._view(readonly=True)
+            r = v[key]
+            if isinstance(r, np.ndarray):
+                if not r.flags.owndata and np.may_share_memory(r, v):
+                    return self._derive(v, r)
+                return _from_ndarray(m, r)
+            return r
+        finally:
+            m.release((obj,))
+
+    def __setitem__(self, key, value):
+        key = _plain_key(key)
+        reads = tuple(_objects_in(value))
+        m, obj = self._m, self._obj
+        m.acquire(reads, (obj,))
+        try:
+            self._view()[key] = _to_views(value)
+        finally:
+            m.release(reads + (obj,))
+
+    def __len__(self):
+        if not self._shape:
+            raise TypeError("len() of unsized object")
+        return self._shape[0]
+
+    def __iter__(self):
+        if not self._shape:
+            raise TypeError("iteration over a 0-d array")
+        for i in range(self._shape[0]):
+            yield self[i]
+
+    def __contains__(self, value):
+        return bool((self == value).any())
+
+    # ---- conversions ---------------------------------------------------------------------
+
+    def _scalar(self, kind):
+        if self.size != 1:
+            raise TypeError(f"only arrays of size 1 can be converted to Python scalars; this "
+                            f"one has shape {self._shape}")
+        with readable(self) as v:
+            return kind(v.reshape(()))
+
+    def __bool__(self):
+        if self.size != 1:
+            raise ValueError("The truth value of an array with more than one element is "
+                             "ambiguous. Use a.any() or a.all()")
+        return self._scalar(bool)
+
+    def __float__(self):
+        return self._scalar(float)
+
+    def __int__(self):
+        return self._scalar(int)
+
+    def __complex__(self):
+        return self._scalar(complex)
+
+    def __index__(self):
+        if self._dtype.kind not in "iub" or self.ndim:
+            raise TypeError("only integer scalar arrays can be converted to a scalar index")
+        return self._scalar(operator.index)
+
+    def item(self, *args):
+        with readable(self) as v:
+            return v.item(*args)
+
+    def tolist(self):
+        with readable(self) as v:
+            return v.tolist()
+
+    def tobytes(self, order="C"):
+        with readable(self) as v:
+            return v.tobytes(order)
+
+    def __reduce__(self):
+        with readable(self) as v:
+            return (_unpickle, (np.array(v, copy=True),))
+
+    def __repr__(self):
+        if self._obj.freed:
+            return f"CachedArray(<freed>, shape={self._shape}, dtype={self._dtype})"
+        with readable(self) as v:
+            body = np.array2string(v, separator=", ", prefix="CachedArray(")
+            dev = self._obj.primary.device.name
+        return f"CachedArray({body}, dtype={self._dtype}, device={dev!r})"
+
+    def __str__(self):
+        with readable(self) as v:
+            return str(v)
+
+    __hash__ = None
+
+    # ---- views ---------------------------------------------------------------------------
+
+    def _viewop(self, fn):
+        """Apply an ndarray view operation; a view stays a view, a copy becomes a new array."""
+        m, obj = self._m, self._obj
+        m.acquire((obj,))
+        try:
+            v = self._view(readonly=True)
+            r = fn(v)
+            if isinstance(r, np.ndarray) and not r.flags.owndata and np.may_share_memory(r, v):
+                return self._derive(v, r)
+            if isinstance(r, np.ndarray):
+                return _from_ndarray(m, r)
+            return r
+        finally:
+            m.release((obj,))
+
+    def reshape(self, *shape, order="C"):
+        if len(shape) == 1 and not isinstance(shape[0], (int, np.integer)):
+            shape = shape[0]
+        return self._viewop(lambda v: v.reshape(shape, order=order))
+
+    def ravel(self, order="C"):
+        return self._viewop(lambda v: v.ravel(order))
+
+    def flatten(self, order="C"):
+        return self._viewop(lambda v: v.flatten(order))
+
+    def transpose(self, *axes):
+        if len(axes) == 1 and (axes[0] is None or not isinstance(axes[0], (int, np.integer))):
+            axes = axes[0]
+        return self._viewop(lambda v: v.transpose(axes) if axes else v.transpose())
+
+    def swapaxes(self, a, b):
+        return self._viewop(lambda v: v.swapaxes(a, b))
+
+    def squeeze(self, axis=None):
+        return self._viewop(lambda v: v.squeeze(axis))
+
+    def view(self, dtype=None):
+        if dtype is None:
+            return CachedArray._make(self._obj, self._m, self._shape, self._dtype,
+                                     self._strides, self._offset)
+        check_dtype(dtype)
+        return self._viewop(lambda v: v.view(dtype))
+
+    def diagonal(self, offset=0, axis1=0, axis2=1):
+        return self._viewop(lambda v: v.diagonal(offset, axis1, axis2))
+
+    # ---- copies and in-place methods -----------------------------------------------------
+
+    def copy(self, order="C"):
+        return self.astype(self._dtype, order=order)
+
+    def astype(self, dtype, order="K", casting="unsafe", copy=True):
+        dt = check_dtype(dtype)
+        if not copy and dt == self._dtype:
+            return self
+        if order == "K":
+            order = "F" if self.ndim > 1 and _is_f(self._shape, self._strides,
+                                                    self.itemsize) else "C"
+        out = new_pinned(self._m, self._shape, dt, order)
+        try:
+            with readable(self) as v:
+                np.copyto(out._view(), v, casting=casting)
+        finally:
+            _unpin(out)
+        return out
+
+    def fill(self, value):
+        with writable(self) as v:
+            v.fill(value)
+
+    def sort(self, axis=-1, kind=None, order=None):
+        with writable(self) as v:
+            v.sort(axis=axis, kind=kind, order=order)
+
+    def __copy__(self):
+        return self.copy()
+
+    def __deepcopy__(self, memo):
+        return self.copy()
+
+
+def _is_f(shape, strides, itemsize):
+    return tuple(strides) == _contiguous_strides(shape, itemsize, "F") and \
+        tuple(strides) != _contiguous_strides(shape, itemsize, "C")
+
+
+def _method(name):
+    fn = getattr(np, name)
+
+    def method(self, *args, **kwargs):
+        return fn(self, *args, **kwargs)
+    method.__name__ = name
+    method.__doc__ = f"Same as numpy.{name}(self, ...)."
+    return method
+
+
+for _name in ("sum", "mean", "std", "var", "min", "max", "argmin", "argmax", "prod",
+              "cumsum", "cumprod", "all", "any", "clip", "round", "trace", "nonzero", "dot",
+              "searchsorted", "repeat", "take", "compress", "conj", "conjugate", "argsort",
+              "ptp" if hasattr(np, "ptp") else "sum"):
+    setattr(CachedArray, _name, _method(_name))
+
+
+def _unpickle(a):
+    from .defaults import default_manager
+
+    return _from_ndarray(default_manager(), a)
+
+
+# ---- argument handling -----------------------------------------------------------------------
+
+def _objects_in(x):
+    """Objects of every CachedArray in x (recursing into lists and tuples)."""
+    if isinstance(x, CachedArray):
+        yield x._obj
+    elif isinstance(x, (list, tuple)):
+        for y in x:
+            yield from _objects_in(y)
+
+
+def _to_views(x, readonly=True):
+    """Replace CachedArrays in x by ndarray views (the objects must be pinned)."""
+    if isinstance(x, CachedArray):
+        return x._view(readonly)
+    if isinstance(x, list):
+        return [_to_views(y, readonly) for y in x]
+    if isinstance(x, tuple):
+        return tuple(_to_views(y, readonly) for y in x)
+    return x
+
+
+def _plain_key(key):
+    """Index keys holding CachedArrays become ndarrays (copies of small index arrays)."""
+    if isinstance(key, CachedArray):
+        with readable(key) as v:
+            return np.array(v)
+    if isinstance(key, tuple) and any(isinstance(k, CachedArray) for k in key):
+        return tuple(_plain_key(k) for k in key)
+    return key
+
+
+def _first_manager(seq):
+    for x in seq:
+        if isinstance(x, CachedArray):
+            return x._m
+        if isinstance(x, (list, tuple)):
+            m = _first_manager(x)
+            if m is not None:
+                return m
+    return None
+
+
+def _acquire_grouped(reads, writes):
+    """Pin objects that may belong to several managers; returns the release list."""
+    groups = {}
+    for o in reads:
+        groups.setdefault(o._manager(), ([], []))[0].append(o)
+    for o in writes:
+        groups.setdefault(o._manager(), ([], []))[1].append(o)
+    done = []
+    try:
+        for m, (r, w) in groups.items():
+            m.acquire(r, w)
+            done.append((m, r + w))
+    except BaseException:
+        for m, objs in done:
+            m.release(objs)
+        raise
+    return done
+
+
+def _release_grouped(done):
+    for m, objs in done:
+        m.release(objs)
+
+
+def _wrap(m, res, views):
+    """Turn a NumPy result into CachedArrays: views of inputs stay views, others are copied."""
+    if isinstance(res, np.ndarray):
+        if res.dtype.hasobject:
+            return res
+        if not res.flags.owndata:
+            for arr, v in views:
+                if np.may_share_memory(res, v):
+                    return arr._derive(v, res)
+        if res.ndim == 0:
+            return res[()]
+        return _from_ndarray(m, res)
+    if isinstance(res, list):
+        return [_wrap(m, r, views) for r in res]
+    if isinstance(res, tuple):
+        items = [_wrap(m, r, views) for r in res]
+        return type(res)(*items) if hasattr(res, "_fields") else tuple(items)
+    return res
+
+
+def _call_on_views(func, args, kwargs):
+    """Run a NumPy function on views of the current primary regions, then wrap the result."""
+    out = kwargs.get("out")
+    written = list(_objects_in(out)) if out is not None else []
+    if func in _INPLACE_FIRST and args:
+        written += list(_objects_in(args[0]))
+    read = [o for o in _objects_in(list(args) + [v for k, v in kwargs.items() if k != "out"])]
+    like = kwargs.pop("like", None)
+    m = _first_manager(list(args) + list(kwargs.values())) or \
+        (like._m if isinstance(like, CachedArray) else None)
+    done = _acquire_grouped(read, written)
+    try:
+        wset = {id(o) for o in written}
+        views = []
+
+        def conv(x):
+            if isinstance(x, CachedArray):
+                v = x._view(readonly=id(x._obj) not in wset)
+                views.append((x, v))
+                return v
+            if isinstance(x, list):
+                return [conv(y) for y in x]
+            if isinstance(x, tuple):
+                return tuple(conv(y) for y in x)
+            return x
+
+        nargs = [conv(a) for a in args]
+        nkwargs = {k: conv(v) for k, v in kwargs.items()}
+        res = func(*nargs, **nkwargs)
+        if out is not None:
+            if isinstance(out, CachedArray):
+                return out
+            if isinstance(out, tuple) and len(out) == 1:
+                return out[0]
+            return out
+        if func in _INPLACE_FIRST:
+            return res
+        return _wrap(m, res, views) if m is not None else res
+    finally:
+        _release_grouped(done)
+
+
+# ---- ufuncs ----------------------------------------------------------------------------------
+
+_HANDLED_TYPES = (np.ndarray, CachedArray, numbers.Number, np.generic, list, tuple, bool)
+
+
+def _dtype_of(x):
+    if isinstance(x, (CachedArray, np.ndarray, np.generic)):
+        return x.dtype
+    if isinstance(x, (bool, int, float, complex)):
+        return type(x)
+    return np.asarray(x).dtype
+
+
+def _array_ufunc(ufunc, method, inputs, kwargs):
+    out = kwargs.pop("out", None)
+    for x in inputs + (out or ()):
+        if not isinstance(x, _HANDLED_TYPES) and x is not None:
+            if getattr(type(x), "__array_ufunc__", None) is not None or \
+                    hasattr(type(x), "__array_ufunc__"):
+                return NotImplemented
+    reads = [x._obj for x in inputs if isinstance(x, CachedArray)]
+    writes = [o._obj for o in (out or ()) if isinstance(o, CachedArray)]
+    if method == "at" and isinstance(inputs[0], CachedArray):
+        reads.remove(inputs[0]._obj)
+        writes.append(inputs[0]._obj)
+    m = _first_manager(inputs) or _first_manager(out or ())
+    if len(reads) + len(writes) <= 1 or (not writes and all(o._manager() is m for o in reads)):
+        m.acquire(reads, writes)
+        done = [(m, reads + writes)]
+    else:
+        done = _acquire_grouped(reads, writes)
+    try:
+        wset = {id(o) for o in writes}
+        args = tuple(x._view(id(x._obj) not in wset) if isinstance(x, CachedArray) else x
+                     for x in inputs)
+        if out is not None:
+            outs = tuple(o._view() if isinstance(o, CachedArray) else o for o in out)
+            getattr(ufunc, method)(*args, out=outs, **kwargs)
+            return out[0] if len(out) == 1 else out
+        if method == "__call__" and ufunc.nout == 1 and ufunc.signature is None and \
+                not (set(kwargs) - {"where", "casting", "order"}):
+            shape = _broadcast_shape(args)
+            if shape:
+                dt = _resolve(ufunc, args, kwargs.get("casting", "same_kind"))
+                if dt is not None and not dt.hasobject:
+                    res = new_pinned(m, shape, dt)
+                    done.append((m, [res._obj]))
+                    if "where" in kwargs:
+                        res._view().fill(0)
+                    ufunc(*args, out=(res._view(),), **kwargs)
+                    return res
+        if method == "at":
+            getattr(ufunc, method)(*args, **kwargs)
+            return None
+        res = getattr(ufunc, method)(*args, **kwargs)
+        return _wrap(m, res, ())
+    finally:
+        _release_grouped(done)
+
+
+def _broadcast_shape(args):
+    shapes = [a.shape for a in args if isinstance(a, np.ndarray)]
+    first = shapes[0]
+    for s in shapes[1:]:
+        if s != first:
+            return np.broadcast_shapes(*shapes, *(np.shape(a) for a in args
+                                                  if not isinstance(a, np.ndarray)))
+    for a in args:
+        if not isinstance(a, (np.ndarray, numbers.Number, np.generic)):
+            return np.broadcast_shapes(first, np.shape(a))
+    return first
+
+
+_RESOLVED = {}
+
+
+def _resolve(ufunc, args, casting):
+    key = (ufunc, casting) + tuple(_dtype_of(a) for a in args)
+    dt = _RESOLVED.get(key)
+    if dt is None:
+        try:
+            dts = ufunc.resolve_dtypes(key[2:] + (None,), casting=casting)
+            dt = dts[-1]
+        except Exception:
+            return None
+        if len(_RESOLVED) < 4096:
+            _RESOLVED[key] = dt
+    return dt
+
+
+# ---- access scopes ---------------------------------------------------------------------------
+
+class _Scope:
+    """Pinned ndarray access to one CachedArray; see readable() and writable()."""
+
+    __slots__ = ("arr", "write")
+
+    def __init__(self, arr, write):
+        if not isinstance(arr, CachedArray):
+            raise TypeError(f"expected a CachedArray, got {type(arr).__name__}")
+        self.arr = arr
+        self.write = write
+
+    def __enter__(self):
+        a = self.arr
+        if self.write:
+            a._m.acquire((), (a._obj,))
+        else:
+            a._m.acquire((a._obj,))
+        try:
+            return a._view(readonly=not self.write)
+        except BaseException:
+            a._m.release((a._obj,))
+            raise
+
+    def __exit__(self, *exc):
+        self.arr._m.release((self.arr._obj,))
+
+
+def readable(x):
+    """``with readable(x) as a``: a read-only ndarray view of x; x is pinned meanwhile."""
+    return _Scope(x, False)
+
+
+def writable(x):
+    """``with writable(x) as a``: a writable ndarray view of x, pinned; marks x dirty."""
+    return _Scope(x, True)

@@ -1,0 +1,120 @@
+"""Creating CachedArrays: asarray, array, empty, zeros, ones, full and their *_like forms."""
+
+import numpy as np
+
+from .array import (CachedArray, _from_ndarray, _unpin, check_dtype, implements, new_pinned,
+                    readable)
+from .defaults import default_manager
+
+
+def _manager(manager, like=None):
+    if manager is not None:
+        return manager
+    if isinstance(like, CachedArray):
+        return like.manager
+    return default_manager()
+
+
+def asarray(a, dtype=None, order=None, *, manager=None):
+    """a as a CachedArray: returned as is when it already is one (same dtype and manager)."""
+    if isinstance(a, CachedArray) and (dtype is None or np.dtype(dtype) == a.dtype) and \
+            (manager is None or manager is a.manager):
+        return a
+    return array(a, dtype=dtype, order=order, manager=manager)
+
+
+def array(a, dtype=None, order=None, *, manager=None):
+    """A new CachedArray holding a copy of a (any array-like)."""
+    m = _manager(manager, a)
+    if isinstance(a, CachedArray):
+        if m is a.manager:
+            return a.astype(dtype if dtype is not None else a.dtype,
+                            order="K" if order is None else order)
+        with readable(a) as v:
+            return _copy_in(m, v, dtype, order)
+    return _copy_in(m, a, dtype, order)
+
+
+def _copy_in(m, a, dtype, order):
+    src = np.asarray(a, dtype=dtype, order=order if order in ("C", "F") else None)
+    check_dtype(src.dtype)
+    return _from_ndarray(m, src)
+
+
+def empty(shape, dtype=float, order="C", *, manager=None):
+    """An uninitialised CachedArray."""
+    out = new_pinned(_manager(manager), shape, dtype, order)
+    _unpin(out)
+    return out
+
+
+def full(shape, fill_value, dtype=None, order="C", *, manager=None):
+    """A CachedArray filled with fill_value."""
+    if dtype is None:
+        dtype = np.asarray(fill_value).dtype
+    out = new_pinned(_manager(manager), shape, dtype, order)
+    try:
+        out._view().fill(fill_value)
+    finally:
+        _unpin(out)
+    return out
+
+
+def zeros(shape, dtype=float, order="C", *, manager=None):
+    return full(shape, 0, dtype, order, manager=manager)
+
+
+def ones(shape, dtype=float, order="C", *, manager=None):
+    return full(shape, 1, dtype, order, manager=manager)
+
+
+def _like_args(a, dtype, order, shape):
+    dtype = a.dtype if dtype is None else dtype
+    shape = np.shape(a) if shape is None else shape
+    if order in ("K", "A", None):
+        flags = a.flags if isinstance(a, np.ndarray) else None
+        order = "F" if flags is not None and flags.f_contiguous and not flags.c_contiguous \
+            else "C"
+    return dtype, order, shape
+
+
+def empty_like(a, dtype=None, order="K", subok=True, shape=None, *, manager=None):
+    dtype, order, shape = _like_args(a, dtype, order, shape)
+    return empty(shape, dtype, order, manager=_manager(manager, a))
+
+
+def zeros_like(a, dtype=None, order="K", subok=True, shape=None, *, manager=None):
+    dtype, order, shape = _like_args(a, dtype, order, shape)
+    return zeros(shape, dtype, order, manager=_manager(manager, a))
+
+
+def ones_like(a, dtype=None, order="K", subok=True, shape=None, *, manager=None):
+    dtype, order, shape = _like_args(a, dtype, order, shape)
+    return ones(shape, dtype, order, manager=_manager(manager, a))
+
+
+def full_like(a, fill_value, dtype=None, order="K", subok=True, shape=None, *, manager=None):
+    dtype, order, shape = _like_args(a, dtype, order, shape)
+    return full(shape, fill_value, dtype, order, manager=_manager(manager, a))
+
+
+# np.empty_like(x) and friends on a CachedArray return CachedArrays with no copy.
+implements(np.empty_like)(empty_like)
+implements(np.zeros_like)(zeros_like)
+implements(np.ones_like)(ones_like)
+implements(np.full_like)(full_like)
+
+
+def _like_creation(fn):
+    def impl(*args, like=None, **kwargs):
+        return fn(*args, manager=_manager(None, like), **kwargs)
+    return impl
+
+
+# like= dispatch (NEP 35): np.empty(3, like=x) -> a CachedArray on x's manager.
+implements(np.empty)(_like_creation(empty))
+implements(np.zeros)(_like_creation(zeros))
+implements(np.ones)(_like_creation(ones))
+implements(np.full)(_like_creation(full))
+implements(np.asarray)(_like_creation(array))
+implements(np.array)(_like_creation(array))

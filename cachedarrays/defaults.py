@@ -1,0 +1,47 @@
+"""The default manager, created lazily from environment variables when first needed.
+
+``CACHEDARRAYS_FAST`` (default 1GiB), ``CACHEDARRAYS_SLOW`` (default 4GiB),
+``CACHEDARRAYS_SLOW_PATH`` (default: a temporary file) and ``CACHEDARRAYS_POLICY`` (default lru).
+"""
+
+import atexit
+import os
+import threading
+
+from .manager import Manager
+
+_lock = threading.Lock()
+_default = None
+
+
+def default_manager():
+    """The manager used when none is given; created on first use."""
+    global _default
+    m = _default
+    if m is not None and not m.closed:
+        return m
+    with _lock:
+        if _default is None or _default.closed:
+            _default = Manager(
+                fast=os.environ.get("CACHEDARRAYS_FAST", "1GiB"),
+                slow=os.environ.get("CACHEDARRAYS_SLOW", "4GiB"),
+                slow_path=os.environ.get("CACHEDARRAYS_SLOW_PATH") or None,
+                policy=os.environ.get("CACHEDARRAYS_POLICY", "lru"),
+            )
+        return _default
+
+
+def set_default_manager(manager):
+    """Use manager for arrays created without manager=; returns the previous default."""
+    global _default
+    if manager is not None and not isinstance(manager, Manager):
+        raise TypeError(f"expected a Manager or None, got {type(manager).__name__}")
+    with _lock:
+        prev, _default = _default, manager
+    return prev
+
+
+@atexit.register
+def _close_default():
+    if _default is not None:
+        _default.close()

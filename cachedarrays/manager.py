@@ -1,0 +1,641 @@
+"""The data manager: objects, regions, linking, copies, eviction walks, pinning and telemetry.
+
+This is the mechanism of dissertation Table 4.4. It decides nothing: a policy (``policies/``)
+calls these operations. Every operation runs under one re-entrant lock, so the manager is safe
+to use from several threads. Objects freed by the garbage collector are only queued by their
+finalizer; the queue drains at the next manager call.
+"""
+
+import itertools
+import threading
+import weakref
+from collections import deque
+
+import numpy as np
+
+from . import copyengine
+from .devices import DRAM, Device, SlowDevice
+from .errors import (CachedArraysError, OutOfMemoryError, PinnedError, UseAfterFreeError)
+from .heap import HEADER
+from .sizes import format_size, parse_size
+from .telemetry import Telemetry
+
+_POLICIES = {}
+
+
+def register_policy(name, factory):
+    """Make a policy available by name, e.g. ``Manager(policy="lru")``."""
+    _POLICIES[name.lower()] = factory
+
+
+def policy_names():
+    return sorted(_POLICIES)
+
+
+class Region:
+    """A contiguous block on one device, owned by one object."""
+
+    __slots__ = ("device", "offset", "nbytes", "owner", "dirty", "freed", "__weakref__")
+
+    def __init__(self, device, offset, nbytes, owner):
+        self.device = device
+        self.offset = offset          # heap block offset; -1 for a zero-byte region
+        self.nbytes = nbytes
+        self.owner = owner            # id of the parent object
+        self.dirty = False
+        self.freed = False
+
+    @property
+    def data_offset(self):
+        """Offset of the first data byte within the device's buffer."""
+        return self.offset + HEADER
+
+    @property
+    def address(self):
+        """Current address of the data (valid only while nothing can move the region)."""
+        if self.nbytes == 0:
+            return 0
+        return self.device.address + self.offset + HEADER
+
+    def __repr__(self):
+        state = " freed" if self.freed else (" dirty" if self.dirty else "")
+        return (f"<Region {self.device.name} offset={self.offset} {format_size(self.nbytes)} "
+                f"object={self.owner}{state}>")
+
+
+class Object:
+    """What the program holds: one primary region (newest data) and linked regions elsewhere."""
+
+    __slots__ = ("id", "nbytes", "primary", "regions", "pins", "freed", "_manager",
+                 "__weakref__")
+
+    def __init__(self, manager, obj_id, nbytes):
+        self.id = obj_id
+        self.nbytes = nbytes
+        self.primary = None
+        self.regions = {}             # device name -> Region (primary and linked regions)
+        self.pins = 0
+        self.freed = False
+        self._manager = weakref.ref(manager)
+
+    @property
+    def device(self):
+        """Name of the device holding the primary region."""
+        if self.freed:
+            raise UseAfterFreeError(f"object {self.id} ({format_size(self.nbytes)}) was freed")
+        return self.primary.device.name
+
+    def __del__(self):
+        # Finalizers only queue: the manager frees the regions at its next call.
+        if self.freed:
+            return
+        try:
+            m = self._manager()
+        except TypeError:
+            return
+        if m is not None and not m.closed:
+            m._deferred.append((self.id, list(self.regions.values()), self.primary))
+
+    def __repr__(self):
+        where = "freed" if self.freed else (self.primary.device.name if self.primary else "none")
+        return f"<Object {self.id} {format_size(self.nbytes)} on {where} pins={self.pins}>"
+
+
+def _make_device(spec, name, default_cls, **kw):
+    if isinstance(spec, Device):
+        return spec
+    return default_cls(parse_size(spec, f"{name} memory size"), name=name, **kw)
+
+
+class Manager:
+    """Owns the devices (fast and slow heaps), every object and region, the policy and telemetry.
+
+    ``Manager(fast="256MiB", slow="4GiB", slow_path=None, policy="lru")``; usable as a context
+    manager; ``close()`` is idempotent.
+    """
+
+    def __init__(self, fast="256MiB", slow="4GiB", slow_path=None, policy="lru", *,
+                 granularity=0, populate=False, hugepages=False, numa_node=None,
+                 event_log=None, policy_options=None):
+        self.closed = True
+        self._lock = threading.RLock()
+        self._deferred = deque()
+        self._ids = itertools.count(1)
+        self._last_id = 0
+        self._objects = weakref.WeakValueDictionary()
+        fast_dev = _make_device(fast, "fast", DRAM, populate=populate, hugepages=hugepages,
+                                numa_node=numa_node, granularity=granularity)
+        try:
+            slow_dev = (slow if isinstance(slow, Device) else
+                        SlowDevice(parse_size(slow, "slow memory size"), path=slow_path,
+                                   name="slow", populate=populate, granularity=granularity))
+        except BaseException:
+            fast_dev.close()
+            raise
+        self.devices = {fast_dev.name: fast_dev, slow_dev.name: slow_dev}
+        self.fast, self.slow = fast_dev, slow_dev
+        self._by_offset = {name: {} for name in self.devices}
+        self.telemetry = Telemetry(self.devices, event_log=event_log)
+        self.closed = False
+        try:
+            self.policy = self._resolve_policy(policy, policy_options or {})
+        except BaseException:
+            self.close()
+            raise
+
+    def _resolve_policy(self, policy, options):
+        if isinstance(policy, str):
+            factory = _POLICIES.get(policy.lower())
+            if factory is None:
+                if not _POLICIES:
+                    # Policies register themselves when the package is imported.
+                    import importlib
+
+                    importlib.import_module("cachedarrays")
+                    factory = _POLICIES.get(policy.lower())
+                if factory is None:
+                    raise ValueError(f"unknown policy {policy!r}; known policies: "
+                                     f"{', '.join(policy_names())}")
+            policy = factory(**options)
+        elif isinstance(policy, type):
+            policy = policy(**options)
+        if not hasattr(policy, "bind"):
+            raise TypeError(f"policy must be a name, a Policy subclass or a Policy instance, "
+                            f"not {type(policy).__name__}")
+        policy.bind(self)
+        return policy
+
+    # ---- lifetime --------------------------------------------------------------------------
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def close(self):
+        """Free every object and release the devices. Safe to call more than once."""
+        if self.closed:
+            return
+        with self._lock:
+            self.closed = True
+            for obj in list(self._objects.values()):
+                obj.freed = True
+                obj.primary = None
+                obj.regions = {}
+            self._deferred.clear()
+            self.telemetry.close()
+            for dev in self.devices.values():
+                dev.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def _check_open(self):
+        if self.closed:
+            raise CachedArraysError("this manager is closed; create a new Manager")
+
+    # ---- objects ---------------------------------------------------------------------------
+
+    def new_object(self, nbytes):
+        """Register a new object of nbytes with a unique, increasing id (no region yet)."""
+        nbytes = int(nbytes)
+        if nbytes < 0:
+            raise ValueError(f"object size must not be negative, got {nbytes}")
+        with self._lock:
+            self._check_open()
+            self._drain()
+            obj = Object(self, next(self._ids), nbytes)
+            self._objects[obj.id] = obj
+            self._last_id = obj.id
+            return obj
+
+    def object(self, obj_id):
+        """The live object with this id, or None."""
+        return self._objects.get(obj_id)
+
+    def objects(self):
+        """Every live (not freed) object."""
+        with self._lock:
+            return [o for o in self._objects.values() if not o.freed]
+
+    def last_id(self):
+        """The highest object id handed out so far."""
+        return self._last_id
+
+    def primary(self, obj):
+        """The primary region of obj (the newest data)."""
+        self._live(obj)
+        return obj.primary
+
+    def set_primary(self, obj, region):
+        """Make region (which obj owns) its primary region."""
+        with self._lock:
+            self._live(obj)
+            self._own(obj, region)
+            other = obj.regions.get(region.device.name)
+            if other is not None and other is not region:
+                raise CachedArraysError(
+                    f"object {obj.id} already has a region on {region.device.name!r}; free or "
+                    "unlink it before making another region there primary")
+            obj.regions[region.device.name] = region
+            obj.primary = region
+
+    def free_object(self, obj):
+        """Free every region of obj now (the policy's unsafe_free). Later use raises."""
+        with self._lock:
+            if obj.freed:
+                raise UseAfterFreeError(f"object {obj.id} ({format_size(obj.nbytes)}) was "
+                                        "already freed")
+            if obj.pins:
+                raise PinnedError(f"object {obj.id} is pinned by a running kernel or an open "
+                                  "access scope; free it after the scope ends")
+            self._release(obj.id, list(obj.regions.values()), obj.primary)
+            obj.freed = True
+            obj.primary = None
+            obj.regions = {}
+            self._drain()
+
+    def _release(self, obj_id, regions, primary):
+        for r in regions:
+            if not r.freed:
+                self._free_region(r)
+        if primary is not None and not primary.freed:
+            self._free_region(primary)
+        forget = getattr(self.policy, "forget", None) if not self.closed else None
+        if forget is not None:
+            forget(obj_id)
+
+    def _drain(self):
+        """Free the regions of objects whose finalizers ran since the last call."""
+        while self._deferred:
+            obj_id, regions, primary = self._deferred.popleft()
+            self._release(obj_id, regions, primary)
+            self.telemetry.count("collected")
+
+    def drain(self):
+        """Process queued frees now."""
+        with self._lock:
+            if not self.closed:
+                self._drain()
+
+    def _live(self, obj):
+        if obj.freed:
+            raise UseAfterFreeError(f"object {obj.id} ({format_size(obj.nbytes)}) was freed; "
+                                    "it cannot be used any more")
+
+    def _own(self, obj, region):
+        if region.freed:
+            raise UseAfterFreeError(f"{region!r} was freed")
+        if region.owner != obj.id:
+            raise CachedArraysError(f"{region!r} belongs to object {region.owner}, not {obj.id}")
+
+    # ---- pinning ---------------------------------------------------------------------------
+
+    def pin(self, obj):
+        """Pin obj: nothing moves or frees it until the matching unpin. Re-entrant."""
+        with self._lock:
+            self._check_open()
+            if self._deferred:
+                self._drain()
+            self._live(obj)
+            obj.pins += 1
+
+    def unpin(self, obj):
+        with self._lock:
+            if obj.pins <= 0:
+                raise CachedArraysError(f"object {obj.id} is not pinned; unpin without pin")
+            obj.pins -= 1
+
+    def acquire(self, reads=(), writes=()):
+        """Pin every object and report its use to the policy, in one step (for kernels).
+
+        Each object in reads and writes gets one pin; release the same objects afterwards.
+        """
+        with self._lock:
+            if self.closed:
+                self._check_open()
+            if self._deferred:
+                self._drain()
+            done = []
+            try:
+                pol = self.policy
+                for o in reads:
+                    if o.freed:
+                        self._live(o)
+                    o.pins += 1
+                    done.append(o)
+                    pol.read_use(o)
+                for o in writes:
+                    if o.freed:
+                        self._live(o)
+                    o.pins += 1
+                    done.append(o)
+                    pol.write_use(o)
+            except BaseException:
+                for o in done:
+                    o.pins -= 1
+                raise
+
+    def release(self, objs):
+        """Unpin objects pinned by acquire."""
+        with self._lock:
+            for o in objs:
+                o.pins -= 1
+
+    # ---- regions ---------------------------------------------------------------------------
+
+    def _device(self, device):
+        if isinstance(device, Device):
+            return device
+        try:
+            return self.devices[device]
+        except KeyError:
+            raise ValueError(f"unknown device {device!r}; devices are "
+                             f"{', '.join(self.devices)}") from None
+
+    def allocate(self, device, nbytes, obj):
+        """Allocate a region of nbytes for obj on device; OutOfMemoryError when it does not fit."""
+        with self._lock:
+            self._check_open()
+            self._drain()
+            self._live(obj)
+            dev = self._device(device)
+            nbytes = int(nbytes)
+            if nbytes < 0:
+                raise ValueError(f"region size must not be negative, got {nbytes}")
+            if nbytes == 0:
+                region = Region(dev, -1, 0, obj.id)
+            else:
+                try:
+                    offset = dev.alloc(nbytes, obj.id)
+                except OutOfMemoryError as e:
+                    raise OutOfMemoryError(f"object {obj.id}: {e}") from None
+                region = Region(dev, offset, nbytes, obj.id)
+                self._by_offset[dev.name][offset] = region
+            self.telemetry.on_alloc(dev.name, nbytes, obj.id)
+            return region
+
+    def try_allocate(self, device, nbytes, obj):
+        """Like allocate, but return None when the device has no room."""
+        try:
+            return self.allocate(device, nbytes, obj)
+        except OutOfMemoryError:
+            return None
+
+    def can_allocate(self, device, nbytes):
+        with self._lock:
+            return nbytes == 0 or self._device(device).can_alloc(nbytes)
+
+    def fits(self, device, nbytes):
+        """Could nbytes ever be held by device (if it were empty)?"""
+        return nbytes == 0 or self._device(device).fits(nbytes)
+
+    def free(self, region):
+        """Free region to its device (and drop it from its object)."""
+        with self._lock:
+            if region.freed:
+                raise UseAfterFreeError(f"{region!r} was already freed (double free)")
+            obj = self._objects.get(region.owner)
+            if obj is not None and obj.pins and obj.primary is region:
+                raise PinnedError(f"object {obj.id} is pinned; its primary region cannot be "
+                                  "freed until the access scope ends")
+            self._free_region(region)
+
+    def _free_region(self, region):
+        dev = region.device
+        if region.nbytes:
+            dev.free(region.offset, region.owner)
+            self._by_offset[dev.name].pop(region.offset, None)
+        region.freed = True
+        self.telemetry.on_free(dev.name, region.nbytes, region.owner)
+        obj = self._objects.get(region.owner)
+        if obj is not None:
+            if obj.regions.get(dev.name) is region:
+                del obj.regions[dev.name]
+            if obj.primary is region:
+                obj.primary = None
+
+    def link(self, a, b):
+        """Link regions a and b (same object, different devices) as copies of each other."""
+        with self._lock:
+            obj = self._parent_live(a)
+            self._own(obj, b)
+            if a.device is b.device:
+                raise CachedArraysError(f"cannot link {a!r} and {b!r}: same device")
+            for r in (a, b):
+                cur = obj.regions.get(r.device.name)
+                if cur is not None and cur is not r:
+                    raise CachedArraysError(f"object {obj.id} already has a region on "
+                                            f"{r.device.name!r}")
+                obj.regions[r.device.name] = r
+
+    def unlink(self, a, b):
+        """Undo link(a, b): the region that is not primary leaves the object (free it next)."""
+        with self._lock:
+            obj = self._parent_live(a)
+            self._own(obj, b)
+            for r in (a, b):
+                if r is not obj.primary and obj.regions.get(r.device.name) is r:
+                    del obj.regions[r.device.name]
+
+    def getlinked(self, region, device):
+        """The region linked to region on device, or None."""
+        obj = self._objects.get(region.owner)
+        if obj is None or region.freed:
+            return None
+        dev = self._device(device)
+        other = obj.regions.get(dev.name)
+        if other is None or other is region or obj.regions.get(region.device.name) is not region:
+            return None
+        return other
+
+    def copyto(self, dst, src):
+        """Copy src's bytes into dst (counted by direction in telemetry)."""
+        with self._lock:
+            if dst.freed or src.freed:
+                raise UseAfterFreeError(f"copy between freed regions: {dst!r} <- {src!r}")
+            if dst.nbytes < src.nbytes:
+                raise ValueError(f"copy of {format_size(src.nbytes)} does not fit in "
+                                 f"{dst!r}")
+            if src.nbytes == 0:
+                return
+            import time
+
+            t = time.perf_counter()
+            copyengine.copy(dst.address, src.address, src.nbytes, persist=dst.device.dax)
+            self.telemetry.on_copy(src.device.name, dst.device.name, src.nbytes,
+                                   time.perf_counter() - t, src.owner)
+
+    def sizeof(self, region):
+        return region.nbytes
+
+    def on_device(self, region, device):
+        return region.device is self._device(device)
+
+    def markdirty(self, region):
+        region.dirty = True
+
+    def markclean(self, region):
+        region.dirty = False
+
+    def isdirty(self, region):
+        return region.dirty
+
+    def parent(self, region):
+        """The object that owns region (None if it has been freed)."""
+        obj = self._objects.get(region.owner)
+        return None if obj is None or obj.freed else obj
+
+    def _parent_live(self, region):
+        if region.freed:
+            raise UseAfterFreeError(f"{region!r} was freed")
+        obj = self._objects.get(region.owner)
+        if obj is None or obj.freed:
+            raise UseAfterFreeError(f"the object owning {region!r} was freed")
+        return obj
+
+    # ---- device-wide operations ------------------------------------------------------------
+
+    def evictfrom(self, device, region, nbytes, callback):
+        """Free a contiguous range on device big enough for nbytes, walking from region.
+
+        Each occupied region met on the walk is passed to callback(region), which must move or
+        free it and return True, or return False to leave it. Pinned objects are skipped without
+        asking. Returns True if a large enough free block now exists.
+        """
+        with self._lock:
+            self._check_open()
+            self._drain()
+            dev = self._device(device)
+            if dev.heap is None:
+                return False
+            if region is None:
+                start = 0   # the first block always starts at offset 0
+            else:
+                if region.device is not dev or region.freed or region.nbytes == 0:
+                    raise CachedArraysError(f"evictfrom needs a live region on {dev.name!r}, "
+                                            f"got {region!r}")
+                start = region.offset
+            table = self._by_offset[dev.name]
+
+            def visit(offset, owner):
+                r = table.get(offset)
+                if r is None:
+                    return False
+                obj = self._objects.get(owner)
+                if obj is None or obj.freed:
+                    self._free_region(r)   # its object is gone; the free was only queued
+                    return True
+                if obj.pins:
+                    self.telemetry.count("evict_skipped_pinned", r.nbytes)
+                    return False
+                return bool(callback(r)) and r.freed
+
+            return dev.heap.evictfrom(start, nbytes, visit) is not None
+
+    def defrag(self, device="fast"):
+        """Slide regions down so free space gathers at the top; pinned objects stay put."""
+        with self._lock:
+            self._check_open()
+            self._drain()
+            dev = self._device(device)
+            if dev.heap is None:
+                return 0
+            table = self._by_offset[dev.name]
+
+            def move(owner, old, new):
+                obj = self._objects.get(owner)
+                if obj is not None and obj.pins:
+                    return False
+                r = table.pop(old)
+                r.offset = new
+                table[new] = r
+                return True
+
+            moved = dev.heap.defrag(move)
+            self.telemetry.count("defrag_moves", 0, device=dev.name, moved=moved)
+            return moved
+
+    def regions_on(self, device):
+        """Every live region on device in address order (for policies and checks)."""
+        with self._lock:
+            table = self._by_offset[self._device(device).name]
+            return [table[k] for k in sorted(table)]
+
+    # ---- data access -----------------------------------------------------------------------
+
+    def ndarray(self, region, dtype, shape, strides=None, offset=0, readonly=False):
+        """An ndarray over region's current bytes. Valid only while the object is pinned."""
+        if region.freed:
+            raise UseAfterFreeError(f"{region!r} was freed")
+        if region.nbytes == 0:
+            a = np.empty(shape, dtype=dtype)
+        else:
+            a = np.ndarray(shape, dtype=dtype, buffer=region.device.buffer,
+                           offset=region.offset + HEADER + offset, strides=strides)
+        if readonly:
+            a.flags.writeable = False
+        return a
+
+    # ---- checks and reports ----------------------------------------------------------------
+
+    def check(self):
+        """Verify heap invariants and that the manager's records match the heaps."""
+        with self._lock:
+            self._check_open()
+            self._drain()
+            for name, dev in self.devices.items():
+                if dev.heap is None:
+                    continue
+                dev.heap.check()
+                table = self._by_offset[name]
+                live = {b.offset: b for b in dev.heap.blocks() if not b.free}
+                if set(live) != set(table):
+                    raise CachedArraysError(
+                        f"device {name!r}: heap blocks {sorted(set(live) - set(table))} are "
+                        f"unknown to the manager and {sorted(set(table) - set(live))} are lost")
+                for off, r in table.items():
+                    if live[off].owner != r.owner:
+                        raise CachedArraysError(f"{r!r}: heap says owner {live[off].owner}")
+            for obj in self._objects.values():
+                if obj.freed:
+                    continue
+                if obj.primary is not None and obj.regions.get(obj.primary.device.name) is not \
+                        obj.primary:
+                    raise CachedArraysError(f"object {obj.id}: primary is not among its regions")
+                for r in obj.regions.values():
+                    if r.freed or r.owner != obj.id:
+                        raise CachedArraysError(f"object {obj.id}: holds stale {r!r}")
+            return True
+
+    def stats(self):
+        """Telemetry as a dict: bytes and copies per direction, events, per-device use."""
+        with self._lock:
+            if not self.closed:
+                self._drain()
+            devs = {n: d.stats() for n, d in self.devices.items()}
+            snap = self.telemetry.snapshot(devs)
+            snap["objects"] = sum(1 for o in self._objects.values() if not o.freed)
+            return snap
+
+    def reset_stats(self):
+        with self._lock:
+            self.telemetry.reset()
+
+    def count(self, name, nbytes=0, **fields):
+        """Record a named event in telemetry (used by policies and the array layer)."""
+        with self._lock:
+            self.telemetry.count(name, nbytes, **fields)
+
+    def __repr__(self):
+        if self.closed:
+            return "<Manager closed>"
+        parts = []
+        for n, d in self.devices.items():
+            s = d.stats()
+            parts.append(f"{n}: {format_size(s['used'])}/{format_size(d.size)}")
+        return f"<Manager {', '.join(parts)}, policy={type(self.policy).__name__}>"

@@ -1,0 +1,104 @@
+"""Telemetry: bytes moved per direction, allocations, peaks, copy time, and an optional event log.
+
+These counts are the ground truth for comparing policies on machines without persistent memory.
+"""
+
+import json
+import threading
+import time
+from collections import defaultdict
+
+
+class Telemetry:
+    """Counters kept by the manager. All updates happen under the manager's lock."""
+
+    def __init__(self, devices, event_log=None):
+        self._devices = list(devices)
+        self._log_path = event_log
+        self._log = open(event_log, "a", buffering=1 << 16) if event_log else None
+        self._log_lock = threading.Lock()
+        self.t0 = time.perf_counter()
+        self.reset()
+
+    def reset(self):
+        """Zero every counter (current bytes in use are kept, peaks restart from them)."""
+        prev = getattr(self, "current", {d: 0 for d in self._devices})
+        self.moved_bytes = defaultdict(int)      # "fast->slow" -> bytes
+        self.moved_copies = defaultdict(int)
+        self.copy_seconds = 0.0
+        self.allocs = {d: 0 for d in self._devices}
+        self.frees = {d: 0 for d in self._devices}
+        self.current = dict(prev)
+        self.peak = dict(prev)
+        self.events = defaultdict(int)           # named counters: writebacks_elided, ...
+        self.event_bytes = defaultdict(int)
+
+    # Updates -------------------------------------------------------------------------------
+
+    def on_alloc(self, device, nbytes, obj_id):
+        self.allocs[device] += 1
+        cur = self.current[device] = self.current[device] + nbytes
+        if cur > self.peak[device]:
+            self.peak[device] = cur
+        if self._log:
+            self.emit("alloc", device=device, id=obj_id, nbytes=nbytes, used=cur)
+
+    def on_free(self, device, nbytes, obj_id):
+        self.frees[device] += 1
+        cur = self.current[device] = self.current[device] - nbytes
+        if self._log:
+            self.emit("free", device=device, id=obj_id, nbytes=nbytes, used=cur)
+
+    def on_copy(self, src, dst, nbytes, seconds, obj_id):
+        key = f"{src}->{dst}"
+        self.moved_bytes[key] += nbytes
+        self.moved_copies[key] += 1
+        self.copy_seconds += seconds
+        if self._log:
+            self.emit("copy", src=src, dst=dst, id=obj_id, nbytes=nbytes, seconds=seconds)
+
+    def count(self, name, nbytes=0, **fields):
+        """Count a named event (e.g. writebacks_elided, prefetch_refused, asarray)."""
+        self.events[name] += 1
+        self.event_bytes[name] += nbytes
+        if self._log:
+            self.emit(name, nbytes=nbytes, **fields)
+
+    def emit(self, event, **fields):
+        if self._log is None:
+            return
+        rec = {"t": round(time.perf_counter() - self.t0, 9), "event": event, **fields}
+        with self._log_lock:
+            self._log.write(json.dumps(rec) + "\n")
+
+    def close(self):
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    # Reports -------------------------------------------------------------------------------
+
+    def snapshot(self, device_stats=None):
+        """A plain dict of every counter (safe to keep, print or serialise)."""
+        moved = {k: {"bytes": v, "copies": self.moved_copies[k]} for k, v in
+                 sorted(self.moved_bytes.items())}
+        out = {
+            "moved": moved,
+            "copy_seconds": self.copy_seconds,
+            "events": {k: {"count": v, "bytes": self.event_bytes[k]} for k, v in
+                       sorted(self.events.items())},
+            "devices": {},
+        }
+        for d in self._devices:
+            rec = {"allocs": self.allocs[d], "frees": self.frees[d],
+                   "current_bytes": self.current[d], "peak_bytes": self.peak[d]}
+            if device_stats and d in device_stats:
+                rec.update({"heap_" + k: v for k, v in device_stats[d].items()})
+            out["devices"][d] = rec
+        return out
+
+
+def read_event_log(path):
+    """Read an event log written by a manager (one JSON record per line)."""
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]

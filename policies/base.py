@@ -1,0 +1,216 @@
+"""The policy API (dissertation Table 4.5) and its default mechanics.
+
+A policy decides where objects live; the manager executes. The base class implements every
+operation with the data-manager API (Listings 4.1 and 4.2), so a custom policy overrides only the
+decisions it cares about: usually ``allocate``, ``select_victims`` and the use hooks.
+"""
+
+from ..errors import OutOfMemoryError, UseAfterFreeError
+from ..sizes import format_size
+
+
+class Policy:
+    """Base policy: allocate fast when there is room, otherwise slow; move only when asked.
+
+    Subclass hooks: ``allocate(nbytes)``, ``select_victims(nbytes)`` (which fast objects to evict
+    first), ``read_use``/``write_use`` (usage tracking), ``on_fast``/``forget`` (residency).
+    """
+
+    name = "base"
+    #: switches shared by the built-in policies (see LRU for their meaning)
+    allows_prefetch = True
+    allows_cleanup = True
+
+    def __init__(self):
+        self.manager = None
+
+    def bind(self, manager):
+        """Attach to a manager (called once by the manager)."""
+        if self.manager is not None and self.manager is not manager:
+            raise ValueError(f"policy {self!r} already belongs to another manager; create a new "
+                             "policy object for each manager")
+        self.manager = manager
+
+    # ---- allocation ----------------------------------------------------------------------
+
+    def allocate(self, nbytes):
+        """Entry point for new arrays: place an object of nbytes somewhere."""
+        obj = self.alloc_fast(nbytes)
+        return obj if obj is not None else self.alloc_slow(nbytes)
+
+    def alloc_fast(self, nbytes, force=False):
+        """A new object in fast memory, or None if it does not fit (force: evict to make room)."""
+        m = self.manager
+        obj = m.new_object(nbytes)
+        with m._lock:
+            region = m.try_allocate("fast", nbytes, obj)
+            if region is None and force and m.fits("fast", nbytes):
+                if self.make_room(nbytes):
+                    region = m.try_allocate("fast", nbytes, obj)
+            if region is None:
+                obj.freed = True
+                return None
+            region.dirty = True
+            m.set_primary(obj, region)
+            self.on_fast(obj)
+            return obj
+
+    def alloc_slow(self, nbytes):
+        """A new object in slow memory; OutOfMemoryError when even slow memory is full."""
+        m = self.manager
+        obj = m.new_object(nbytes)
+        try:
+            region = m.allocate("slow", nbytes, obj)
+        except OutOfMemoryError as e:
+            obj.freed = True
+            fast = m.fast.stats()
+            raise OutOfMemoryError(
+                f"cannot allocate {format_size(nbytes)}: fast memory has "
+                f"{format_size(fast['free'])} free of {format_size(m.fast.size)} and {e}. "
+                "Free arrays (ca.unsafe_free / cleanup) or create the Manager with a larger "
+                "slow= size") from None
+        m.set_primary(obj, region)
+        return obj
+
+    # ---- queries and usage -----------------------------------------------------------------
+
+    def in_fast(self, obj):
+        return self.manager.primary(obj).device is self.manager.fast
+
+    def read_use(self, obj):
+        """obj was used read-only."""
+
+    def write_use(self, obj):
+        """obj was (or is about to be) written: its primary differs from any linked copy."""
+        obj.primary.dirty = True
+
+    def unsafe_free(self, obj):
+        """Free obj now (before the garbage collector would)."""
+        self.manager.free_object(obj)
+
+    # ---- residency hooks -------------------------------------------------------------------
+
+    def on_fast(self, obj):
+        """obj now has its primary in fast memory."""
+
+    def forget(self, obj_id):
+        """The object with this id left fast memory or was freed."""
+
+    # ---- movement --------------------------------------------------------------------------
+
+    def prefetch(self, obj, force=False):
+        """Move obj into fast memory, keeping its slow copy linked (Listing 4.2).
+
+        Returns True if obj is in fast memory afterwards.
+        """
+        m = self.manager
+        with m._lock:
+            x = m.primary(obj)
+            if x is None:
+                raise UseAfterFreeError(f"object {obj.id} has no data")
+            if x.device is m.fast:
+                self.read_use(obj)
+                return True
+            if obj.pins:
+                return False
+            y = m.try_allocate("fast", x.nbytes, obj)
+            if y is None and force and m.fits("fast", x.nbytes):
+                if self.make_room(x.nbytes):
+                    y = m.try_allocate("fast", x.nbytes, obj)
+            if y is None:
+                m.count("prefetch_refused", x.nbytes, id=obj.id)
+                return False
+            m.copyto(y, x)
+            m.link(x, y)
+            m.set_primary(obj, y)
+            y.dirty = False
+            self.on_fast(obj)
+            return True
+
+    def evict(self, obj):
+        """Move obj to slow memory (Listing 4.1): reuse a linked slow copy, skip the copy if clean.
+
+        Returns True if obj's primary is in slow memory afterwards.
+        """
+        m = self.manager
+        with m._lock:
+            x = m.primary(obj)
+            if x is None or x.device is not m.fast:
+                return True
+            if obj.pins:
+                return False
+            y = m.getlinked(x, "slow")
+            allocated = y is None
+            if allocated:
+                y = m.allocate("slow", x.nbytes, obj)
+            if x.dirty or allocated:
+                m.copyto(y, x)
+            else:
+                m.count("writebacks_elided", x.nbytes, id=obj.id)
+            if allocated:
+                m.link(x, y)
+            y.dirty = False
+            m.set_primary(obj, y)
+            m.unlink(x, y)
+            m.free(x)
+            self.forget(obj.id)
+            return True
+
+    def softevict(self, obj):
+        """Prefer obj for eviction when fast memory runs short (no movement now)."""
+
+    # ---- making room -----------------------------------------------------------------------
+
+    def select_victims(self, nbytes):
+        """Fast objects to evict first, most evictable first. The base policy has no order."""
+        m = self.manager
+        return [m.parent(r) for r in m.regions_on("fast") if m.parent(r) is not None]
+
+    def make_room(self, nbytes):
+        """Evict from fast memory until an allocation of nbytes fits. Returns success.
+
+        First evicts victims one by one in policy order (up to one request's worth of bytes);
+        if fragmentation still prevents the allocation, walks the heap with evictfrom from
+        each victim in turn, so the freed space is contiguous.
+        """
+        m = self.manager
+        fast = m.fast
+        if m.can_allocate(fast, nbytes):
+            return True
+        need = fast.block_size(nbytes)
+        victims = [v for v in self.select_victims(nbytes) if v is not None]
+        evicted = 0
+        for v in victims:
+            if evicted >= need:
+                break
+            if v.freed or v.pins or v.primary is None or v.primary.device is not fast:
+                continue
+            size = v.primary.nbytes
+            if self.evict(v):
+                evicted += size
+                if m.can_allocate(fast, nbytes):
+                    return True
+
+        def callback(region):
+            owner = m.parent(region)
+            if owner is None:
+                return False
+            if owner.primary is not region:
+                # A fast copy that is not primary breaks the policy invariant; drop it.
+                m.unlink(owner.primary, region)
+                m.free(region)
+                return True
+            return self.evict(owner)
+
+        starts = [v.primary for v in victims
+                  if not v.freed and v.primary is not None and v.primary.device is fast]
+        starts.append(None)
+        for start in starts:
+            if start is not None and start.freed:
+                continue
+            if m.evictfrom(fast, start, nbytes, callback) and m.can_allocate(fast, nbytes):
+                return True
+        return m.can_allocate(fast, nbytes)
+
+    def __repr__(self):
+        return f"<{type(self).__name__} policy>"

@@ -1,0 +1,54 @@
+"""Baseline policies that never move data: FirstTouch, FastOnly and SlowOnly."""
+
+from ..errors import OutOfMemoryError
+from ..sizes import format_size
+from .base import Policy
+
+
+class FirstTouch(Policy):
+    """Fast memory if the array fits when it is created, else slow; never moves anything."""
+
+    name = "firsttouch"
+
+    def prefetch(self, obj, force=False):
+        return self.in_fast(obj)
+
+    def evict(self, obj):
+        return not self.in_fast(obj)
+
+
+class FastOnly(Policy):
+    """Everything in fast memory; running out is an error (the all-DRAM baseline)."""
+
+    name = "fastonly"
+
+    def allocate(self, nbytes):
+        obj = self.alloc_fast(nbytes)
+        if obj is None:
+            free = self.manager.fast.stats()["free"]
+            raise OutOfMemoryError(
+                f"FastOnly policy: {format_size(nbytes)} does not fit in fast memory "
+                f"({format_size(free)} free of {format_size(self.manager.fast.size)}); "
+                "use a larger fast= size or a policy that spills to slow memory")
+        return obj
+
+    def prefetch(self, obj, force=False):
+        return True
+
+    def evict(self, obj):
+        return False
+
+
+class SlowOnly(Policy):
+    """Everything in slow memory (the all-PMem baseline)."""
+
+    name = "slowonly"
+
+    def allocate(self, nbytes):
+        return self.alloc_slow(nbytes)
+
+    def prefetch(self, obj, force=False):
+        return False
+
+    def evict(self, obj):
+        return True
