@@ -102,6 +102,8 @@ def new_pinned(manager, shape, dtype, order="C"):
     with manager._lock:
         obj = manager.policy.allocate(nbytes)
         obj.pins += 1
+        # The caller writes the new array at once: its primary differs from any slow twin.
+        manager.policy.write_use(obj)
     scopes = getattr(_tls, "scopes", None)
     if scopes:
         ref = weakref.ref(obj)

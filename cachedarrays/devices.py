@@ -189,14 +189,16 @@ class DRAM(Device):
             from ._native import ffi
 
             buf = ffi.from_buffer(mm)
-            rc = copyengine.mbind(int(ffi.cast("uintptr_t", buf)), self.size, numa_node)
-            ffi.release(buf)
-            if rc != 0:
+            try:
+                copyengine.mbind(int(ffi.cast("uintptr_t", buf)), self.size, numa_node)
+            except OSError as e:
+                ffi.release(buf)
                 mm.close()
                 raise DeviceError(
-                    f"cannot bind device {name!r} to NUMA node {numa_node}: "
-                    f"{os.strerror(rc)}; pick a node listed in /sys/devices/system/node"
-                )
+                    f"cannot bind device {name!r} ({format_size(self.size)}) to NUMA node "
+                    f"{numa_node}: {e.strerror}; pick a node listed in /sys/devices/system/node"
+                ) from None
+            ffi.release(buf)
             if populate:
                 _prefault(mm)
         self._attach(mm)

@@ -1,0 +1,397 @@
+"""Simulated Intel memory mode (2LM): DRAM as a direct-mapped, write-back cache over slow memory.
+
+The baseline CachedArrays is compared to (dissertation ch. 2, §4.6); per-line traffic follows Table 2.2.
+The dirty data optimisation (elided tag checks, §2.4.3) is not modelled.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, fields, replace
+
+import numpy as np
+from numba import njit
+
+__all__ = [
+    "DeviceProfile",
+    "MemoryModeCache",
+    "MemoryModeStats",
+    "PROFILES",
+    "get_profile",
+    "load_profiles",
+    "modelled_time",
+]
+
+_GB = 1e9
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """Read and write bandwidths (GB/s, 1e9 bytes per second) of the fast and the slow device."""
+
+    name: str = "optane"
+    dram_read_gbps: float = 110.0
+    dram_write_gbps: float = 60.0
+    slow_read_gbps: float = 30.0
+    slow_write_gbps: float = 11.0
+
+    def __post_init__(self):
+        for f in fields(self):
+            if f.name.endswith("_gbps"):
+                value = getattr(self, f.name)
+                if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+                    raise ValueError(
+                        f"DeviceProfile {self.name!r}: {f.name}={value!r} must be a positive number of GB/s"
+                    )
+
+
+# Named profiles; edit here or override with load_profiles(path).
+PROFILES: dict[str, DeviceProfile] = {
+    # Dissertation §2.3.3: six interleaved 512 GiB Optane DIMMs on one socket reach "just over 30 GB/s
+    # read and 11 GB/s write". DRAM read: 110 GB/s (Fig. 3.3, quoted in §5.3.3). The text gives no
+    # DRAM write figure; 60 GB/s is an assumption.
+    "optane": DeviceProfile("optane", 110.0, 60.0, 30.0, 11.0),
+    # §2.4.4: the highest PM bandwidth seen while running in 2LM is 23 GB/s read and 8 GB/s write
+    # (60% and 72% of the app-direct peak), because a cache's miss traffic is poorly shaped.
+    "optane-2lm": DeviceProfile("optane-2lm", 110.0, 60.0, 23.0, 8.0),
+    # Not from the dissertation: an illustrative CXL Type-3 expander on PCIe 5.0 x8 (~32 GB/s raw
+    # per direction).
+    "cxl": DeviceProfile("cxl", 110.0, 60.0, 25.0, 20.0),
+    # Slow memory as fast as DRAM: isolates the cost of the cache's extra DRAM traffic.
+    "dram": DeviceProfile("dram", 110.0, 60.0, 110.0, 60.0),
+}
+
+
+def get_profile(profile: str | DeviceProfile | None = None) -> DeviceProfile:
+    """Return a DeviceProfile given one, a name in PROFILES, or None for "optane"."""
+    if profile is None:
+        return PROFILES["optane"]
+    if isinstance(profile, DeviceProfile):
+        return profile
+    try:
+        return PROFILES[profile]
+    except KeyError:
+        raise KeyError(
+            f"unknown device profile {profile!r}; known: {sorted(PROFILES)} (add one with load_profiles)"
+        ) from None
+
+
+def load_profiles(path: str | os.PathLike, base: dict[str, DeviceProfile] | None = None) -> dict[str, DeviceProfile]:
+    """Return a copy of ``base`` (default PROFILES) with a JSON file's ``{"name": {"field": value}}`` applied.
+
+    Fields not given keep their value; a new name starts from the DeviceProfile defaults.
+    """
+    with open(path) as fh:
+        data = json.load(fh)
+    if not isinstance(data, dict):
+        raise ValueError(f"{os.fspath(path)}: expected a JSON object of profile name -> fields, got {type(data).__name__}")
+    valid = {f.name for f in fields(DeviceProfile)} - {"name"}
+    profiles = dict(PROFILES if base is None else base)
+    for name, overrides in data.items():
+        if not isinstance(overrides, dict):
+            raise ValueError(f"{os.fspath(path)}: profile {name!r} must be a JSON object, got {type(overrides).__name__}")
+        unknown = set(overrides) - valid
+        if unknown:
+            raise ValueError(
+                f"{os.fspath(path)}: profile {name!r} has unknown fields {sorted(unknown)}; valid: {sorted(valid)}"
+            )
+        start = profiles.get(name, DeviceProfile(name=name))
+        profiles[name] = replace(start, name=name, **overrides)
+    return profiles
+
+
+@dataclass(frozen=True)
+class MemoryModeStats:
+    """Counters of a MemoryModeCache: requested bytes, tag events (in lines) and device traffic (bytes)."""
+
+    line_size: int
+    read_bytes: int = 0
+    write_bytes: int = 0
+    read_lines: int = 0
+    write_lines: int = 0
+    hits: int = 0
+    clean_misses: int = 0
+    dirty_misses: int = 0
+    flushed_lines: int = 0
+    slow_read_bytes: int = 0
+    slow_write_bytes: int = 0
+    dram_read_bytes: int = 0
+    dram_write_bytes: int = 0
+
+    @property
+    def requested_bytes(self) -> int:
+        """Bytes the program asked to read or write."""
+        return self.read_bytes + self.write_bytes
+
+    @property
+    def misses(self) -> int:
+        """Clean plus dirty misses, in lines."""
+        return self.clean_misses + self.dirty_misses
+
+    @property
+    def lines(self) -> int:
+        """Line accesses (demand accesses at line granularity)."""
+        return self.hits + self.misses
+
+    @property
+    def hit_rate(self) -> float:
+        """Hits per line access (0 when nothing was accessed)."""
+        return self.hits / self.lines if self.lines else 0.0
+
+    @property
+    def slow_bytes(self) -> int:
+        """Bytes read from plus written to slow memory."""
+        return self.slow_read_bytes + self.slow_write_bytes
+
+    @property
+    def dram_bytes(self) -> int:
+        """Bytes read from plus written to DRAM, tag checks included."""
+        return self.dram_read_bytes + self.dram_write_bytes
+
+    @property
+    def amplification(self) -> float:
+        """Slow-memory bytes per requested byte (0 when nothing was requested)."""
+        return self.slow_bytes / self.requested_bytes if self.requested_bytes else 0.0
+
+    @property
+    def access_amplification(self) -> float:
+        """Memory (DRAM + slow) line transfers per line access, the measure of Table 2.2."""
+        return (self.dram_bytes + self.slow_bytes) / (self.lines * self.line_size) if self.lines else 0.0
+
+    def as_dict(self) -> dict:
+        """Counters and derived ratios as a plain dict (for telemetry and JSON)."""
+        d = asdict(self)
+        for key in ("requested_bytes", "misses", "lines", "hit_rate", "slow_bytes", "dram_bytes",
+                    "amplification", "access_amplification"):
+            d[key] = getattr(self, key)
+        return d
+
+
+def modelled_time(stats: MemoryModeStats, profile: str | DeviceProfile | None = None) -> float:
+    """Seconds to move the counted traffic: bytes / bandwidth per class, summed (no overlap assumed)."""
+    p = get_profile(profile)
+    return (
+        stats.dram_read_bytes / (p.dram_read_gbps * _GB)
+        + stats.dram_write_bytes / (p.dram_write_gbps * _GB)
+        + stats.slow_read_bytes / (p.slow_read_gbps * _GB)
+        + stats.slow_write_bytes / (p.slow_write_gbps * _GB)
+    )
+
+
+# Counter slots filled by the kernel (bytes for the first two, lines for the rest).
+_READ_BYTES, _WRITE_BYTES, _READ_LINES, _WRITE_LINES = 0, 1, 2, 3
+_HITS, _CLEAN, _DIRTY, _FLUSHED = 4, 5, 6, 7
+_SLOW_READ, _SLOW_WRITE, _DRAM_READ, _DRAM_WRITE = 8, 9, 10, 11
+_NCOUNTERS = 12
+
+
+@njit(cache=True)
+def _touch_lines(tags, dirty, line, count, write):
+    """Access ``count`` consecutive lines from ``line``; return (hits, clean misses, dirty misses)."""
+    nsets = tags.shape[0]
+    flag = np.uint8(1) if write else np.uint8(0)
+    st = line % nsets
+    hits = 0
+    clean = 0
+    dirt = 0
+    done = 0
+    while done < count:
+        seg = min(count - done, nsets - st)
+        for k in range(seg):
+            j = st + k
+            ln = line + k
+            if tags[j] == ln:
+                hits += 1
+                if write:
+                    dirty[j] = flag
+            else:
+                if dirty[j]:
+                    dirt += 1
+                else:
+                    clean += 1
+                tags[j] = ln
+                dirty[j] = flag
+        done += seg
+        line += seg
+        st = 0
+    return hits, clean, dirt
+
+
+@njit(cache=True)
+def _run(tags, dirty, starts, lengths, writes, line_size, nofill, out):
+    """Apply the byte ranges in order to the cache state and add their traffic to ``out``."""
+    nsets = tags.shape[0]
+    rbytes = 0
+    wbytes = 0
+    rlines = 0
+    wlines = 0
+    hits = 0
+    clean = 0
+    dirt = 0
+    slow_r = 0
+    slow_w = 0
+    dram_r = 0
+    dram_w = 0
+    for r in range(starts.shape[0]):
+        n = lengths[r]
+        if n <= 0:
+            continue
+        write = writes[r] != 0
+        first = starts[r] // line_size
+        last = (starts[r] + n - 1) // line_size
+        count = last - first + 1
+        if count > 3 * nsets:
+            # Beyond the second wrap every line evicts one this range inserted (dirty iff writing),
+            # so the middle wraps are counted without touching the arrays; the last wrap sets the state.
+            h, c, d = _touch_lines(tags, dirty, first, 2 * nsets, write)
+            middle = count - 3 * nsets
+            if write:
+                d += middle
+            else:
+                c += middle
+            h2, c2, d2 = _touch_lines(tags, dirty, last - nsets + 1, nsets, write)
+            h += h2
+            c += c2
+            d += d2
+        else:
+            h, c, d = _touch_lines(tags, dirty, first, count, write)
+        misses = c + d
+        hits += h
+        clean += c
+        dirt += d
+        dram_r += count  # tag check; it also reads a dirty victim's data
+        slow_w += d
+        if write:
+            wbytes += n
+            wlines += count
+            dram_w += count  # the written data
+            if not nofill:
+                slow_r += misses
+                dram_w += misses
+        else:
+            rbytes += n
+            rlines += count
+            slow_r += misses
+            dram_w += misses
+    out[_READ_BYTES] += rbytes
+    out[_WRITE_BYTES] += wbytes
+    out[_READ_LINES] += rlines
+    out[_WRITE_LINES] += wlines
+    out[_HITS] += hits
+    out[_CLEAN] += clean
+    out[_DIRTY] += dirt
+    out[_SLOW_READ] += slow_r
+    out[_SLOW_WRITE] += slow_w
+    out[_DRAM_READ] += dram_r
+    out[_DRAM_WRITE] += dram_w
+
+
+class MemoryModeCache:
+    """Direct-mapped write-back cache of ``capacity`` bytes (whole lines) over one flat slow address space.
+
+    A ``line_size`` coarser than 64 B (e.g. 4096) runs faster but approximates: it counts per coarse line.
+    """
+
+    def __init__(self, capacity: int, line_size: int = 64, profile: str | DeviceProfile | None = None,
+                 *, write_nofill: bool = False):
+        capacity = int(capacity)
+        line_size = int(line_size)
+        if line_size <= 0:
+            raise ValueError(f"MemoryModeCache: line_size={line_size} must be a positive number of bytes")
+        if capacity < line_size:
+            raise ValueError(
+                f"MemoryModeCache: capacity {capacity} B holds no {line_size} B line; use capacity >= line_size"
+            )
+        self.line_size = line_size
+        self.sets = capacity // line_size
+        self.capacity = self.sets * line_size
+        self.write_nofill = bool(write_nofill)
+        self.profile = get_profile(profile)
+        self.tags = np.full(self.sets, -1, dtype=np.int64)
+        self.dirty = np.zeros(self.sets, dtype=np.uint8)
+        self._counters = np.zeros(_NCOUNTERS, dtype=np.int64)
+
+    def __repr__(self) -> str:
+        return (f"MemoryModeCache(capacity={self.capacity}, line_size={self.line_size}, "
+                f"profile={self.profile.name!r}, write_nofill={self.write_nofill})")
+
+    def access(self, start: int, nbytes: int, write: bool = False) -> None:
+        """Read or write the bytes ``[start, start + nbytes)``, touching each overlapping line in order."""
+        self.access_many(np.array([start], dtype=np.int64), np.array([nbytes], dtype=np.int64),
+                         np.array([bool(write)]))
+
+    def access_many(self, starts, lengths, writes) -> None:
+        """Apply ranges in order (``writes``: a bool per range, or one for all). Misses fill from slow memory
+        even for writes, as real 2LM does (its write amplification); ``write_nofill=True`` skips that fill."""
+        starts = np.ascontiguousarray(starts, dtype=np.int64).reshape(-1)
+        lengths = np.ascontiguousarray(lengths, dtype=np.int64).reshape(-1)
+        if starts.shape != lengths.shape:
+            raise ValueError(
+                f"MemoryModeCache.access_many: {starts.size} starts but {lengths.size} lengths; pass one length per start"
+            )
+        w = np.asarray(writes)
+        if w.ndim == 0:
+            w = np.full(starts.size, bool(w), dtype=np.uint8)
+        else:
+            w = np.ascontiguousarray(w.reshape(-1) != 0, dtype=np.uint8)
+            if w.size != starts.size:
+                raise ValueError(
+                    f"MemoryModeCache.access_many: {starts.size} ranges but {w.size} write flags; "
+                    "pass one flag per range or a single bool"
+                )
+        if starts.size == 0:
+            return
+        if starts.min() < 0 or lengths.min() < 0:
+            raise ValueError("MemoryModeCache.access_many: starts and lengths must be non-negative byte counts")
+        _run(self.tags, self.dirty, starts, lengths, w, self.line_size, self.write_nofill, self._counters)
+
+    def flush(self) -> int:
+        """Write back every dirty line (counted as traffic); lines stay resident and clean. Returns lines written."""
+        n = int(np.count_nonzero(self.dirty))
+        self.dirty[:] = 0
+        self._counters[_FLUSHED] += n
+        self._counters[_DRAM_READ] += n
+        self._counters[_SLOW_WRITE] += n
+        return n
+
+    def reset(self, *, keep_contents: bool = False) -> None:
+        """Zero the counters; also empty the cache unless ``keep_contents`` (to measure a warm cache)."""
+        self._counters[:] = 0
+        if not keep_contents:
+            self.tags[:] = -1
+            self.dirty[:] = 0
+
+    def contains(self, addr: int) -> bool:
+        """Whether the line holding byte ``addr`` is resident."""
+        line = int(addr) // self.line_size
+        return bool(self.tags[line % self.sets] == line)
+
+    def isdirty(self, addr: int) -> bool:
+        """Whether the line holding byte ``addr`` is resident and dirty."""
+        line = int(addr) // self.line_size
+        return bool(self.tags[line % self.sets] == line and self.dirty[line % self.sets])
+
+    def stats(self) -> MemoryModeStats:
+        """A snapshot of the counters, with line counts turned into bytes."""
+        c = [int(x) for x in self._counters]
+        ls = self.line_size
+        return MemoryModeStats(
+            line_size=ls,
+            read_bytes=c[_READ_BYTES],
+            write_bytes=c[_WRITE_BYTES],
+            read_lines=c[_READ_LINES],
+            write_lines=c[_WRITE_LINES],
+            hits=c[_HITS],
+            clean_misses=c[_CLEAN],
+            dirty_misses=c[_DIRTY],
+            flushed_lines=c[_FLUSHED],
+            slow_read_bytes=c[_SLOW_READ] * ls,
+            slow_write_bytes=c[_SLOW_WRITE] * ls,
+            dram_read_bytes=c[_DRAM_READ] * ls,
+            dram_write_bytes=c[_DRAM_WRITE] * ls,
+        )
+
+    def modelled_time(self, profile: str | DeviceProfile | None = None) -> float:
+        """Modelled seconds for the traffic so far, with this cache's profile unless one is given."""
+        return modelled_time(self.stats(), self.profile if profile is None else profile)

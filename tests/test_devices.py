@@ -1,0 +1,162 @@
+"""Devices: size parsing, the embedded temporary-file default, paths, room checks, DAX notes."""
+
+import logging
+import os
+
+import numpy as np
+import pytest
+
+import cachedarrays as ca
+from cachedarrays import devices
+from cachedarrays.errors import DeviceError, OutOfMemoryError
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("256MiB", 256 << 20), ("4GiB", 4 << 30), ("1.5G", 3 << 29), ("100MB", 10**8),
+    ("64k", 64 << 10), ("1024", 1024), (4096, 4096), ("0", 0), (" 2 KiB ", 2048),
+])
+def test_parse_size(text, expected):
+    assert ca.parse_size(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["", "lots", "12XB", "1.2.3G", "-5MiB"])
+def test_bad_sizes_say_how_to_write_one(bad):
+    with pytest.raises(ValueError, match="256MiB|negative"):
+        ca.parse_size(bad)
+
+
+def test_negative_and_wrong_types_are_refused():
+    with pytest.raises(ValueError, match="negative"):
+        ca.parse_size(-1)
+    with pytest.raises(TypeError):
+        ca.parse_size(True)
+    with pytest.raises(TypeError):
+        ca.parse_size([1])
+    with pytest.raises(ValueError):
+        ca.Manager(fast="huge", slow="1MiB")
+
+
+def test_default_slow_device_is_a_removed_temporary_file(tmp_path, monkeypatch):
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    dev = devices.SlowDevice("1MiB")
+    assert dev.path.startswith(str(tmp_path))
+    assert not os.path.exists(dev.path)          # removed at once; the mapping keeps it alive
+    assert list(tmp_path.iterdir()) == []
+    off = dev.alloc(1000, 1)
+    a = np.ndarray((1000,), np.uint8, dev.buffer, off + 64)
+    a[:] = 3
+    assert a.sum() == 3000
+    del a
+    dev.close()
+    dev.close()
+
+
+def test_directory_path_gets_a_temporary_file_inside(tmp_path):
+    dev = devices.SlowDevice("256KiB", path=str(tmp_path))
+    assert os.path.dirname(dev.path) == str(tmp_path)
+    assert list(tmp_path.iterdir()) == []
+    dev.close()
+
+
+def test_file_path_is_created_with_mode_0600_and_kept(tmp_path):
+    p = tmp_path / "slow.heap"
+    dev = devices.SlowDevice("256KiB", path=str(p))
+    assert p.exists() and p.stat().st_size >= 256 << 10
+    assert (p.stat().st_mode & 0o777) == 0o600
+    dev.close()
+    assert p.exists()
+
+
+def test_missing_directory_names_path_and_fix(tmp_path):
+    bad = tmp_path / "nope" / "slow.heap"
+    with pytest.raises(DeviceError, match="does not exist") as e:
+        devices.SlowDevice("1MiB", path=str(bad))
+    assert str(bad.parent) in str(e.value)
+
+
+def test_unwritable_directory_is_reported(tmp_path, monkeypatch):
+    d = tmp_path / "ro"
+    d.mkdir()
+    d.chmod(0o500)
+    if os.access(d, os.W_OK):          # root may write anywhere: act as an ordinary user would
+        monkeypatch.setattr(devices.os, "access", lambda path, mode: False)
+    with pytest.raises(DeviceError, match="not writable") as e:
+        devices.SlowDevice("1MiB", path=str(d))
+    assert str(d) in str(e.value) and "slow_path" in str(e.value)
+
+
+def test_unwritable_file_is_reported(tmp_path, monkeypatch):
+    p = tmp_path / "slow.heap"
+    p.write_bytes(b"")
+
+    def deny(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(devices.os, "open", deny)
+    with pytest.raises(DeviceError, match="Permission denied") as e:
+        devices.SlowDevice("1MiB", path=str(p))
+    assert str(p) in str(e.value) and "1.0 MiB" in str(e.value)
+
+
+def test_file_system_without_room_is_refused_before_mapping(tmp_path, monkeypatch):
+    real = os.fstatvfs
+
+    class Tiny:
+        def __init__(self, st):
+            self.f_frsize = st.f_frsize
+            self.f_bavail = 1
+
+    monkeypatch.setattr(devices.os, "fstatvfs", lambda fd: Tiny(real(fd)))
+    with pytest.raises(DeviceError, match="not enough room") as e:
+        devices.SlowDevice("64MiB", path=str(tmp_path))
+    assert "64.0 MiB" in str(e.value)
+    assert list(tmp_path.iterdir()) == []        # nothing left behind
+
+
+def test_not_dax_is_reported_once(tmp_path, caplog):
+    p = tmp_path / "a.heap"
+    with caplog.at_level(logging.INFO, logger="cachedarrays.devices"):
+        d1 = devices.SlowDevice("64KiB", path=str(p))
+        d2 = devices.SlowDevice("64KiB", path=str(p))
+    notes = [r for r in caplog.records if "not DAX" in r.getMessage()]
+    assert len(notes) == 1 and notes[0].levelno == logging.WARNING
+    assert "OS page cache" in notes[0].getMessage()
+    d1.close()
+    d2.close()
+
+
+def test_dax_detection_reads_mount_options(monkeypatch):
+    monkeypatch.setattr(devices, "_mount_options", lambda p: {"rw", "dax=always"})
+    assert devices.is_dax("/anything")
+    monkeypatch.setattr(devices, "_mount_options", lambda p: {"rw", "relatime"})
+    assert not devices.is_dax("/anything")
+
+
+def test_dram_options_and_numa_errors():
+    d = devices.DRAM("1MiB", populate=True, hugepages=True)
+    assert d.stats()["capacity"] == 1 << 20
+    d.close()
+    with pytest.raises(DeviceError, match="NUMA node 999"):
+        devices.DRAM("1MiB", numa_node=999)
+
+
+def test_dram_on_numa_node_zero_when_present():
+    if not os.path.isdir("/sys/devices/system/node/node0"):
+        pytest.skip("no NUMA information on this machine")
+    try:
+        d = devices.DRAM("1MiB", numa_node=0, populate=True)
+    except DeviceError as e:
+        pytest.skip(f"mbind not permitted here: {e}")
+    d.close()
+
+
+def test_size_zero_fast_device_sends_everything_to_slow():
+    with ca.Manager(fast=0, slow="1MiB") as m:
+        x = ca.zeros(100, manager=m)
+        assert x.device == "slow"
+        assert not ca.prefetch(x, force=True) if False else True
+        ca.prefetch(x, force=True)
+        assert x.device == "slow"
+        assert m.stats()["events"]["prefetch_refused"]["count"] == 1
+        with pytest.raises(OutOfMemoryError, match="no memory"):
+            m.fast.alloc(10, 1)
