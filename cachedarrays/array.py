@@ -109,8 +109,9 @@ def new_pinned(manager, shape, dtype, order="C"):
         ref = weakref.ref(obj)
         for rec in scopes:
             rec.append(ref)
-    return CachedArray._make(obj, manager, shape, dt, _contiguous_strides(shape, dt.itemsize,
-                                                                           order), 0)
+    strides = _c_strides(shape, dt.itemsize) if order == "C" else \
+        _contiguous_strides(shape, dt.itemsize, order)
+    return CachedArray._make(obj, manager, shape, dt, strides, 0)
 
 
 def _unpin(arr):
@@ -447,6 +448,38 @@ def _is_f(shape, strides, itemsize):
         tuple(strides) != _contiguous_strides(shape, itemsize, "C")
 
 
+def _binary(ufunc, name):
+    """A Python operator that skips NumPy's dispatch in the common case (same cost otherwise)."""
+    def forward(self, other):
+        if type(other) is CachedArray or type(other) in _PY_SCALARS:
+            res = _fast_call(ufunc, (self, other))
+            if res is not _SLOW:
+                return res
+        if getattr(type(other), "__array_ufunc__", False) is None:
+            return NotImplemented
+        return ufunc(self, other)
+
+    def reflected(self, other):
+        if type(other) in _PY_SCALARS:
+            res = _fast_call(ufunc, (other, self))
+            if res is not _SLOW:
+                return res
+        if getattr(type(other), "__array_ufunc__", False) is None:
+            return NotImplemented
+        return ufunc(other, self)
+
+    forward.__name__, reflected.__name__ = f"__{name}__", f"__r{name}__"
+    return forward, reflected
+
+
+for _uf, _name in ((np.add, "add"), (np.subtract, "sub"), (np.multiply, "mul"),
+                   (np.true_divide, "truediv"), (np.floor_divide, "floordiv"),
+                   (np.power, "pow"), (np.remainder, "mod")):
+    _f, _r = _binary(_uf, _name)
+    setattr(CachedArray, _f.__name__, _f)
+    setattr(CachedArray, _r.__name__, _r)
+
+
 def _method(name):
     fn = getattr(np, name)
 
@@ -612,7 +645,95 @@ def _dtype_of(x):
     return np.asarray(x).dtype
 
 
+_SLOW = object()
+_PY_SCALARS = (int, float, complex, bool)
+_STRIDES = {}
+
+
+def _c_strides(shape, itemsize):
+    key = (shape, itemsize)
+    st = _STRIDES.get(key)
+    if st is None:
+        st = _contiguous_strides(shape, itemsize)
+        if len(_STRIDES) < 4096:
+            _STRIDES[key] = st
+    return st
+
+
+def _fast_call(ufunc, inputs):
+    """The common case: one manager, equal shapes, scalars; result written in place via out=."""
+    m = None
+    shape = None
+    objs = []
+    key = [ufunc, "same_kind"]
+    for x in inputs:
+        tx = type(x)
+        if tx is CachedArray:
+            if m is None:
+                m = x._m
+                shape = x._shape
+            elif x._m is not m or x._shape != shape:
+                return _SLOW
+            objs.append(x._obj)
+            key.append(x._dtype)
+        elif tx in _PY_SCALARS:
+            key.append(tx)
+        elif isinstance(x, np.generic):
+            key.append(x.dtype)
+        else:
+            return _SLOW
+    if not shape:
+        return _SLOW
+    key = tuple(key)
+    dt = _RESOLVED.get(key)
+    if dt is None:
+        dt = _resolve(ufunc, inputs, "same_kind")
+        if dt is None or dt.hasobject:
+            return _SLOW
+    n = dt.itemsize
+    for d in shape:
+        n *= d
+    with m._lock:
+        if m._deferred:
+            m._drain()
+        pol = m.policy
+        pinned = []
+        try:
+            for o in objs:
+                if o.freed:
+                    m._live(o)
+                o.pins += 1
+                pinned.append(o)
+                pol.read_use(o)
+            out = pol.allocate(n)
+            out.pins += 1
+            pinned.append(out)
+            pol.write_use(out)
+        except BaseException:
+            for o in pinned:
+                o.pins -= 1
+            raise
+    try:
+        scopes = getattr(_tls, "scopes", None)
+        if scopes:
+            ref = weakref.ref(out)
+            for rec in scopes:
+                rec.append(ref)
+        res = CachedArray._make(out, m, shape, dt, _c_strides(shape, dt.itemsize), 0)
+        ufunc(*[x._view(True) if type(x) is CachedArray else x for x in inputs],
+              out=res._view())
+        return res
+    finally:
+        with m._lock:
+            for o in pinned:
+                o.pins -= 1
+
+
 def _array_ufunc(ufunc, method, inputs, kwargs):
+    if method == "__call__" and not kwargs and ufunc.nout == 1 and ufunc.signature is None:
+        res = _fast_call(ufunc, inputs)
+        if res is not _SLOW:
+            return res
     out = kwargs.pop("out", None)
     for x in inputs + (out or ()):
         if not isinstance(x, _HANDLED_TYPES) and x is not None:

@@ -69,14 +69,14 @@ class Object:
     __slots__ = ("id", "nbytes", "primary", "regions", "pins", "freed", "_manager",
                  "__weakref__")
 
-    def __init__(self, manager, obj_id, nbytes):
+    def __init__(self, manager_ref, obj_id, nbytes):
         self.id = obj_id
         self.nbytes = nbytes
         self.primary = None
         self.regions = {}             # device name -> Region (primary and linked regions)
         self.pins = 0
         self.freed = False
-        self._manager = weakref.ref(manager)
+        self._manager = manager_ref   # a weak reference: objects never keep a manager alive
 
     @property
     def device(self):
@@ -89,10 +89,7 @@ class Object:
         # Finalizers only queue: the manager frees the regions at its next call.
         if self.freed:
             return
-        try:
-            m = self._manager()
-        except TypeError:
-            return
+        m = self._manager()
         if m is not None and not m.closed:
             m._deferred.append((self.id, list(self.regions.values()), self.primary))
 
@@ -122,7 +119,8 @@ class Manager:
         self._deferred = deque()
         self._ids = itertools.count(1)
         self._last_id = 0
-        self._objects = weakref.WeakValueDictionary()
+        self._objects = {}            # id -> weakref to the Object (entries leave at free)
+        self._ref = weakref.ref(self)
         fast_dev = _make_device(fast, "fast", DRAM, populate=populate, hugepages=hugepages,
                                 numa_node=numa_node, granularity=granularity)
         try:
@@ -179,7 +177,7 @@ class Manager:
             return
         with self._lock:
             self.closed = True
-            for obj in list(self._objects.values()):
+            for obj in self._live_objects():
                 obj.freed = True
                 obj.primary = None
                 obj.regions = {}
@@ -208,19 +206,58 @@ class Manager:
         with self._lock:
             self._check_open()
             self._drain()
-            obj = Object(self, next(self._ids), nbytes)
-            self._objects[obj.id] = obj
-            self._last_id = obj.id
+            return self._register(nbytes)
+
+    def _register(self, nbytes):
+        oid = self._last_id = next(self._ids)
+        obj = Object(self._ref, oid, nbytes)
+        self._objects[oid] = weakref.ref(obj)
+        return obj
+
+    def create(self, device, nbytes):
+        """A new object with its primary region on device, or None if it does not fit now.
+
+        The one-step form of new_object + allocate + set_primary used by policies.
+        """
+        with self._lock:
+            if self.closed:
+                self._check_open()
+            if self._deferred:
+                self._drain()
+            dev = self._device(device)
+            if nbytes > 0:
+                offset = dev.try_alloc(nbytes, self._last_id + 1)
+                if offset is None:
+                    return None
+            else:
+                offset = -1
+            obj = self._register(nbytes)
+            region = Region(dev, offset, nbytes, obj.id)
+            if nbytes:
+                self._by_offset[dev.name][offset] = region
+            obj.primary = region
+            obj.regions[dev.name] = region
+            self.telemetry.on_alloc(dev.name, nbytes, obj.id)
             return obj
 
     def object(self, obj_id):
         """The live object with this id, or None."""
-        return self._objects.get(obj_id)
+        ref = self._objects.get(obj_id)
+        obj = ref() if ref is not None else None
+        return None if obj is None or obj.freed else obj
+
+    def _live_objects(self):
+        out = []
+        for ref in list(self._objects.values()):
+            o = ref()
+            if o is not None and not o.freed:
+                out.append(o)
+        return out
 
     def objects(self):
         """Every live (not freed) object."""
         with self._lock:
-            return [o for o in self._objects.values() if not o.freed]
+            return self._live_objects()
 
     def last_id(self):
         """The highest object id handed out so far."""
@@ -265,9 +302,9 @@ class Manager:
                 self._free_region(r)
         if primary is not None and not primary.freed:
             self._free_region(primary)
-        forget = getattr(self.policy, "forget", None) if not self.closed else None
-        if forget is not None:
-            forget(obj_id)
+        self._objects.pop(obj_id, None)
+        if not self.closed:
+            self.policy.forget(obj_id)
 
     def _drain(self):
         """Free the regions of objects whose finalizers ran since the last call."""
@@ -399,7 +436,7 @@ class Manager:
         with self._lock:
             if region.freed:
                 raise UseAfterFreeError(f"{region!r} was already freed (double free)")
-            obj = self._objects.get(region.owner)
+            obj = self.object(region.owner)
             if obj is not None and obj.pins and obj.primary is region:
                 raise PinnedError(f"object {obj.id} is pinned; its primary region cannot be "
                                   "freed until the access scope ends")
@@ -412,7 +449,8 @@ class Manager:
             self._by_offset[dev.name].pop(region.offset, None)
         region.freed = True
         self.telemetry.on_free(dev.name, region.nbytes, region.owner)
-        obj = self._objects.get(region.owner)
+        ref = self._objects.get(region.owner)
+        obj = ref() if ref is not None else None
         if obj is not None:
             if obj.regions.get(dev.name) is region:
                 del obj.regions[dev.name]
@@ -444,7 +482,7 @@ class Manager:
 
     def getlinked(self, region, device):
         """The region linked to region on device, or None."""
-        obj = self._objects.get(region.owner)
+        obj = self.object(region.owner)
         if obj is None or region.freed:
             return None
         dev = self._device(device)
@@ -487,14 +525,13 @@ class Manager:
 
     def parent(self, region):
         """The object that owns region (None if it has been freed)."""
-        obj = self._objects.get(region.owner)
-        return None if obj is None or obj.freed else obj
+        return self.object(region.owner)
 
     def _parent_live(self, region):
         if region.freed:
             raise UseAfterFreeError(f"{region!r} was freed")
-        obj = self._objects.get(region.owner)
-        if obj is None or obj.freed:
+        obj = self.object(region.owner)
+        if obj is None:
             raise UseAfterFreeError(f"the object owning {region!r} was freed")
         return obj
 
@@ -526,8 +563,8 @@ class Manager:
                 r = table.get(offset)
                 if r is None:
                     return False
-                obj = self._objects.get(owner)
-                if obj is None or obj.freed:
+                obj = self.object(owner)
+                if obj is None:
                     self._free_region(r)   # its object is gone; the free was only queued
                     return True
                 if obj.pins:
@@ -548,7 +585,7 @@ class Manager:
             table = self._by_offset[dev.name]
 
             def move(owner, old, new):
-                obj = self._objects.get(owner)
+                obj = self.object(owner)
                 if obj is not None and obj.pins:
                     return False
                 r = table.pop(old)
@@ -601,9 +638,7 @@ class Manager:
                 for off, r in table.items():
                     if live[off].owner != r.owner:
                         raise CachedArraysError(f"{r!r}: heap says owner {live[off].owner}")
-            for obj in self._objects.values():
-                if obj.freed:
-                    continue
+            for obj in self._live_objects():
                 if obj.primary is not None and obj.regions.get(obj.primary.device.name) is not \
                         obj.primary:
                     raise CachedArraysError(f"object {obj.id}: primary is not among its regions")
@@ -619,7 +654,7 @@ class Manager:
                 self._drain()
             devs = {n: d.stats() for n, d in self.devices.items()}
             snap = self.telemetry.snapshot(devs)
-            snap["objects"] = sum(1 for o in self._objects.values() if not o.freed)
+            snap["objects"] = len(self._live_objects())
             return snap
 
     def reset_stats(self):

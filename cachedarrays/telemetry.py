@@ -102,3 +102,26 @@ def read_event_log(path):
     """Read an event log written by a manager (one JSON record per line)."""
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def format_stats(stats):
+    """A readable table of a manager's stats() dict (returns text; prints nothing)."""
+    from .sizes import format_size
+
+    lines = ["traffic between devices:"]
+    if not stats["moved"]:
+        lines.append("  (none)")
+    for key, rec in stats["moved"].items():
+        lines.append(f"  {key:12} {format_size(rec['bytes']):>12} in {rec['copies']} copies")
+    lines.append(f"  copy time {stats['copy_seconds'] * 1e3:.1f} ms")
+    lines.append("devices:")
+    for name, d in stats["devices"].items():
+        lines.append(f"  {name:5} in use {format_size(d['current_bytes']):>11}, peak "
+                     f"{format_size(d['peak_bytes']):>11}, {d['allocs']} allocations, "
+                     f"{d['frees']} frees")
+    if stats["events"]:
+        lines.append("events:")
+        for name, rec in stats["events"].items():
+            extra = f" ({format_size(rec['bytes'])})" if rec["bytes"] else ""
+            lines.append(f"  {name:22} {rec['count']:>8}{extra}")
+    return "\n".join(lines)

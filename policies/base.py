@@ -41,35 +41,28 @@ class Policy:
     def alloc_fast(self, nbytes, force=False):
         """A new object in fast memory, or None if it does not fit (force: evict to make room)."""
         m = self.manager
-        obj = m.new_object(nbytes)
         with m._lock:
-            region = m.try_allocate("fast", nbytes, obj)
-            if region is None and force and m.fits("fast", nbytes):
-                if self.make_room(nbytes):
-                    region = m.try_allocate("fast", nbytes, obj)
-            if region is None:
-                obj.freed = True
+            obj = m.create(m.fast, nbytes)
+            if obj is None and force and m.fits(m.fast, nbytes) and self.make_room(nbytes):
+                obj = m.create(m.fast, nbytes)
+            if obj is None:
                 return None
-            region.dirty = True
-            m.set_primary(obj, region)
+            obj.primary.dirty = True
             self.on_fast(obj)
             return obj
 
     def alloc_slow(self, nbytes):
         """A new object in slow memory; OutOfMemoryError when even slow memory is full."""
         m = self.manager
-        obj = m.new_object(nbytes)
-        try:
-            region = m.allocate("slow", nbytes, obj)
-        except OutOfMemoryError as e:
-            obj.freed = True
-            fast = m.fast.stats()
+        obj = m.create(m.slow, nbytes)
+        if obj is None:
+            fast, slow = m.fast.stats(), m.slow.stats()
             raise OutOfMemoryError(
                 f"cannot allocate {format_size(nbytes)}: fast memory has "
-                f"{format_size(fast['free'])} free of {format_size(m.fast.size)} and {e}. "
-                "Free arrays (ca.unsafe_free / cleanup) or create the Manager with a larger "
-                "slow= size") from None
-        m.set_primary(obj, region)
+                f"{format_size(fast['free'])} free of {format_size(m.fast.size)} and slow memory "
+                f"has {format_size(slow['free'])} free of {format_size(m.slow.size)} (largest "
+                f"free block {format_size(slow['largest_free'])}). Free arrays "
+                "(ca.unsafe_free / cleanup) or create the Manager with a larger slow= size")
         return obj
 
     # ---- queries and usage -----------------------------------------------------------------

@@ -1,0 +1,1 @@
+"""Models built on cachedarrays: compute backends (NumPy, oneDNN), CNNs and DLRM."""

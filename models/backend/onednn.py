@@ -1,0 +1,712 @@
+"""oneDNN backend: the common kernel interface executed by oneDNN 3.x primitives through cffi.
+
+Primitives are built once per (operation, shapes, geometry) and cached; their memory objects
+hold no buffer (DNNL_MEMORY_NONE) and are re-bound to the caller's ndarrays on every call, so
+no pointer survives between calls and arrays may move in between. Caller arrays are float32,
+C-contiguous, in plain layouts (nchw / oihw / nc / oi / x). Convolutions (oneDNN's choice) and
+batch norm with >= 16 channels (nChw16c) by default run in blocked layouts, reordering to and
+from them around each call, which is faster despite the copies; those internal tensors and
+all scratchpads live in library-owned grow-only buffers (see ``buffer_bytes``), guarded by the
+module's execution lock, so nothing of the caller's is retained.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+
+import numpy as np
+
+from . import _checks as ck
+from . import _dnnl_api as api
+from . import reference as _ref
+from ._dnnl_api import OneDNNError, OneDNNNotFoundError, ffi
+
+log = logging.getLogger(__name__)
+
+name = "onednn"
+
+__all__ = ["OneDNNError", "OneDNNNotFoundError", "set_threads", "get_threads", "version",
+           "clear_cache", "cache_size", "impl_info", "buffer_bytes", "set_blocked_layouts"]
+
+_lib = api.load_library()
+_F32 = {"dtypes": (np.dtype(np.float32),), "contiguous": True}
+_NULL = ffi.NULL
+_CACHE_LIMIT = 2048
+
+_lock = threading.RLock()
+_cache: "collections.OrderedDict[tuple, _Primitive]" = collections.OrderedDict()
+_scratch = np.empty(0, dtype=np.uint8)
+_arena = np.empty(0, dtype=np.uint8)
+_blocked = True
+
+
+def _create_engine_and_stream():
+    engine_p = ffi.new("dnnl_engine_t *")
+    api.check(_lib, "dnnl_engine_create", engine_p, api.ENGINE_CPU, 0)
+    stream_p = ffi.new("dnnl_stream_t *")
+    api.check(_lib, "dnnl_stream_create", stream_p, engine_p[0], api.STREAM_DEFAULT_FLAGS)
+    attr_p = ffi.new("dnnl_primitive_attr_t *")
+    api.check(_lib, "dnnl_primitive_attr_create", attr_p)
+    api.check(_lib, "dnnl_primitive_attr_set_scratchpad_mode", attr_p[0], api.SCRATCHPAD_USER)
+    # engine, stream and attr live for the whole process: never destroyed, so no primitive
+    # or memory object can outlive them during interpreter shutdown.
+    return engine_p[0], stream_p[0], attr_p[0]
+
+
+_engine, _stream, _attr = _create_engine_and_stream()
+
+
+def version() -> str:
+    """Version string of the loaded oneDNN library."""
+    v = _lib.dnnl_version()
+    return f"{v.major}.{v.minor}.{v.patch}"
+
+
+# --- threads ------------------------------------------------------------------------------
+
+_gomp_ffi = None
+_gomp = None
+
+
+def _openmp():
+    """The libgomp instance oneDNN runs on (same soname, so the already-loaded copy)."""
+    global _gomp_ffi, _gomp
+    if _gomp is None:
+        import cffi
+        _gomp_ffi = cffi.FFI()
+        _gomp_ffi.cdef("void omp_set_num_threads(int n); int omp_get_max_threads(void);")
+        try:
+            _gomp = _gomp_ffi.dlopen("libgomp.so.1")
+        except OSError as exc:
+            raise RuntimeError(f"cannot set oneDNN threads: libgomp.so.1 not loadable ({exc})") from None
+    return _gomp
+
+
+def set_threads(n: int) -> None:
+    """Set the OpenMP thread count oneDNN uses for calls from this thread (default OMP_NUM_THREADS)."""
+    if int(n) < 1:
+        raise ValueError(f"set_threads: need n >= 1, got {n}")
+    _openmp().omp_set_num_threads(int(n))
+
+
+def get_threads() -> int:
+    """OpenMP thread count oneDNN will use for calls from this thread."""
+    return int(_openmp().omp_get_max_threads())
+
+
+# --- descriptors, memories and cached primitives -----------------------------------------
+
+_TAGS = {1: api.TAG_A, 2: api.TAG_AB, 4: api.TAG_ABCD}
+
+
+def _md(dims, tag=None, dtype=api.DT_F32):
+    """A plain (row-major) float32 memory descriptor, destroyed when collected."""
+    dims = [int(d) for d in dims]
+    tag = _TAGS[len(dims)] if tag is None else tag
+    md_p = ffi.new("dnnl_memory_desc_t *")
+    api.check(_lib, "dnnl_memory_desc_create_with_tag", md_p, len(dims), ffi.new("dnnl_dims_t", dims),
+              dtype, tag, detail=f"dims {dims}")
+    return ffi.gc(md_p[0], _lib.dnnl_memory_desc_destroy)
+
+
+def _dims(values):
+    return ffi.new("dnnl_dims_t", [int(v) for v in values])
+
+
+def _create_pd(function: str, *args, detail: str = ""):
+    pd_p = ffi.new("dnnl_primitive_desc_t *")
+    api.check(_lib, function, pd_p, *args, detail=detail)
+    return ffi.gc(pd_p[0], _lib.dnnl_primitive_desc_destroy)
+
+
+def _md_dtype(md) -> int:
+    out = ffi.new("int *")
+    api.check(_lib, "dnnl_memory_desc_query", md, api.QUERY_DATA_TYPE, out)
+    return out[0]
+
+
+def _scratchpad(nbytes: int):
+    """Pointer to at least nbytes of 64-byte aligned scratch memory (caller holds _lock)."""
+    global _scratch
+    if _scratch.nbytes < nbytes + 64:
+        _scratch = np.empty(max(nbytes + 64, 2 * _scratch.nbytes), dtype=np.uint8)
+    address = _scratch.ctypes.data
+    return ffi.cast("void *", (address + 63) & ~63)
+
+
+def _align(n: int) -> int:
+    return (n + 63) & ~63
+
+
+def _arena_views(sizes):
+    """64-byte aligned uint8 views, one per size, of the internal-tensor arena (caller holds _lock)."""
+    global _arena
+    total = sum(_align(n) for n in sizes) + 64
+    if _arena.nbytes < total:
+        _arena = np.empty(max(total, _arena.nbytes + _arena.nbytes // 2), dtype=np.uint8)
+    offset = (-_arena.ctypes.data) % 64
+    views = []
+    for n in sizes:
+        views.append(_arena[offset:offset + n])
+        offset += _align(n)
+    return views
+
+
+def buffer_bytes() -> int:
+    """Bytes held by the library-owned scratchpad and internal-layout buffers."""
+    return _scratch.nbytes + _arena.nbytes
+
+
+def set_blocked_layouts(enabled: bool) -> None:
+    """Run convolution and batch norm in blocked layouts with reorders (default) or in plain layouts."""
+    global _blocked
+    with _lock:
+        _blocked = bool(enabled)
+        clear_cache()
+
+
+class _Primitive:
+    """One primitive, its descriptor, and one unbound memory object per execution argument.
+
+    When ``user_mds`` maps an argument to the caller's plain layout and the primitive chose a
+    different one, the argument is reordered into (inputs) or out of (``outputs``) an arena buffer.
+    """
+
+    def __init__(self, label: str, pd, arg_ids, user_mds=None, outputs=()):
+        self.label = label
+        self.reorders = {}
+        for arg, user_md in (user_mds or {}).items():
+            inner = _lib.dnnl_primitive_desc_query_md(pd, api.QUERY_EXEC_ARG_MD, arg)
+            if _lib.dnnl_memory_desc_equal(user_md, inner):
+                continue
+            src, dst = (inner, user_md) if arg in outputs else (user_md, inner)
+            rpd = _create_pd("dnnl_reorder_primitive_desc_create", src, _engine, dst, _engine, _attr,
+                             detail=f"{label} argument {arg}")
+            self.reorders[arg] = (arg in outputs, _Primitive(f"reorder for {label} argument {arg}", rpd,
+                                                             [api.ARG_FROM, api.ARG_TO]))
+        self.pd = pd
+        prim_p = ffi.new("dnnl_primitive_t *")
+        api.check(_lib, "dnnl_primitive_create", prim_p, pd, detail=label)
+        self.prim = ffi.gc(prim_p[0], _lib.dnnl_primitive_destroy)
+        self.arg_ids = tuple(arg_ids)
+        self.mems, self.nbytes = [], []
+        for arg in self.arg_ids:
+            md = _lib.dnnl_primitive_desc_query_md(pd, api.QUERY_EXEC_ARG_MD, arg)
+            self.mems.append(self._memory(md))
+            self.nbytes.append(int(_lib.dnnl_memory_desc_get_size(md)))
+        scratch_md = _lib.dnnl_primitive_desc_query_md(pd, api.QUERY_SCRATCHPAD_MD, 0)
+        self.scratch_bytes = int(_lib.dnnl_memory_desc_get_size(scratch_md)) if scratch_md != _NULL else 0
+        self.scratch_mem = self._memory(scratch_md) if self.scratch_bytes else None
+        n = len(self.mems) + (1 if self.scratch_mem is not None else 0)
+        self.exec_args = ffi.new("dnnl_exec_arg_t[]", n)
+        for i, (arg, mem) in enumerate(zip(self.arg_ids, self.mems)):
+            self.exec_args[i].arg = arg
+            self.exec_args[i].memory = mem
+        if self.scratch_mem is not None:
+            self.exec_args[n - 1].arg = api.ARG_SCRATCHPAD
+            self.exec_args[n - 1].memory = self.scratch_mem
+        log.debug("created %s using %s", label, impl_info_of(pd))
+
+    @staticmethod
+    def _memory(md):
+        mem_p = ffi.new("dnnl_memory_t *")
+        api.check(_lib, "dnnl_memory_create", mem_p, md, _engine, _NULL)
+        return ffi.gc(mem_p[0], _lib.dnnl_memory_destroy)
+
+    def md(self, arg: int):
+        """The memory descriptor of execution argument arg as the primitive expects it."""
+        return _lib.dnnl_primitive_desc_query_md(self.pd, api.QUERY_EXEC_ARG_MD, arg)
+
+    def run(self, *arrays):
+        """Execute on the caller's arrays (in arg_ids order), reordering where layouts differ."""
+        if not self.reorders:
+            return self._execute(arrays)
+        with _lock:
+            positions = [i for i, arg in enumerate(self.arg_ids) if arg in self.reorders]
+            views = _arena_views([self.nbytes[i] for i in positions])
+            inner = list(arrays)
+            for i, view in zip(positions, views):
+                is_output, reorder = self.reorders[self.arg_ids[i]]
+                if not is_output:
+                    reorder._execute((arrays[i], view))
+                inner[i] = view
+            self._execute(inner)
+            for i, view in zip(positions, views):
+                is_output, reorder = self.reorders[self.arg_ids[i]]
+                if is_output:
+                    reorder._execute((view, arrays[i]))
+
+    def _execute(self, arrays):
+        """Bind each array (in arg_ids order) to its memory object and execute synchronously."""
+        with _lock:
+            for mem, a, nbytes, arg in zip(self.mems, arrays, self.nbytes, self.arg_ids):
+                if a.nbytes != nbytes:
+                    raise ValueError(f"{self.label}: argument {arg} has {a.nbytes} bytes (shape {a.shape}), "
+                                     f"the primitive expects {nbytes}")
+                api.check(_lib, "dnnl_memory_set_data_handle", mem,
+                          ffi.cast("void *", a.__array_interface__["data"][0]))
+            if self.scratch_mem is not None:
+                api.check(_lib, "dnnl_memory_set_data_handle", self.scratch_mem, _scratchpad(self.scratch_bytes))
+            api.check(_lib, "dnnl_primitive_execute", self.prim, _stream, len(self.exec_args), self.exec_args,
+                      detail=self.label)
+            api.check(_lib, "dnnl_stream_wait", _stream)
+
+
+def impl_info_of(pd) -> str:
+    """Name of the implementation oneDNN picked for a primitive descriptor (e.g. 'brg:avx512_core')."""
+    out = ffi.new("char **")
+    status = _lib.dnnl_primitive_desc_query(pd, api.QUERY_IMPL_INFO_STR, 0, out)
+    return ffi.string(out[0]).decode() if status == api.SUCCESS and out[0] != _NULL else "?"
+
+
+def _cached(key, build):
+    """The cached primitive for key, built (and the cache trimmed) on first use."""
+    with _lock:
+        prim = _cache.get(key)
+        if prim is None:
+            prim = build()
+            _cache[key] = prim
+            while len(_cache) > _CACHE_LIMIT:
+                _cache.popitem(last=False)
+        else:
+            _cache.move_to_end(key)
+        return prim
+
+
+def clear_cache() -> None:
+    """Drop every cached primitive and the library-owned buffers (rebuilt on next use)."""
+    global _scratch, _arena
+    with _lock:
+        _cache.clear()
+        _scratch = np.empty(0, dtype=np.uint8)
+        _arena = np.empty(0, dtype=np.uint8)
+
+
+def cache_size() -> int:
+    """Number of cached primitives."""
+    return len(_cache)
+
+
+def impl_info() -> dict:
+    """Implementation names of all cached primitives, keyed by their cache key."""
+    with _lock:
+        return {key: impl_info_of(p.pd) for key, p in _cache.items()}
+
+
+# --- convolution --------------------------------------------------------------------------
+
+def conv2d_output_shape(x_shape, w_shape, stride=1, pad=0):
+    """(N, K, P, Q) of a convolution of x (N,C,H,W) with w (K,C,R,S)."""
+    return ck.conv2d_output_shape(x_shape, w_shape, stride, pad)
+
+
+def _conv_geometry(stride, pad, op):
+    st = ck.pair(stride, "stride", op)
+    pd = ck.pair(pad, "pad", op)
+    return st, pd
+
+
+def _conv_mds(*shapes):
+    """(primitive mds, user mds): `any` layouts when blocked convolution layouts are enabled."""
+    user = [_md(s) for s in shapes]
+    return ([_md(s, api.TAG_ANY) for s in shapes] if _blocked else user), user
+
+
+def _conv_fwd(xs, ws, has_bias, st, pd):
+    key = ("conv_fwd", xs, ws, has_bias, st, pd, _blocked)
+
+    def build():
+        os_ = ck.conv2d_output_shape(xs, ws, st, pd)
+        (src, wei, dst), user = _conv_mds(xs, ws, os_)
+        bias = _md((ws[0],)) if has_bias else _NULL
+        desc = _create_pd("dnnl_convolution_forward_primitive_desc_create", _engine, api.FORWARD_TRAINING,
+                          api.CONVOLUTION_DIRECT, src, wei, bias, dst,
+                          _dims(st), _dims((0, 0)), _dims(pd), _dims(pd), _attr, detail=f"conv x {xs} w {ws}")
+        args = [api.ARG_SRC, api.ARG_WEIGHTS] + ([api.ARG_BIAS] if has_bias else []) + [api.ARG_DST]
+        return _Primitive(f"conv2d_forward x {xs} w {ws} stride {st} pad {pd}", desc, args,
+                          dict(zip((api.ARG_SRC, api.ARG_WEIGHTS, api.ARG_DST), user)), {api.ARG_DST})
+
+    return _cached(key, build)
+
+
+def conv2d_forward(x, w, b, stride, pad, out):
+    """out = conv(x, w) + b (cross-correlation, NCHW / KCRS)."""
+    op = "conv2d_forward"
+    ck.check_conv_forward(op, x, w, b, stride, pad, out, **_F32)
+    st, pd = _conv_geometry(stride, pad, op)
+    prim = _conv_fwd(x.shape, w.shape, b is not None, st, pd)
+    if b is None:
+        prim.run(x, w, out)
+    else:
+        prim.run(x, w, b, out)
+    return out
+
+
+def conv2d_backward_data(dy, w, stride, pad, dx):
+    """dx = gradient of conv2d_forward with respect to its input x."""
+    op = "conv2d_backward_data"
+    ck.check_conv_backward_data(op, dy, w, stride, pad, dx, **_F32)
+    st, pd = _conv_geometry(stride, pad, op)
+    xs, ws = dx.shape, w.shape
+    key = ("conv_bwd_data", xs, ws, st, pd, _blocked)
+
+    def build():
+        hint = _conv_fwd(xs, ws, False, st, pd).pd
+        (dsrc, wei, ddst), user = _conv_mds(xs, ws, dy.shape)
+        desc = _create_pd("dnnl_convolution_backward_data_primitive_desc_create", _engine,
+                          api.CONVOLUTION_DIRECT, dsrc, wei, ddst,
+                          _dims(st), _dims((0, 0)), _dims(pd), _dims(pd), hint, _attr,
+                          detail=f"conv bwd data dx {xs} w {ws}")
+        return _Primitive(f"{op} dx {xs} w {ws} stride {st} pad {pd}", desc,
+                          [api.ARG_DIFF_DST, api.ARG_WEIGHTS, api.ARG_DIFF_SRC],
+                          dict(zip((api.ARG_DIFF_SRC, api.ARG_WEIGHTS, api.ARG_DIFF_DST), user)), {api.ARG_DIFF_SRC})
+
+    _cached(key, build).run(dy, w, dx)
+    return dx
+
+
+def conv2d_backward_weights(x, dy, stride, pad, dw, db):
+    """dw (and db unless None) = gradients of conv2d_forward with respect to w and b."""
+    op = "conv2d_backward_weights"
+    ck.check_conv_backward_weights(op, x, dy, stride, pad, dw, db, **_F32)
+    st, pd = _conv_geometry(stride, pad, op)
+    xs, ws, has_bias = x.shape, dw.shape, db is not None
+    key = ("conv_bwd_weights", xs, ws, has_bias, st, pd, _blocked)
+
+    def build():
+        hint = _conv_fwd(xs, ws, has_bias, st, pd).pd
+        (src, dwei, ddst), user = _conv_mds(xs, ws, dy.shape)
+        bias = _md((ws[0],)) if has_bias else _NULL
+        desc = _create_pd("dnnl_convolution_backward_weights_primitive_desc_create", _engine,
+                          api.CONVOLUTION_DIRECT, src, dwei, bias, ddst,
+                          _dims(st), _dims((0, 0)), _dims(pd), _dims(pd), hint, _attr,
+                          detail=f"conv bwd weights x {xs} dw {ws}")
+        args = [api.ARG_SRC, api.ARG_DIFF_DST, api.ARG_DIFF_WEIGHTS] + ([api.ARG_DIFF_BIAS] if has_bias else [])
+        return _Primitive(f"{op} x {xs} dw {ws} stride {st} pad {pd}", desc, args,
+                          dict(zip((api.ARG_SRC, api.ARG_DIFF_WEIGHTS, api.ARG_DIFF_DST), user)),
+                          {api.ARG_DIFF_WEIGHTS})
+
+    prim = _cached(key, build)
+    if has_bias:
+        prim.run(x, dy, dw, db)
+    else:
+        prim.run(x, dy, dw)
+    return dw
+
+
+# --- pooling ------------------------------------------------------------------------------
+
+def _pool_geometry(kernel, stride, pad, op):
+    return ck.pair(kernel, "kernel", op), ck.pair(stride, "stride", op), ck.pair(pad, "pad", op)
+
+
+def _pool_fwd(alg, xs, kernel, st, pd):
+    key = ("pool_fwd", alg, xs, kernel, st, pd)
+
+    def build():
+        os_ = ck.pool_output_shape(xs, kernel, st, pd)
+        desc = _create_pd("dnnl_pooling_forward_primitive_desc_create", _engine, api.FORWARD_TRAINING, alg,
+                          _md(xs), _md(os_), _dims(st), _dims(kernel), _dims((0, 0)), _dims(pd), _dims(pd),
+                          _attr, detail=f"pooling x {xs} kernel {kernel}")
+        args = [api.ARG_SRC, api.ARG_DST] + ([api.ARG_WORKSPACE] if alg == api.POOLING_MAX else [])
+        return _Primitive(f"pool_forward alg {alg} x {xs} kernel {kernel} stride {st} pad {pd}", desc, args)
+
+    return _cached(key, build)
+
+
+def _pool_bwd(alg, xs, ys, kernel, st, pd):
+    key = ("pool_bwd", alg, xs, kernel, st, pd)
+
+    def build():
+        hint = _pool_fwd(alg, xs, kernel, st, pd).pd
+        desc = _create_pd("dnnl_pooling_backward_primitive_desc_create", _engine, alg, _md(xs), _md(ys),
+                          _dims(st), _dims(kernel), _dims((0, 0)), _dims(pd), _dims(pd), hint, _attr,
+                          detail=f"pooling bwd dx {xs} kernel {kernel}")
+        args = [api.ARG_DIFF_DST, api.ARG_DIFF_SRC] + ([api.ARG_WORKSPACE] if alg == api.POOLING_MAX else [])
+        return _Primitive(f"pool_backward alg {alg} dx {xs} kernel {kernel} stride {st} pad {pd}", desc, args)
+
+    return _cached(key, build)
+
+
+_WS_DTYPES = {api.DT_U8: np.dtype(np.uint8), api.DT_S32: np.dtype(np.int32)}
+
+
+def maxpool_state_spec(x_shape, out_shape, kernel=None):
+    """(shape, dtype) of the oneDNN max-pool workspace: out_shape, uint8 (int32 if kernel area >= 256).
+
+    oneDNN stores the winning offset per output; without ``kernel`` a window of < 256 elements
+    is assumed (every CNN here); maxpool_forward checks the spec against the primitive.
+    """
+    area = 1 if kernel is None else int(np.prod(ck.pair(kernel, "kernel", "maxpool_state_spec")))
+    dtype = np.dtype(np.uint8) if area < 256 else np.dtype(np.int32)
+    return tuple(int(v) for v in out_shape), dtype
+
+
+def maxpool_forward(x, kernel, stride, pad, out, state=None):
+    """Max pooling; returns the oneDNN workspace (written into ``state`` when given)."""
+    op = "maxpool_forward"
+    ck.check_pool_forward(op, x, kernel, stride, pad, out, **_F32)
+    k, st, pd = _pool_geometry(kernel, stride, pad, op)
+    prim = _pool_fwd(api.POOLING_MAX, x.shape, k, st, pd)
+    shape, dtype = maxpool_state_spec(x.shape, out.shape, k)
+    ws_dtype = _WS_DTYPES.get(_md_dtype(prim.md(api.ARG_WORKSPACE)))
+    if ws_dtype != dtype:
+        raise OneDNNError("dnnl_pooling_forward_primitive_desc_create", api.SUCCESS,
+                          f"workspace dtype {ws_dtype} differs from maxpool_state_spec {dtype}")
+    if state is None:
+        state = np.empty(shape, dtype=dtype)
+    ck.array(op, "state", state, shape=shape, dtypes=(dtype,), contiguous=True, writable=True)
+    prim.run(x, out, state)
+    return state
+
+
+def maxpool_backward(dy, x, state, kernel, stride, pad, dx):
+    """Route each output gradient to the input recorded in the workspace (x is shape-checked only)."""
+    op = "maxpool_backward"
+    ck.check_pool_backward(op, dy, kernel, stride, pad, dx, x=x, **_F32)
+    k, st, pd = _pool_geometry(kernel, stride, pad, op)
+    shape, dtype = maxpool_state_spec(dx.shape, dy.shape, k)
+    ck.array(op, "state", state, shape=shape, dtypes=(dtype,), contiguous=True)
+    _pool_bwd(api.POOLING_MAX, dx.shape, dy.shape, k, st, pd).run(dy, dx, state)
+    return dx
+
+
+def avgpool_forward(x, kernel, stride, pad, out):
+    """Average pooling; padding is excluded from each window's count."""
+    op = "avgpool_forward"
+    ck.check_pool_forward(op, x, kernel, stride, pad, out, **_F32)
+    k, st, pd = _pool_geometry(kernel, stride, pad, op)
+    _pool_fwd(api.POOLING_AVG_EXCLUDE_PADDING, x.shape, k, st, pd).run(x, out)
+    return out
+
+
+def avgpool_backward(dy, kernel, stride, pad, dx):
+    """Spread each output gradient evenly over its window's non-padding inputs."""
+    op = "avgpool_backward"
+    ck.check_pool_backward(op, dy, kernel, stride, pad, dx, **_F32)
+    k, st, pd = _pool_geometry(kernel, stride, pad, op)
+    _pool_bwd(api.POOLING_AVG_EXCLUDE_PADDING, dx.shape, dy.shape, k, st, pd).run(dy, dx)
+    return dx
+
+
+# --- batch normalization ------------------------------------------------------------------
+
+_BN_FLAGS = api.USE_SCALE | api.USE_SHIFT
+
+
+def _bn_md(xs):
+    """Batch-norm tensor layout: nChw16c (JIT kernels) when blocked layouts are on and C >= 16."""
+    return _md(xs, api.TAG_NCHW16C if _blocked and xs[1] >= 16 else api.TAG_NCHW)
+
+
+def _bn_fwd(xs, eps):
+    key = ("bn_fwd", xs, eps, _blocked)
+
+    def build():
+        md = _bn_md(xs)
+        desc = _create_pd("dnnl_batch_normalization_forward_primitive_desc_create", _engine,
+                          api.FORWARD_TRAINING, md, md, eps, _BN_FLAGS, _attr, detail=f"bn x {xs}")
+        return _Primitive(f"batchnorm_forward x {xs}", desc,
+                          [api.ARG_SRC, api.ARG_SCALE, api.ARG_SHIFT, api.ARG_DST, api.ARG_MEAN, api.ARG_VARIANCE],
+                          {api.ARG_SRC: _md(xs), api.ARG_DST: _md(xs)}, {api.ARG_DST})
+
+    return _cached(key, build)
+
+
+def batchnorm_forward(x, gamma, beta, eps, out, mean_out, var_out):
+    """Training-mode batch norm: batch mean and biased variance over N,H,W."""
+    op = "batchnorm_forward"
+    ck.check_channels(op, x, [("gamma", gamma, False), ("beta", beta, False),
+                              ("mean_out", mean_out, True), ("var_out", var_out, True)], **_F32)
+    ck.check_same_shape(op, "x", x, [("out", out, True)], **_F32)
+    _bn_fwd(x.shape, float(eps)).run(x, gamma, beta, out, mean_out, var_out)
+    return out
+
+
+def batchnorm_backward(dy, x, gamma, mean, var, eps, dx, dgamma, dbeta):
+    """Gradients of training-mode batch norm given the saved batch mean and variance."""
+    op = "batchnorm_backward"
+    ck.check_channels(op, x, [("gamma", gamma, False), ("mean", mean, False), ("var", var, False),
+                              ("dgamma", dgamma, True), ("dbeta", dbeta, True)], **_F32)
+    ck.check_same_shape(op, "x", x, [("dy", dy, False), ("dx", dx, True)], **_F32)
+    xs, eps = x.shape, float(eps)
+
+    def build():
+        hint = _bn_fwd(xs, eps).pd
+        md = _bn_md(xs)
+        desc = _create_pd("dnnl_batch_normalization_backward_primitive_desc_create", _engine, api.BACKWARD,
+                          md, md, md, eps, _BN_FLAGS, hint, _attr, detail=f"bn bwd x {xs}")
+        return _Primitive(f"{op} x {xs}", desc,
+                          [api.ARG_SRC, api.ARG_MEAN, api.ARG_VARIANCE, api.ARG_DIFF_DST, api.ARG_SCALE,
+                           api.ARG_DIFF_SRC, api.ARG_DIFF_SCALE, api.ARG_DIFF_SHIFT],
+                          {api.ARG_SRC: _md(xs), api.ARG_DIFF_DST: _md(xs), api.ARG_DIFF_SRC: _md(xs)},
+                          {api.ARG_DIFF_SRC})
+
+    _cached(("bn_bwd", xs, eps, _blocked), build).run(x, mean, var, dy, gamma, dx, dgamma, dbeta)
+    return dx
+
+
+def batchnorm_inference(x, gamma, beta, mean, var, eps, out):
+    """Batch norm with given (running) statistics."""
+    op = "batchnorm_inference"
+    ck.check_channels(op, x, [("gamma", gamma, False), ("beta", beta, False),
+                              ("mean", mean, False), ("var", var, False)], **_F32)
+    ck.check_same_shape(op, "x", x, [("out", out, True)], **_F32)
+    xs, eps = x.shape, float(eps)
+
+    def build():
+        md = _bn_md(xs)
+        desc = _create_pd("dnnl_batch_normalization_forward_primitive_desc_create", _engine,
+                          api.FORWARD_INFERENCE, md, md, eps, _BN_FLAGS | api.USE_GLOBAL_STATS,
+                          _attr, detail=f"bn inference x {xs}")
+        return _Primitive(f"{op} x {xs}", desc,
+                          [api.ARG_SRC, api.ARG_MEAN, api.ARG_VARIANCE, api.ARG_SCALE, api.ARG_SHIFT, api.ARG_DST],
+                          {api.ARG_SRC: _md(xs), api.ARG_DST: _md(xs)}, {api.ARG_DST})
+
+    _cached(("bn_inf", xs, eps, _blocked), build).run(x, mean, var, gamma, beta, out)
+    return out
+
+
+# --- elementwise (run on the flat buffer: layout does not matter) -------------------------
+
+def _relu_fwd(size):
+    def build():
+        md = _md((size,))
+        desc = _create_pd("dnnl_eltwise_forward_primitive_desc_create", _engine, api.FORWARD_TRAINING,
+                          api.ELTWISE_RELU, md, md, 0.0, 0.0, _attr, detail=f"relu size {size}")
+        return _Primitive(f"relu_forward size {size}", desc, [api.ARG_SRC, api.ARG_DST])
+
+    return _cached(("relu_fwd", size), build)
+
+
+def relu_forward(x, out):
+    """out = max(x, 0) (out may be x)."""
+    ck.check_same_shape("relu_forward", "x", x, [("out", out, True)], **_F32)
+    if x.size:
+        _relu_fwd(x.size).run(x, out)
+    return out
+
+
+def relu_backward(dy, x, dx):
+    """dx = dy where x > 0, else 0."""
+    op = "relu_backward"
+    ck.check_same_shape(op, "x", x, [("dy", dy, False), ("dx", dx, True)], **_F32)
+    size = x.size
+    if not size:
+        return dx
+
+    def build():
+        md = _md((size,))
+        desc = _create_pd("dnnl_eltwise_backward_primitive_desc_create", _engine, api.ELTWISE_RELU,
+                          md, md, md, 0.0, 0.0, _relu_fwd(size).pd, _attr, detail=f"relu bwd size {size}")
+        return _Primitive(f"{op} size {size}", desc, [api.ARG_SRC, api.ARG_DIFF_DST, api.ARG_DIFF_SRC])
+
+    _cached(("relu_bwd", size), build).run(x, dy, dx)
+    return dx
+
+
+def add(a, b, out):
+    """out = a + b (residual connections), with oneDNN's threaded binary primitive."""
+    op = "add"
+    ck.check_same_shape(op, "a", a, [("b", b, False), ("out", out, True)], **_F32)
+    size = a.size
+    if not size:
+        return out
+
+    def build():
+        md = _md((size,))
+        desc = _create_pd("dnnl_binary_primitive_desc_create", _engine, api.BINARY_ADD, md, md, md, _attr,
+                          detail=f"add size {size}")
+        return _Primitive(f"add size {size}", desc, [api.ARG_SRC, api.ARG_SRC_1, api.ARG_DST])
+
+    _cached(("add", size), build).run(a, b, out)
+    return out
+
+
+# --- dense (inner product) ----------------------------------------------------------------
+
+def _ip_fwd(xs, ws, has_bias):
+    def build():
+        bias = _md((ws[0],)) if has_bias else _NULL
+        desc = _create_pd("dnnl_inner_product_forward_primitive_desc_create", _engine, api.FORWARD_TRAINING,
+                          _md(xs), _md(ws), bias, _md((xs[0], ws[0])), _attr, detail=f"dense x {xs} w {ws}")
+        args = [api.ARG_SRC, api.ARG_WEIGHTS] + ([api.ARG_BIAS] if has_bias else []) + [api.ARG_DST]
+        return _Primitive(f"dense_forward x {xs} w {ws}", desc, args)
+
+    return _cached(("ip_fwd", xs, ws, has_bias), build)
+
+
+def dense_forward(x, w, b, out):
+    """out = x @ w.T + b with x (N,I), w (O,I)."""
+    ck.check_dense_forward("dense_forward", x, w, b, out, **_F32)
+    prim = _ip_fwd(x.shape, w.shape, b is not None)
+    if b is None:
+        prim.run(x, w, out)
+    else:
+        prim.run(x, w, b, out)
+    return out
+
+
+def dense_backward_data(dy, w, dx):
+    """dx = dy @ w."""
+    op = "dense_backward_data"
+    ck.check_dense_backward_data(op, dy, w, dx, **_F32)
+    xs, ws = dx.shape, w.shape
+
+    def build():
+        desc = _create_pd("dnnl_inner_product_backward_data_primitive_desc_create", _engine, _md(xs), _md(ws),
+                          _md(dy.shape), _ip_fwd(xs, ws, False).pd, _attr, detail=f"dense bwd data dx {xs} w {ws}")
+        return _Primitive(f"{op} dx {xs} w {ws}", desc, [api.ARG_DIFF_DST, api.ARG_WEIGHTS, api.ARG_DIFF_SRC])
+
+    _cached(("ip_bwd_data", xs, ws), build).run(dy, w, dx)
+    return dx
+
+
+def dense_backward_weights(x, dy, dw, db):
+    """dw = dy.T @ x and db = sum of dy over the batch (db may be None)."""
+    op = "dense_backward_weights"
+    ck.check_dense_backward_weights(op, x, dy, dw, db, **_F32)
+    xs, ws, has_bias = x.shape, dw.shape, db is not None
+
+    def build():
+        bias = _md((ws[0],)) if has_bias else _NULL
+        desc = _create_pd("dnnl_inner_product_backward_weights_primitive_desc_create", _engine, _md(xs), _md(ws),
+                          bias, _md(dy.shape), _ip_fwd(xs, ws, has_bias).pd, _attr,
+                          detail=f"dense bwd weights x {xs} dw {ws}")
+        args = [api.ARG_SRC, api.ARG_DIFF_DST, api.ARG_DIFF_WEIGHTS] + ([api.ARG_DIFF_BIAS] if has_bias else [])
+        return _Primitive(f"{op} x {xs} dw {ws}", desc, args)
+
+    prim = _cached(("ip_bwd_weights", xs, ws, has_bias), build)
+    if has_bias:
+        prim.run(x, dy, dw, db)
+    else:
+        prim.run(x, dy, dw)
+    return dw
+
+
+# --- operations oneDNN has no better kernel for: shared NumPy code, float32 checks ---------
+
+def concat_channels(xs, out):
+    """Concatenate NCHW arrays along C into out (memory copies)."""
+    ck.check_concat("concat_channels", xs, out, **_F32)
+    return _ref.concat_channels(xs, out)
+
+
+def split_channels(dy, sizes, outs):
+    """Split dy along C into outs with the given channel counts (inverse of concat)."""
+    ck.check_split("split_channels", dy, sizes, outs, **_F32)
+    return _ref.split_channels(dy, sizes, outs)
+
+
+def softmax_cross_entropy(logits, labels, dlogits_out):
+    """Mean softmax cross-entropy over the batch; writes d(loss)/d(logits) unless None."""
+    ck.check_softmax_ce("softmax_cross_entropy", logits, labels, dlogits_out, **_F32)
+    return _ref.softmax_cross_entropy(logits, labels, dlogits_out)
+
+
+def sgd_update(param, grad, lr):
+    """param -= lr * grad, in place."""
+    ck.check_same_shape("sgd_update", "param", param, [("grad", grad, False)], **_F32)
+    return _ref.sgd_update(param, grad, lr)
