@@ -34,17 +34,34 @@ def implements(*numpy_functions):
     return decorator
 
 
+_OK_DTYPES = {}
+
+
 def check_dtype(dtype):
     """Return np.dtype(dtype) if a CachedArray can hold it; refuse types holding references."""
+    dt = _OK_DTYPES.get(dtype)
+    if dt is not None:
+        return dt
     dt = np.dtype(dtype)
     if dt.hasobject or dt.kind == "T":
         raise TypeError(f"CachedArray cannot hold dtype {dt}: its elements are Python objects "
                         "or references; use a fixed-size dtype (numbers, bool, fixed-width "
                         "strings, structured types of those)")
+    try:
+        if len(_OK_DTYPES) < 256:
+            _OK_DTYPES[dtype] = dt
+    except TypeError:          # unhashable dtype specification
+        pass
     return dt
 
 
 def _shape_tuple(shape):
+    if type(shape) is tuple:
+        for s in shape:
+            if type(s) is not int or s < 0:
+                break
+        else:
+            return shape
     if isinstance(shape, (int, np.integer)):
         shape = (shape,)
     try:

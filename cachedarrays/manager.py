@@ -224,7 +224,7 @@ class Manager:
                 self._check_open()
             if self._deferred:
                 self._drain()
-            dev = self._device(device)
+            dev = device if isinstance(device, Device) else self._device(device)
             if nbytes > 0:
                 offset = dev.try_alloc(nbytes, self._last_id + 1)
                 if offset is None:
@@ -311,7 +311,6 @@ class Manager:
         while self._deferred:
             obj_id, regions, primary = self._deferred.popleft()
             self._release(obj_id, regions, primary)
-            self.telemetry.count("collected")
 
     def drain(self):
         """Process queued frees now."""
