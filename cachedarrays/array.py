@@ -788,6 +788,14 @@ def _array_ufunc(ufunc, method, inputs, kwargs):
                         res._view().fill(0)
                     ufunc(*args, out=(res._view(),), **kwargs)
                     return res
+        if ufunc is np.matmul and method == "__call__" and not kwargs:
+            shape = _matmul_shape(args)
+            dt = _resolve(ufunc, args, "same_kind") if shape else None
+            if dt is not None and not dt.hasobject:
+                res = new_pinned(m, shape, dt)
+                done.append((m, [res._obj]))
+                ufunc(*args, out=res._view())
+                return res
         if method == "at":
             getattr(ufunc, method)(*args, **kwargs)
             return None
@@ -795,6 +803,18 @@ def _array_ufunc(ufunc, method, inputs, kwargs):
         return _wrap(m, res, ())
     finally:
         _release_grouped(done)
+
+
+def _matmul_shape(args):
+    """Result shape of np.matmul on two arrays (None when it is a scalar or not computable)."""
+    if len(args) != 2 or not all(isinstance(a, np.ndarray) and a.ndim for a in args):
+        return None
+    a, b = args
+    if a.shape[-1] != (b.shape[0] if b.ndim == 1 else b.shape[-2]):
+        return None                      # let NumPy raise its own error
+    batch = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    shape = batch + (a.shape[-2:-1] if a.ndim > 1 else ()) + (b.shape[-1:] if b.ndim > 1 else ())
+    return shape or None
 
 
 def _broadcast_shape(args):

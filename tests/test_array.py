@@ -437,3 +437,14 @@ def test_foreign_types_get_notimplemented(m):
 def test_constructor_is_not_public():
     with pytest.raises(TypeError, match="ca.asarray"):
         ca.CachedArray()
+
+
+@pytest.mark.parametrize("sa,sb", [((3, 4), (4, 5)), ((4,), (4, 2)), ((3, 4), (4,)),
+                                   ((2, 3, 4), (4, 5)), ((4,), (4,)), ((1, 3, 4), (2, 4, 1))])
+def test_matmul_shapes_write_into_a_new_array(m, sa, sb):
+    a, b = RNG.random(sa), RNG.random(sb)
+    x, y = ca.asarray(a, manager=m), ca.asarray(b, manager=m)
+    same(x @ y, a @ b)
+    same(np.matmul(x, b), np.matmul(a, b))
+    with pytest.raises(ValueError):
+        x @ ca.asarray(RNG.random((7, 2)), manager=m)
