@@ -23,7 +23,8 @@ def onobjects(fn, *xs):
 
     Walks tuples, lists, sets, dicts, dataclasses, objects' attributes (``__dict__`` and
     ``__slots__``), bound methods, functools.partial and closures' captured cells. Cycles are
-    visited once. Globals of functions are never walked.
+    visited once. Globals of functions are never walked, nor classes that set
+    ``__ca_leaf__ = True`` (managers, devices, policies: they hold no arrays of their own).
     """
     seen = set()
     found = {}
@@ -34,7 +35,7 @@ def onobjects(fn, *xs):
             if oid not in found and not x._obj.freed:
                 found[oid] = x
             return
-        if isinstance(x, _LEAVES):
+        if isinstance(x, _LEAVES) or getattr(type(x), "__ca_leaf__", False):
             return
         key = id(x)
         if key in seen:

@@ -58,10 +58,20 @@ def lru_example():
         m.check()
 
 
+def cnn_example():
+    """A short CNN training run under a 25% fast-memory budget (mode LM)."""
+    from cachedarrays.models import cnn
+
+    st = cnn.demo()
+    print(f"\n{st['title']}: loss {st['loss']:.3f}, {st['seconds']:.1f} s")
+    print(format_stats(st))
+
+
 def main():
     t = time.perf_counter()
     matmul_example()
     lru_example()
+    cnn_example()
     print(f"\ndemo finished in {time.perf_counter() - t:.1f} s")
     return 0
 

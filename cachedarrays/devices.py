@@ -62,6 +62,8 @@ def is_dax(path):
 class Device:
     """A source of memory with its own heap. Subclasses create the mapping."""
 
+    __ca_leaf__ = True
+
     kind = "device"
 
     def __init__(self, name, size, granularity=0):

@@ -35,6 +35,8 @@ def policy_names():
 class Region:
     """A contiguous block on one device, owned by one object."""
 
+    __ca_leaf__ = True
+
     __slots__ = ("device", "offset", "nbytes", "owner", "dirty", "freed", "__weakref__")
 
     def __init__(self, device, offset, nbytes, owner):
@@ -65,6 +67,8 @@ class Region:
 
 class Object:
     """What the program holds: one primary region (newest data) and linked regions elsewhere."""
+
+    __ca_leaf__ = True
 
     __slots__ = ("id", "nbytes", "primary", "regions", "pins", "freed", "_manager",
                  "__weakref__")
@@ -110,6 +114,8 @@ class Manager:
     ``Manager(fast="256MiB", slow="4GiB", slow_path=None, policy="lru")``; usable as a context
     manager; ``close()`` is idempotent.
     """
+
+    __ca_leaf__ = True
 
     def __init__(self, fast="256MiB", slow="4GiB", slow_path=None, policy="lru", *,
                  granularity=0, populate=False, hugepages=False, numa_node=None,

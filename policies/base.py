@@ -16,6 +16,8 @@ class Policy:
     first), ``read_use``/``write_use`` (usage tracking), ``on_fast``/``forget`` (residency).
     """
 
+    __ca_leaf__ = True
+
     name = "base"
     #: switches shared by the built-in policies (see LRU for their meaning)
     allows_prefetch = True

@@ -194,3 +194,21 @@ def test_annotate_noescape_option(m):
     before = m.stats()["objects"]
     f(x)
     assert m.stats()["objects"] == before + 1
+
+
+def test_managers_devices_and_policies_are_not_walked(m):
+    x = ca.ones(3, manager=m)
+
+    class Holder:
+        def __init__(self):
+            self.manager = m
+            self.policy = m.policy
+            self.device = m.fast
+            self.x = x
+
+    calls = []
+    orig = type(m).__dict__.get("__ca_leaf__")
+    assert orig is True
+    found = ca.arrays_in(Holder())
+    assert [a.object for a in found] == [x.object]
+    assert calls == []

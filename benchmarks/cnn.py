@@ -1,0 +1,413 @@
+"""CNN training on CachedArrays (dissertation §4.6–4.7): modes, traffic, modelled time, PyTorch.
+
+    python benchmarks/cnn.py --model resnet --depth 50 --batch 16 --image 64 --backend onednn \\
+        --fast 25% --mode 2lm,LM,fast-only --iterations 3 --threads 2 [--plot] [--sweep] [--peer torch]
+
+--fast is bytes, a size ("256MiB") or a percentage of the footprint measured by one iteration
+with everything in fast memory. --mode takes one mode or a comma-separated list of
+2lm, 2lm-none, none (CA:0), L, LM, LMP, fast-only. Policy figures (bytes moved, modelled time
+on a slow-device profile) and wall-clock figures are printed in separate tables: on machines
+without persistent memory the slow device is a file mapping the OS keeps in DRAM, so only the
+bytes and the modelled time say what a real slow device would cost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+
+# This folder holds a script named copy.py, which would shadow the standard library's `copy`
+# (numba imports it) when the folder is sys.path[0]; so import from here by file path only.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+
+import numpy as np  # noqa: E402
+
+import cachedarrays as ca  # noqa: E402
+from cachedarrays.models import cnn  # noqa: E402
+from cachedarrays.models.backend import get_backend  # noqa: E402
+from cachedarrays.policies.memorymode import PROFILES  # noqa: E402
+from cachedarrays.telemetry import read_event_log  # noqa: E402
+
+
+def _load_common():
+    spec = importlib.util.spec_from_file_location("_cnn_bench_common", os.path.join(_HERE, "_common.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+_common = _load_common()
+interleaved, machine = _common.interleaved, _common.machine
+
+SWEEP = (100, 75, 50, 25, 10, 5, 0)
+
+
+def _size(n):
+    return ca.format_size(int(n))
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="resnet")
+    p.add_argument("--depth", type=int, default=18)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--image", type=int, default=64)
+    p.add_argument("--channels", type=int, default=3)
+    p.add_argument("--classes", type=int, default=100)
+    p.add_argument("--width", type=float, default=1, help="divide every channel count by this")
+    p.add_argument("--backend", default="onednn", choices=("numpy", "onednn"))
+    p.add_argument("--fast", default="25%", help="bytes, a size like 256MiB, or a percentage")
+    p.add_argument("--slow", default=None, help="slow memory size (default: 3x the estimate)")
+    p.add_argument("--mode", default="2lm,LM,fast-only")
+    p.add_argument("--iterations", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--profile", default="optane", help=f"one of {', '.join(PROFILES)}")
+    p.add_argument("--line-size", type=int, default=64, help="2LM simulator line size (bytes)")
+    p.add_argument("--plot", action="store_true", help="write heap occupancy and traffic PNGs")
+    p.add_argument("--sweep", action="store_true", help="fast-budget sweep 100%%..0%% in mode LM")
+    p.add_argument("--peer", default=None, choices=("torch",))
+    p.add_argument("--repeats", type=int, default=5, help="interleaved repetitions for --peer")
+    p.add_argument("--outdir", default="cnn_figures")
+    p.add_argument("--no-progress", action="store_true")
+    return p.parse_args(argv)
+
+
+def _set_threads(backend, n):
+    if backend == "onednn":
+        get_backend("onednn").set_threads(n)
+
+
+def _budget(spec, footprint):
+    text = str(spec).strip()
+    if text.endswith("%"):
+        return int(footprint * float(text[:-1]) / 100), text
+    n = ca.parse_size(text, "--fast")
+    return n, f"{n / footprint:.0%}" if footprint else _size(n)
+
+
+def _check_slow_room(need, slow, where):
+    free = shutil.disk_usage(where).free
+    if slow > free:
+        raise SystemExit(f"error: the slow device needs {_size(slow)} (one iteration needs about "
+                         f"{_size(need)}), but {where} has only {_size(free)} free; use --slow, "
+                         "a smaller --batch or --image, or set TMPDIR to a larger file system")
+
+
+def run_mode(args, mode, budget, slow, event_log=None, bar=None):
+    """Per-iteration records of one mode (see cnn.run)."""
+    def tick(rec):
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(mode=mode, loss=f"{rec['loss']:.3f}")
+    return cnn.run(args.model, args.depth, mode=mode, fast=budget, iterations=args.iterations,
+                   backend=args.backend, batch=args.batch, image=args.image,
+                   channels=args.channels, classes=args.classes, width=args.width,
+                   profile=args.profile, slow=slow, callback=tick, event_log=event_log,
+                   line_size=args.line_size)
+
+
+def _policy_row(mode, budget, recs):
+    """Median policy figures over the iterations after the first (the first warms the cache)."""
+    use = recs[1:] if len(recs) > 1 else recs
+    r = use[len(use) // 2]
+    st, tr = r["stats"], r["trace"]
+    moved = st["moved"]
+    row = {"mode": mode, "budget": budget,
+           "s->f": moved.get("slow->fast", {}).get("bytes", 0),
+           "f->s": moved.get("fast->slow", {}).get("bytes", 0),
+           "k_slow_r": tr["slow_read_bytes"], "k_slow_w": tr["slow_write_bytes"],
+           "elided": st["events"].get("writebacks_elided", {}).get("bytes", 0),
+           "peak_fast": st["devices"]["fast"]["peak_bytes"],
+           "modelled": statistics.median(x["modelled"] for x in use),
+           "wall": statistics.median(x["wall"] for x in use), "loss": r["loss"]}
+    mm = tr.get("memory_mode")
+    if mm:
+        row.update(slow_r=mm["slow_read_bytes"], slow_w=mm["slow_write_bytes"], hits=mm["hits"],
+                   clean=mm["clean_misses"], dirty=mm["dirty_misses"],
+                   amp=mm["access_amplification"], peak_fast=min(budget, st["devices"]["slow"]["peak_bytes"]))
+    else:
+        row.update(slow_r=row["s->f"] + row["k_slow_r"], slow_w=row["f->s"] + row["k_slow_w"])
+    return row
+
+
+def print_policy_table(rows, profile):
+    print(f"\npolicy figures (from telemetry; modelled time on the {profile!r} profile):")
+    head = (f"{'mode':>9} {'budget':>9} {'slow rd':>9} {'slow wr':>9} {'s->f':>9} {'f->s':>9} "
+            f"{'k slow rd':>9} {'k slow wr':>9} {'elided':>9} {'peak fast':>9} {'modelled':>9}")
+    print(head)
+    for r in rows:
+        print(f"{r['mode']:>9} {_size(r['budget']):>9} {_size(r['slow_r']):>9} {_size(r['slow_w']):>9} "
+              f"{_size(r['s->f']):>9} {_size(r['f->s']):>9} {_size(r['k_slow_r']):>9} "
+              f"{_size(r['k_slow_w']):>9} {_size(r['elided']):>9} {_size(r['peak_fast']):>9} "
+              f"{r['modelled'] * 1e3:>7.1f}ms")
+    for r in rows:
+        if "hits" in r:
+            lines = r["hits"] + r["clean"] + r["dirty"]
+            print(f"  {r['mode']}: DRAM-cache line accesses {lines}, hit rate {r['hits'] / max(lines, 1):.1%}, "
+                  f"clean misses {r['clean'] / max(lines, 1):.1%}, dirty misses {r['dirty'] / max(lines, 1):.1%}, "
+                  f"access amplification {r['amp']:.2f}")
+
+
+def print_wall_table(rows):
+    print("\nwall-clock figures (this machine; both tiers are DRAM here):")
+    print(f"{'mode':>9} {'wall/iter':>10} {'loss':>8}")
+    for r in rows:
+        print(f"{r['mode']:>9} {r['wall'] * 1e3:>8.1f}ms {r['loss']:>8.4f}")
+
+
+def print_targets(rows):
+    by = {r["mode"]: r for r in rows}
+    if "LM" in by and ("2lm" in by or "2lm-none" in by):
+        base = by.get("2lm") or by["2lm-none"]
+        ratio = by["LM"]["slow_w"] / base["slow_w"] if base["slow_w"] else float("inf")
+        print(f"target: LM slow-memory writes / 2LM slow-memory writes = {ratio:.3f} (target <= 0.5)")
+    if "LM" in by and "fast-only" in by:
+        print(f"target: LM modelled time / fast-only modelled time = "
+              f"{by['LM']['modelled'] / by['fast-only']['modelled']:.3f} (target <= 1.3)")
+
+
+def plot_occupancy(path, logs):
+    """Fig. 4.6: bytes in use per heap through the last logged iteration of each mode."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for mode, log_path in logs.items():
+        events = read_event_log(log_path)
+        marks = [i for i, e in enumerate(events) if e["event"] == "cnn_iteration"]
+        if not marks:
+            continue
+        seg = events[marks[-1]:]
+        t0 = seg[0]["t"]
+        for dev in ("fast", "slow"):
+            pts = [(e["t"] - t0, e["used"]) for e in seg
+                   if e["event"] in ("alloc", "free") and e.get("device") == dev]
+            if pts and (dev == "fast" or mode.startswith("2lm") or max(p[1] for p in pts) > 0):
+                t, u = zip(*pts)
+                ax.step(t, np.array(u) / 2**20, where="post", label=f"{mode}: {dev} heap")
+    ax.set_xlabel("time in iteration (s)")
+    ax.set_ylabel("MiB in use")
+    ax.set_title("heap occupancy over one training iteration")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_traffic(path, rows):
+    """Fig. 4.8: slow-memory reads and writes per mode."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4))
+    x = np.arange(len(rows))
+    ax.bar(x - 0.2, [r["slow_r"] / 2**20 for r in rows], 0.4, label="slow reads")
+    ax.bar(x + 0.2, [r["slow_w"] / 2**20 for r in rows], 0.4, label="slow writes")
+    ax.set_xticks(x, [r["mode"] for r in rows])
+    ax.set_ylabel("MiB per iteration")
+    ax.set_title("slow-memory traffic per mode")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_sweep(path, rows, fast_only):
+    """Fig. 4.10: modelled iteration time against the fast-memory budget (mode LM)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([r["pct"] for r in rows], [r["modelled"] * 1e3 for r in rows], "o-", label="LM modelled")
+    ax.plot([r["pct"] for r in rows], [r["wall"] * 1e3 for r in rows], "s--", label="LM wall")
+    if fast_only is not None:
+        ax.axhline(fast_only * 1e3, color="gray", ls=":", label="fast-only modelled")
+    ax.invert_xaxis()
+    ax.set_xlabel("fast-memory budget (% of footprint)")
+    ax.set_ylabel("ms per iteration")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def torch_model(model):
+    """The same architecture as a torch.nn.Module (built from our units)."""
+    import torch
+    from torch import nn
+
+    class Residual(nn.Module):
+        def __init__(self, block):
+            super().__init__()
+            self.branch = convert(block.branch)
+            self.shortcut = convert(block.shortcut) if block.shortcut is not None else None
+            self.relu = nn.ReLU(inplace=True)
+
+        def forward(self, x):
+            sc = self.shortcut(x) if self.shortcut is not None else x
+            return self.relu(self.branch(x) + sc)
+
+    class Dense(nn.Module):
+        def __init__(self, layer):
+            super().__init__()
+            self.inner = convert(layer.inner)
+
+        def forward(self, x):
+            return torch.cat([x, self.inner(x)], 1)
+
+    def convert(u):
+        if isinstance(u, cnn.Conv2d):
+            k, c, r, s_ = u.w_shape
+            return nn.Conv2d(c, k, (r, s_), u.stride, u.pad, bias=u.has_bias)
+        if isinstance(u, cnn.BatchNorm2d):
+            return nn.BatchNorm2d(u.in_shape[1], eps=u.eps)
+        if isinstance(u, cnn.ReLU):
+            return nn.ReLU(inplace=True)
+        if isinstance(u, cnn.MaxPool2d):
+            return nn.MaxPool2d(u.kernel, u.stride, u.pad)
+        if isinstance(u, cnn.AvgPool2d):
+            return nn.AvgPool2d(u.kernel, u.stride, u.pad, count_include_pad=False)
+        if isinstance(u, cnn.Flatten):
+            return nn.Flatten()
+        if isinstance(u, cnn.Dense):
+            return nn.Linear(u.w_shape[1], u.w_shape[0], bias=u.has_bias)
+        if isinstance(u, cnn.Chain):
+            return nn.Sequential(*[convert(v) for v in u.layers])
+        if isinstance(u, cnn.ResidualBlock):
+            return Residual(u)
+        if isinstance(u, cnn.DenseLayer):
+            return Dense(u)
+        raise TypeError(f"no torch equivalent for {u!r}")
+
+    return nn.Sequential(*[convert(u) for u in model.units])
+
+
+def peer_torch(args, footprint):
+    """Median seconds per training step: ours (fast-only) vs PyTorch, interleaved."""
+    import torch
+    torch.set_num_threads(args.threads)
+    model = cnn.build(args.model, args.depth, batch=args.batch, image=args.image,
+                      channels=args.channels, classes=args.classes, width=args.width)
+    x, y = cnn.synthetic_batch(model)
+    m, s = cnn.make_session("fast-only", int(model.footprint_estimate() * 1.5) + (16 << 20),
+                            1 << 20, args.backend)
+    s.tracer = None
+    with m:
+        model.init(s)
+        opt = cnn.SGD(0.01)
+        tmodel = torch_model(model)
+        topt = torch.optim.SGD(tmodel.parameters(), lr=0.01)
+        tx, ty = torch.from_numpy(x), torch.from_numpy(y)
+        lossf = torch.nn.CrossEntropyLoss()
+
+        def ours():
+            cnn.train_step(s, model, x, y, opt)
+
+        def theirs():
+            topt.zero_grad(set_to_none=True)
+            loss = lossf(tmodel(tx), ty)
+            loss.backward()
+            topt.step()
+
+        for _ in range(2):
+            ours()
+            theirs()
+        t_ours, t_torch = interleaved([ours, theirs], args.repeats, 1)
+    print(f"\npeer: PyTorch {torch.__version__} CPU, {args.threads} threads "
+          f"(torch.set_num_threads; oneDNN set_threads), batch {args.batch}, image {args.image}, "
+          f"SGD, medians of {args.repeats} interleaved repetitions")
+    print(f"  ours ({args.backend}, fast-only) {t_ours * 1e3:.1f} ms/step, torch "
+          f"{t_torch * 1e3:.1f} ms/step, speed ratio ours/torch = {t_torch / t_ours:.2f}x "
+          f"(>= 1 means we are faster)")
+    return t_ours, t_torch
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    try:
+        model = cnn.build(args.model, args.depth, batch=args.batch, image=args.image,
+                          channels=args.channels, classes=args.classes, width=args.width)
+        modes = [cnn.check_mode(x.strip()) for x in args.mode.split(",") if x.strip()]
+        if args.profile not in PROFILES:
+            raise ValueError(f"unknown profile {args.profile!r}; valid profiles: {', '.join(PROFILES)}")
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    _set_threads(args.backend, args.threads)
+    print(machine())
+    print(f"{model.name}: batch {args.batch}, {args.image}x{args.image}x{args.channels}, "
+          f"{args.classes} classes, width /{args.width:g}, {model.param_count():,} parameters, "
+          f"backend {args.backend}, {args.threads} threads")
+    print(cnn.FORMULA)
+    need = model.footprint_estimate()
+    slow = ca.parse_size(args.slow, "--slow") if args.slow else 3 * need + (64 << 20)
+    _check_slow_room(need, slow, tempfile.gettempdir())
+    if slow < need:
+        raise SystemExit(f"error: {model.name} with batch {args.batch} needs about {_size(need)} "
+                         f"per iteration even with all memory slow, but --slow is {_size(slow)}; "
+                         "use a larger --slow or a smaller --batch")
+    footprint = cnn.measure_footprint(args.model, args.depth, args.backend, batch=args.batch,
+                                      image=args.image, channels=args.channels,
+                                      classes=args.classes, width=args.width)
+    budget, label = _budget(args.fast, footprint)
+    print(f"measured footprint {_size(footprint)} (estimate {_size(need)}); fast budget {_size(budget)} "
+          f"({label}); slow device {_size(slow)}")
+    bar = None
+    total = len(modes) * args.iterations + (len(SWEEP) * args.iterations if args.sweep else 0)
+    if not args.no_progress:
+        from tqdm import tqdm
+        bar = tqdm(total=total, unit="it", file=sys.stderr, leave=False)
+    rows, logs = [], {}
+    tmp = tempfile.TemporaryDirectory()
+    try:
+        for mode in modes:
+            log = os.path.join(tmp.name, f"{mode}.jsonl") if args.plot else None
+            recs = run_mode(args, mode, budget, slow, log, bar)
+            rows.append(_policy_row(mode, recs[-1]["budget"], recs))
+            if log:
+                logs[mode] = log
+        sweep_rows = []
+        if args.sweep:
+            for pct in SWEEP:
+                recs = run_mode(args, "LM", int(footprint * pct / 100), slow, None, bar)
+                r = _policy_row("LM", int(footprint * pct / 100), recs)
+                r["pct"] = pct
+                sweep_rows.append(r)
+        if bar is not None:
+            bar.close()
+        print_policy_table(rows, args.profile)
+        print_wall_table(rows)
+        print_targets(rows)
+        if sweep_rows:
+            print("\nfast-budget sweep (mode LM, Fig. 4.10):")
+            print(f"{'budget':>7} {'bytes':>9} {'slow rd':>9} {'slow wr':>9} {'modelled':>9} {'wall':>9}")
+            for r in sweep_rows:
+                print(f"{r['pct']:>6}% {_size(r['budget']):>9} {_size(r['slow_r']):>9} "
+                      f"{_size(r['slow_w']):>9} {r['modelled'] * 1e3:>7.1f}ms {r['wall'] * 1e3:>7.1f}ms")
+        if args.plot or args.sweep:
+            os.makedirs(args.outdir, exist_ok=True)
+        if args.plot:
+            p1 = os.path.join(args.outdir, f"{model.name}_occupancy.png")
+            p2 = os.path.join(args.outdir, f"{model.name}_traffic.png")
+            plot_occupancy(p1, logs)
+            plot_traffic(p2, rows)
+            print(f"wrote {p1} and {p2}")
+        if args.sweep:
+            p3 = os.path.join(args.outdir, f"{model.name}_sweep.png")
+            fo = next((r["modelled"] for r in rows if r["mode"] == "fast-only"), None)
+            plot_sweep(p3, sweep_rows, fo)
+            print(f"wrote {p3}")
+    finally:
+        tmp.cleanup()
+    if args.peer == "torch":
+        peer_torch(args, footprint)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,225 @@
+"""Training machinery: a Session (manager, backend, annotations, tracer), Param, kernel calls, SGD.
+
+Every kernel runs through ``Session.kernel``: it prefetches the kernel's arrays (forced), opens
+pinned ``ca.readable``/``ca.writable`` scopes, calls the backend on plain ndarrays, reports the
+read and write sets to an optional tracer, and soft-evicts the inputs (dissertation Listing 4.6).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+import cachedarrays as ca
+
+from ..backend import get_backend
+
+__all__ = ["Session", "Param", "SGD", "Unit"]
+
+F32 = np.dtype(np.float32)
+_perf = time.perf_counter
+
+
+class Param:
+    """A trainable tensor (a CachedArray) and its gradient of the current step (or None).
+
+    Gradients are new arrays made by the backward pass (so they start in fast memory) and are
+    freed after the optimizer used them, or at the end of the iteration.
+    """
+
+    __slots__ = ("name", "value", "grad")
+
+    def __init__(self, name, value, grad=None):
+        self.name, self.value, self.grad = name, value, grad
+
+    def new_grad(self, s):
+        """Allocate this step's gradient array (uninitialised; the backward kernel writes it)."""
+        self.grad = s.empty(self.value.shape)
+        return self.grad
+
+    def drop_grad(self):
+        """Free the gradient array, if any."""
+        g, self.grad = self.grad, None
+        if g is not None and not g.is_freed and not g.object.pins:
+            ca.unsafe_free(g)
+
+    def __repr__(self):
+        return f"<Param {self.name} {self.value.shape}>"
+
+
+class Session:
+    """What the layers run with: the manager, the backend module, the annotation switch, a tracer.
+
+    ``annotations=False`` runs the same code without prefetch/softevict/cleanup/noescape calls.
+    ``tracer`` (see ``cachedarrays.models.cnn.trace``) sees each kernel's read and write sets.
+    """
+
+    def __init__(self, manager, backend="numpy", annotations=True, tracer=None, dtype=F32):
+        # The annotation walkers visit closures that capture the session; they stop at the
+        # manager (it declares itself a leaf), so holding it here costs nothing.
+        self.m = manager
+        self.be = get_backend(backend) if isinstance(backend, str) else backend
+        self.annotations = bool(annotations)
+        self.tracer = tracer
+        self.dtype = np.dtype(dtype)
+
+    # ---- allocation ----------------------------------------------------------------------
+
+    def empty(self, shape, dtype=None):
+        """A new array of the session's dtype (float32 unless set; float64 for exact gradient
+        checks with the NumPy backend), placed by the policy."""
+        return ca.empty(shape, dtype=self.dtype if dtype is None else dtype, manager=self.m)
+
+    def param(self, name, data):
+        """A Param holding a copy of ndarray data (in the session's dtype)."""
+        return Param(name, ca.asarray(np.ascontiguousarray(data, dtype=self.dtype), manager=self.m))
+
+    @property
+    def frees_early(self):
+        """True when annotations are on and the policy's cleanup switch allows eager frees."""
+        return self.annotations and getattr(self.m.policy, "allows_cleanup", True)
+
+    # ---- kernels -------------------------------------------------------------------------
+
+    def kernel(self, name, fn, reads, writes):
+        """Run fn(*read_views, *write_views) on pinned ndarray views; None entries pass through.
+
+        An array may appear in both reads and writes (an in-place kernel); it is pinned twice.
+        """
+        ann = self.annotations
+        if ann:
+            ca.prefetch(reads, writes, force=True)
+        scopes = []
+        views = []
+        try:
+            for a in reads:
+                if a is None:
+                    views.append(None)
+                    continue
+                s = ca.readable(a)
+                views.append(s.__enter__())
+                scopes.append(s)
+            nr = len(views)
+            for a in writes:
+                if a is None:
+                    views.append(None)
+                    continue
+                s = ca.writable(a)
+                views.append(s.__enter__())
+                scopes.append(s)
+            tr = self.tracer
+            if tr is None:
+                result = fn(*views)
+            else:
+                t0 = _perf()
+                result = fn(*views)
+                tr.record(name, reads, writes, views[:nr], views[nr:], _perf() - t0)
+        finally:
+            for s in reversed(scopes):
+                s.__exit__(None, None, None)
+        if ann:
+            ca.softevict(reads)
+        return result
+
+    # ---- annotation of units (Listing 4.6) --------------------------------------------------
+
+    def rrule(self, unit, x):
+        """Call unit.forward(self, x) -> (y, pullback) with the unit's memory annotations.
+
+        The forward runs under ``noescape``; the returned pullback runs under ``noescape`` and
+        afterwards frees everything it captured (``cleanup``) except the unit's parameters,
+        its input and its result. The policy's cleanup switch turns both off.
+        """
+        if not self.annotations:
+            return unit.forward(self, x)
+        y, pullback = ca.noescape(unit.forward)(self, x)
+
+        def pullback_wrapper(dy):
+            # The unit is part of the result so that its new gradients are not temporaries.
+            dx, _ = ca.noescape(lambda d: (pullback(d), unit))(dy)
+            ca.cleanup((y, dy, pullback), keep=ca.preserve(unit, x, dx))
+            return dx
+
+        return y, pullback_wrapper
+
+
+class Unit:
+    """Base of layers and blocks: a name, the input and output shapes it was built for.
+
+    Subclasses set ``in_shape``/``out_shape`` in __init__, allocate parameters in
+    ``init(session, rng)`` and implement ``forward(session, x) -> (y, pullback)``.
+    """
+
+    name = "unit"
+    in_shape: tuple = ()
+    out_shape: tuple = ()
+
+    def params(self):
+        """Every Param of this unit (and its sub-units), in a fixed order."""
+        out = []
+        for v in self.__dict__.values():
+            if isinstance(v, Param):
+                out.append(v)
+            elif isinstance(v, Unit):
+                out.extend(v.params())
+            elif isinstance(v, (list, tuple)):
+                for u in v:
+                    if isinstance(u, Unit):
+                        out.extend(u.params())
+        return out
+
+    def sublayers(self):
+        """Direct sub-units, in order."""
+        out = []
+        for v in self.__dict__.values():
+            if isinstance(v, Unit):
+                out.append(v)
+            elif isinstance(v, (list, tuple)):
+                out.extend(u for u in v if isinstance(u, Unit))
+        return out
+
+    def init(self, s, rng):
+        """Allocate parameters (sub-units in order)."""
+        for u in self.sublayers():
+            u.init(s, rng)
+
+    def param_count(self):
+        """Number of parameter elements (from shapes; works before init)."""
+        return sum(u.param_count() for u in self.sublayers())
+
+    def activation_bytes(self):
+        """Bytes of float32 outputs this unit produces in one forward (saved for backward)."""
+        return sum(u.activation_bytes() for u in self.sublayers())
+
+    def check_input(self, x):
+        """Raise ValueError naming this unit if x does not have the shape it was built for."""
+        if tuple(x.shape) != tuple(self.in_shape):
+            raise ValueError(f"layer {self.name}: input has shape {tuple(x.shape)}, expected "
+                             f"{tuple(self.in_shape)} (the shape the model was built for); build "
+                             "the model with the batch, channels and image size you feed it")
+
+    def __repr__(self):
+        return f"<{type(self).__name__} {self.name} {self.in_shape}->{self.out_shape}>"
+
+
+class SGD:
+    """Plain stochastic gradient descent: param -= lr * grad, one kernel per parameter.
+
+    With the memory optimisations on, each gradient is freed as soon as it has been applied.
+    """
+
+    def __init__(self, lr=0.01):
+        self.lr = float(lr)
+
+    def step(self, s, params):
+        lr = self.lr
+        be = s.be
+        early = s.frees_early
+        for p in params:
+            if p.grad is None:
+                raise ValueError(f"SGD: parameter {p.name} has no gradient; run the backward pass "
+                                 "(the model's pullbacks) before the optimizer step")
+            s.kernel("sgd_update", lambda g, w: be.sgd_update(w, g, lr), (p.grad,), (p.value,))
+            if early:
+                p.drop_grad()

@@ -1,0 +1,345 @@
+"""CNN layers in rrule style: ``forward(session, x)`` returns ``(y, pullback)``; pullback(dy) -> dx.
+
+Shapes are fixed when a layer is built (so a model knows its footprint before it allocates and
+every mismatch names the layer). Parameters and activations are CachedArrays; every kernel runs
+through ``Session.kernel``. The backward pass writes each parameter's gradient into a new array
+(``Param.grad``), which the optimizer consumes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .core import F32, Unit
+
+__all__ = ["Conv2d", "BatchNorm2d", "ReLU", "MaxPool2d", "AvgPool2d", "Flatten", "Dense",
+           "Chain", "add", "softmax_cross_entropy"]
+
+
+def _pair(v):
+    return (int(v), int(v)) if np.isscalar(v) else (int(v[0]), int(v[1]))
+
+
+def _nbytes(shape):
+    return 4 * math.prod(shape)
+
+
+def _window_shape(name, in_shape, channels, kernel, stride, pad):
+    """(N, channels, P, Q) of a window op; raises naming the layer when the input is too small."""
+    if len(in_shape) != 4:
+        raise ValueError(f"layer {name}: expects a 4-d (N,C,H,W) input, got shape {tuple(in_shape)}")
+    n, _, h, w = in_shape
+    (kh, kw), (sh, sw), (ph, pw) = _pair(kernel), _pair(stride), _pair(pad)
+    if h + 2 * ph < kh or w + 2 * pw < kw:
+        raise ValueError(f"layer {name}: input {h}x{w} (pad {ph}) is smaller than its {kh}x{kw} "
+                         "window; use a larger image or a shallower model")
+    return (n, channels, (h + 2 * ph - kh) // sh + 1, (w + 2 * pw - kw) // sw + 1)
+
+
+class Conv2d(Unit):
+    """2-d convolution (NCHW, KCRS weights), optional fused bias; He-normal initialisation."""
+
+    def __init__(self, name, in_shape, out_channels, kernel, stride=1, pad=0, bias=False,
+                 need_dx=True):
+        self.name, self.in_shape = name, tuple(in_shape)
+        self.stride, self.pad = _pair(stride), _pair(pad)
+        kh, kw = _pair(kernel)
+        self.w_shape = (int(out_channels), self.in_shape[1], kh, kw)
+        self.out_shape = _window_shape(name, self.in_shape, int(out_channels), kernel, stride, pad)
+        self.has_bias, self.need_dx = bool(bias), bool(need_dx)
+        self.w = self.b = None
+
+    def init(self, s, rng):
+        fan_in = math.prod(self.w_shape[1:])
+        w = rng.standard_normal(self.w_shape, dtype=F32) * np.float32(math.sqrt(2.0 / fan_in))
+        self.w = s.param(f"{self.name}.w", w)
+        if self.has_bias:
+            self.b = s.param(f"{self.name}.b", np.zeros(self.w_shape[0], F32))
+
+    def param_count(self):
+        return math.prod(self.w_shape) + (self.w_shape[0] if self.has_bias else 0)
+
+    def activation_bytes(self):
+        return _nbytes(self.out_shape)
+
+    def forward(self, s, x):
+        self.check_input(x)
+        be, st, pd = s.be, self.stride, self.pad
+        w = self.w.value
+        b = self.b.value if self.b is not None else None
+        y = s.empty(self.out_shape)
+        s.kernel("conv2d_forward", lambda xv, wv, bv, yv: be.conv2d_forward(xv, wv, bv, st, pd, yv),
+                 (x, w, b), (y,))
+        pw, pb = self.w, self.b
+        in_shape, need_dx = self.in_shape, self.need_dx
+
+        def pullback(dy):
+            dx = None
+            if need_dx:
+                dx = s.empty(in_shape)
+                s.kernel("conv2d_backward_data",
+                         lambda d, wv, o: be.conv2d_backward_data(d, wv, st, pd, o), (dy, w), (dx,))
+            gw, gb = pw.new_grad(s), (pb.new_grad(s) if pb is not None else None)
+            s.kernel("conv2d_backward_weights",
+                     lambda xv, d, dw, db: be.conv2d_backward_weights(xv, d, st, pd, dw, db),
+                     (x, dy), (gw, gb))
+            return dx
+
+        return y, pullback
+
+
+class BatchNorm2d(Unit):
+    """Training-mode batch normalisation over N,H,W with learnt scale and shift."""
+
+    eps = 1e-5
+
+    def __init__(self, name, in_shape):
+        self.name, self.in_shape = name, tuple(in_shape)
+        if len(self.in_shape) != 4:
+            raise ValueError(f"layer {name}: expects a 4-d (N,C,H,W) input, got {self.in_shape}")
+        self.out_shape = self.in_shape
+        self.gamma = self.beta = None
+
+    def init(self, s, rng):
+        c = self.in_shape[1]
+        self.gamma = s.param(f"{self.name}.gamma", np.ones(c, F32))
+        self.beta = s.param(f"{self.name}.beta", np.zeros(c, F32))
+
+    def param_count(self):
+        return 2 * self.in_shape[1]
+
+    def activation_bytes(self):
+        return _nbytes(self.out_shape) + 8 * self.in_shape[1]
+
+    def forward(self, s, x):
+        self.check_input(x)
+        be, eps, c = s.be, self.eps, self.in_shape[1]
+        g, b = self.gamma.value, self.beta.value
+        y, mean, var = s.empty(self.out_shape), s.empty((c,)), s.empty((c,))
+        s.kernel("batchnorm_forward",
+                 lambda xv, gv, bv, yv, mv, vv: be.batchnorm_forward(xv, gv, bv, eps, yv, mv, vv),
+                 (x, g, b), (y, mean, var))
+        pg, pb, in_shape = self.gamma, self.beta, self.in_shape
+
+        def pullback(dy):
+            dx = s.empty(in_shape)
+            dg, db = pg.new_grad(s), pb.new_grad(s)
+            s.kernel("batchnorm_backward",
+                     lambda d, xv, gv, mv, vv, o, dgv, dbv:
+                     be.batchnorm_backward(d, xv, gv, mv, vv, eps, o, dgv, dbv),
+                     (dy, x, g, mean, var), (dx, dg, db))
+            return dx
+
+        return y, pullback
+
+
+class ReLU(Unit):
+    """max(x, 0), computed in place (the input is never needed again); backward from the output."""
+
+    def __init__(self, name, in_shape):
+        self.name, self.in_shape = name, tuple(in_shape)
+        self.out_shape = self.in_shape
+
+    def param_count(self):
+        return 0
+
+    def activation_bytes(self):
+        return 0
+
+    def forward(self, s, x):
+        self.check_input(x)
+        be = s.be
+        s.kernel("relu_forward", lambda xr, xw: be.relu_forward(xw, xw), (x,), (x,))
+        y = x
+
+        def pullback(dy):
+            dx = s.empty(dy.shape)
+            s.kernel("relu_backward", lambda d, yv, o: be.relu_backward(d, yv, o), (dy, y), (dx,))
+            return dx
+
+        return y, pullback
+
+
+class MaxPool2d(Unit):
+    """Max pooling; the backend's state (argmax / workspace) is saved instead of the input."""
+
+    def __init__(self, name, in_shape, kernel, stride=None, pad=0):
+        self.name, self.in_shape = name, tuple(in_shape)
+        self.kernel, self.stride, self.pad = _pair(kernel), _pair(kernel if stride is None else stride), _pair(pad)
+        self.out_shape = _window_shape(name, self.in_shape, self.in_shape[1], self.kernel,
+                                       self.stride, self.pad)
+
+    def param_count(self):
+        return 0
+
+    def activation_bytes(self):
+        return _nbytes(self.out_shape) + math.prod(self.out_shape)
+
+    def forward(self, s, x):
+        self.check_input(x)
+        be, k, st, pd = s.be, self.kernel, self.stride, self.pad
+        y = s.empty(self.out_shape)
+        shape, dtype = be.maxpool_state_spec(self.in_shape, self.out_shape, k)
+        state = s.empty(shape, dtype)
+        s.kernel("maxpool_forward", lambda xv, yv, sv: be.maxpool_forward(xv, k, st, pd, yv, sv),
+                 (x,), (y, state))
+        in_shape = self.in_shape
+
+        def pullback(dy):
+            dx = s.empty(in_shape)
+            s.kernel("maxpool_backward",
+                     lambda d, sv, o: be.maxpool_backward(d, None, sv, k, st, pd, o),
+                     (dy, state), (dx,))
+            return dx
+
+        return y, pullback
+
+
+class AvgPool2d(Unit):
+    """Average pooling (padding excluded); ``kernel=None`` pools globally to 1x1."""
+
+    def __init__(self, name, in_shape, kernel=None, stride=None, pad=0):
+        self.name, self.in_shape = name, tuple(in_shape)
+        if kernel is None:
+            kernel = self.in_shape[2:]
+        self.kernel, self.stride, self.pad = _pair(kernel), _pair(kernel if stride is None else stride), _pair(pad)
+        self.out_shape = _window_shape(name, self.in_shape, self.in_shape[1], self.kernel,
+                                       self.stride, self.pad)
+
+    def param_count(self):
+        return 0
+
+    def activation_bytes(self):
+        return _nbytes(self.out_shape)
+
+    def forward(self, s, x):
+        self.check_input(x)
+        be, k, st, pd = s.be, self.kernel, self.stride, self.pad
+        y = s.empty(self.out_shape)
+        s.kernel("avgpool_forward", lambda xv, yv: be.avgpool_forward(xv, k, st, pd, yv), (x,), (y,))
+        in_shape = self.in_shape
+
+        def pullback(dy):
+            dx = s.empty(in_shape)
+            s.kernel("avgpool_backward", lambda d, o: be.avgpool_backward(d, k, st, pd, o), (dy,), (dx,))
+            return dx
+
+        return y, pullback
+
+
+class Flatten(Unit):
+    """(N, C, H, W) -> (N, C*H*W) as a view (no copy); the gradient is reshaped back."""
+
+    def __init__(self, name, in_shape):
+        self.name, self.in_shape = name, tuple(in_shape)
+        self.out_shape = (self.in_shape[0], math.prod(self.in_shape[1:]))
+
+    def param_count(self):
+        return 0
+
+    def activation_bytes(self):
+        return 0
+
+    def forward(self, s, x):
+        self.check_input(x)
+        in_shape = self.in_shape
+
+        def pullback(dy):
+            return dy.reshape(in_shape)
+
+        return x.reshape(self.out_shape), pullback
+
+
+class Dense(Unit):
+    """Fully connected layer y = x @ w.T + b with w (out, in)."""
+
+    def __init__(self, name, in_shape, out_features, bias=True, need_dx=True):
+        self.name, self.in_shape = name, tuple(in_shape)
+        if len(self.in_shape) != 2:
+            raise ValueError(f"layer {name}: expects a 2-d (N, features) input, got {self.in_shape}")
+        self.w_shape = (int(out_features), self.in_shape[1])
+        self.out_shape = (self.in_shape[0], int(out_features))
+        self.has_bias, self.need_dx = bool(bias), bool(need_dx)
+        self.w = self.b = None
+
+    def init(self, s, rng):
+        w = rng.standard_normal(self.w_shape, dtype=F32) * np.float32(math.sqrt(2.0 / self.w_shape[1]))
+        self.w = s.param(f"{self.name}.w", w)
+        if self.has_bias:
+            self.b = s.param(f"{self.name}.b", np.zeros(self.w_shape[0], F32))
+
+    def param_count(self):
+        return math.prod(self.w_shape) + (self.w_shape[0] if self.has_bias else 0)
+
+    def activation_bytes(self):
+        return _nbytes(self.out_shape)
+
+    def forward(self, s, x):
+        self.check_input(x)
+        be = s.be
+        w = self.w.value
+        b = self.b.value if self.b is not None else None
+        y = s.empty(self.out_shape)
+        s.kernel("dense_forward", lambda xv, wv, bv, yv: be.dense_forward(xv, wv, bv, yv), (x, w, b), (y,))
+        pw, pb = self.w, self.b
+        in_shape, need_dx = self.in_shape, self.need_dx
+
+        def pullback(dy):
+            dx = None
+            if need_dx:
+                dx = s.empty(in_shape)
+                s.kernel("dense_backward_data", lambda d, wv, o: be.dense_backward_data(d, wv, o),
+                         (dy, w), (dx,))
+            gw, gb = pw.new_grad(s), (pb.new_grad(s) if pb is not None else None)
+            s.kernel("dense_backward_weights",
+                     lambda xv, d, dw, db: be.dense_backward_weights(xv, d, dw, db), (x, dy), (gw, gb))
+            return dx
+
+        return y, pullback
+
+
+class Chain(Unit):
+    """Layers applied in order; the pullback runs theirs in reverse."""
+
+    def __init__(self, name, layers):
+        self.name = name
+        self.layers = list(layers)
+        if not self.layers:
+            raise ValueError(f"layer {name}: a chain needs at least one layer")
+        self.in_shape, self.out_shape = self.layers[0].in_shape, self.layers[-1].out_shape
+
+    def forward(self, s, x):
+        pullbacks = []
+        for layer in self.layers:
+            x, pb = layer.forward(s, x)
+            pullbacks.append(pb)
+
+        def pullback(dy):
+            for pb in reversed(pullbacks):
+                dy = pb(dy)
+            return dy
+
+        return x, pullback
+
+
+def add(s, a, b, out=None):
+    """a + b into a new array (or into ``out``, which may be a: an in-place accumulate)."""
+    if out is None:
+        out = s.empty(a.shape)
+    be = s.be
+    if out is a:
+        s.kernel("add", lambda av, bv, o: be.add(o, bv, o), (a, b), (out,))
+    else:
+        s.kernel("add", lambda av, bv, o: be.add(av, bv, o), (a, b), (out,))
+    return out
+
+
+def softmax_cross_entropy(s, logits, labels):
+    """(mean loss as a float, d loss / d logits as a new array)."""
+    be = s.be
+    dlogits = s.empty(logits.shape)
+    loss = s.kernel("softmax_cross_entropy", lambda lv, yv, d: be.softmax_cross_entropy(lv, yv, d),
+                    (logits, labels), (dlogits,))
+    return float(loss), dlogits

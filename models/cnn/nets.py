@@ -1,0 +1,350 @@
+"""VGG, ResNet and DenseNet built from the rrule layers, and the annotated training step.
+
+A model is a list of *units*; each unit is annotated as a whole (``Session.rrule``): VGG's
+units are single layers, ResNet's are residual blocks, DenseNet's are dense layers (the
+bottleneck and its concatenation) and transitions, so cleanup never frees what a later
+pullback still needs. ``width`` divides every channel count, so the same architecture runs at
+test scale (e.g. 16x16 images, width 16) and at benchmark scale (width 1).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+import cachedarrays as ca
+
+from .core import Unit
+from .layers import (AvgPool2d, BatchNorm2d, Chain, Conv2d, Dense, Flatten, MaxPool2d, ReLU, add,
+                     softmax_cross_entropy)
+
+__all__ = ["Model", "ResidualBlock", "DenseLayer", "build", "vgg", "resnet", "densenet",
+           "train_step", "MODELS", "VGG_DEPTHS", "RESNET_DEPTHS", "DENSENET_DEPTHS"]
+
+
+def _vgg_stages(depth):
+    """Convolutions per stage for VGG-depth (3 dense layers; extra depth goes to stages 3-5)."""
+    fixed = {11: [1, 1, 2, 2, 2], 13: [2, 2, 2, 2, 2], 16: [2, 2, 3, 3, 3], 19: [2, 2, 4, 4, 4]}
+    if depth in fixed:
+        return fixed[depth]
+    rest = depth - 3 - 4
+    return [2, 2] + [rest // 3 + (1 if i < rest % 3 else 0) for i in range(3)]
+
+
+VGG_DEPTHS = (11, 13, 16, 19, 116, 416)
+RESNET_DEPTHS = {18: ("basic", [2, 2, 2, 2]), 34: ("basic", [3, 4, 6, 3]),
+                 50: ("bottleneck", [3, 4, 6, 3]), 101: ("bottleneck", [3, 4, 23, 3]),
+                 152: ("bottleneck", [3, 8, 36, 3]), 200: ("bottleneck", [3, 24, 36, 3])}
+DENSENET_DEPTHS = {121: [6, 12, 24, 16], 169: [6, 12, 32, 32], 201: [6, 12, 48, 32],
+                   264: [6, 12, 64, 48]}
+
+
+def _ch(c, width):
+    """c channels divided by the width factor (at least 1)."""
+    return max(1, int(round(c / width)))
+
+
+class Model:
+    """A named list of units with the input shape and class count it was built for."""
+
+    def __init__(self, name, units, input_shape, classes):
+        self.name, self.units = name, list(units)
+        self.input_shape, self.classes = tuple(input_shape), int(classes)
+        self.initialized = False
+
+    def params(self):
+        out = []
+        for u in self.units:
+            out.extend(u.params())
+        return out
+
+    def param_count(self):
+        return sum(u.param_count() for u in self.units)
+
+    def footprint_estimate(self):
+        """Approximate bytes one training iteration needs with cleanup on (weights, gradients,
+        saved activations, the input and the largest backward temporaries)."""
+        acts = sum(u.activation_bytes() for u in self.units)
+        largest = max(4 * math.prod(u.out_shape) for u in self.units)
+        inp = 4 * math.prod(self.input_shape)
+        return 8 * self.param_count() + acts + 3 * largest + 2 * inp
+
+    def init(self, s, seed=0):
+        """Allocate and initialise every parameter (deterministic in seed) through s's manager."""
+        rng = np.random.default_rng(seed)
+        for u in self.units:
+            u.init(s, rng)
+        self.initialized = True
+        return self
+
+    def weights(self):
+        """Copies of every parameter value, as ndarrays (name -> array)."""
+        out = {}
+        for p in self.params():
+            with ca.readable(p.value) as v:
+                out[p.name] = np.array(v)
+        return out
+
+    def forward(self, s, x, tape):
+        """Annotated forward pass; appends each unit's pullback to tape; returns the logits."""
+        if tuple(x.shape) != self.input_shape:
+            raise ValueError(f"model {self.name}: input has shape {tuple(x.shape)}, but it was built "
+                             f"for {self.input_shape}; build it with that batch, channels and image")
+        for u in self.units:
+            x, pb = s.rrule(u, x)
+            tape.append(pb)
+        return x
+
+    def __repr__(self):
+        return f"<Model {self.name} input {self.input_shape} {len(self.units)} units>"
+
+
+class ResidualBlock(Unit):
+    """Basic (two 3x3) or bottleneck (1x1, 3x3, 1x1 x4) residual block with projection shortcut."""
+
+    def __init__(self, name, in_shape, planes, stride, bottleneck):
+        self.name, self.in_shape = name, tuple(in_shape)
+        cin = self.in_shape[1]
+        out_c = planes * 4 if bottleneck else planes
+        if bottleneck:
+            c1 = Conv2d(f"{name}.conv1", in_shape, planes, 1)
+            b1 = BatchNorm2d(f"{name}.bn1", c1.out_shape)
+            r1 = ReLU(f"{name}.relu1", c1.out_shape)
+            c2 = Conv2d(f"{name}.conv2", c1.out_shape, planes, 3, stride, 1)
+            b2 = BatchNorm2d(f"{name}.bn2", c2.out_shape)
+            r2 = ReLU(f"{name}.relu2", c2.out_shape)
+            c3 = Conv2d(f"{name}.conv3", c2.out_shape, out_c, 1)
+            b3 = BatchNorm2d(f"{name}.bn3", c3.out_shape)
+            layers = [c1, b1, r1, c2, b2, r2, c3, b3]
+        else:
+            c1 = Conv2d(f"{name}.conv1", in_shape, planes, 3, stride, 1)
+            b1 = BatchNorm2d(f"{name}.bn1", c1.out_shape)
+            r1 = ReLU(f"{name}.relu1", c1.out_shape)
+            c2 = Conv2d(f"{name}.conv2", c1.out_shape, planes, 3, 1, 1)
+            b2 = BatchNorm2d(f"{name}.bn2", c2.out_shape)
+            layers = [c1, b1, r1, c2, b2]
+        self.branch = Chain(f"{name}.branch", layers)
+        self.out_shape = self.branch.out_shape
+        self.shortcut = None
+        if stride != 1 or cin != out_c:
+            sc = Conv2d(f"{name}.downsample", in_shape, out_c, 1, stride)
+            self.shortcut = Chain(f"{name}.shortcut", [sc, BatchNorm2d(f"{name}.downsample_bn", sc.out_shape)])
+        self.relu = ReLU(f"{name}.relu", self.out_shape)
+
+    def activation_bytes(self):
+        return super().activation_bytes() + 4 * math.prod(self.out_shape)
+
+    def forward(self, s, x):
+        self.check_input(x)
+        h, pb_branch = self.branch.forward(s, x)
+        if self.shortcut is not None:
+            sc, pb_short = self.shortcut.forward(s, x)
+        else:
+            sc, pb_short = x, None
+        y, pb_relu = self.relu.forward(s, add(s, h, sc))
+
+        def pullback(dy):
+            dz = pb_relu(dy)
+            dx = pb_branch(dz)
+            add(s, dx, pb_short(dz) if pb_short is not None else dz, out=dx)
+            return dx
+
+        return y, pullback
+
+
+class DenseLayer(Unit):
+    """DenseNet-B layer: BN-ReLU-Conv1x1(4k)-BN-ReLU-Conv3x3(k), concatenated to its input."""
+
+    def __init__(self, name, in_shape, growth, bn_size=4):
+        self.name, self.in_shape = name, tuple(in_shape)
+        n, c, h, w = self.in_shape
+        b1 = BatchNorm2d(f"{name}.bn1", in_shape)
+        r1 = ReLU(f"{name}.relu1", in_shape)
+        c1 = Conv2d(f"{name}.conv1", in_shape, bn_size * growth, 1)
+        b2 = BatchNorm2d(f"{name}.bn2", c1.out_shape)
+        r2 = ReLU(f"{name}.relu2", c1.out_shape)
+        c2 = Conv2d(f"{name}.conv2", c1.out_shape, growth, 3, 1, 1)
+        self.inner = Chain(f"{name}.inner", [b1, r1, c1, b2, r2, c2])
+        self.growth = growth
+        self.out_shape = (n, c + growth, h, w)
+
+    def activation_bytes(self):
+        return super().activation_bytes() + 4 * math.prod(self.out_shape)
+
+    def forward(self, s, x):
+        self.check_input(x)
+        be = s.be
+        c, k = self.in_shape[1], self.growth
+        new, pb_inner = self.inner.forward(s, x)
+        y = s.empty(self.out_shape)
+        s.kernel("concat_channels", lambda a, b, o: be.concat_channels([a, b], o), (x, new), (y,))
+        in_shape, new_shape = self.in_shape, new.shape
+
+        def pullback(dy):
+            dx, dnew = s.empty(in_shape), s.empty(new_shape)
+            s.kernel("split_channels", lambda d, o1, o2: be.split_channels(d, [c, k], [o1, o2]),
+                     (dy,), (dx, dnew))
+            add(s, dx, pb_inner(dnew), out=dx)
+            return dx
+
+        return y, pullback
+
+
+def _head(name, shape, classes, width, with_bn_relu=False):
+    units = []
+    if with_bn_relu:
+        units += [BatchNorm2d(f"{name}.bn", shape), ReLU(f"{name}.relu", shape)]
+    pool = AvgPool2d(f"{name}.avgpool", shape)
+    flat = Flatten(f"{name}.flatten", pool.out_shape)
+    fc = Dense(f"{name}.fc", flat.out_shape, classes)
+    return units + [pool, flat, fc]
+
+
+def vgg(depth=16, batch=16, image=64, channels=3, classes=10, width=1):
+    """VGG-depth (11/13/16/19, or 116/416 by repeating stage 3-5 convolutions); no batch norm."""
+    if depth not in VGG_DEPTHS:
+        raise ValueError(f"unknown VGG depth {depth}; valid depths: {', '.join(map(str, VGG_DEPTHS))}")
+    shape = (batch, channels, image, image)
+    units = []
+    first = True
+    for stage, (n, c) in enumerate(zip(_vgg_stages(depth), (64, 128, 256, 512, 512)), 1):
+        for i in range(1, n + 1):
+            conv = Conv2d(f"conv{stage}_{i}", shape, _ch(c, width), 3, 1, 1, bias=True, need_dx=not first)
+            first = False
+            units += [conv, ReLU(f"relu{stage}_{i}", conv.out_shape)]
+            shape = conv.out_shape
+        if shape[2] >= 2 and shape[3] >= 2:      # small test images stop pooling at 1x1
+            pool = MaxPool2d(f"pool{stage}", shape, 2, 2)
+            units.append(pool)
+            shape = pool.out_shape
+    flat = Flatten("flatten", shape)
+    units.append(flat)
+    shape = flat.out_shape
+    hidden = _ch(4096, width)
+    for i in (1, 2):
+        fc = Dense(f"fc{i}", shape, hidden)
+        units += [fc, ReLU(f"fc{i}.relu", fc.out_shape)]
+        shape = fc.out_shape
+    units.append(Dense("fc3", shape, classes))
+    return Model(f"vgg{depth}", units, (batch, channels, image, image), classes)
+
+
+def _stem(shape, width, pool_pad=1):
+    conv = Conv2d("stem.conv", shape, _ch(64, width), 7, 2, 3, need_dx=False)
+    bn = BatchNorm2d("stem.bn", conv.out_shape)
+    relu = ReLU("stem.relu", conv.out_shape)
+    pool = MaxPool2d("stem.pool", conv.out_shape, 3, 2, pool_pad)
+    return [conv, bn, relu, pool], pool.out_shape
+
+
+def resnet(depth=50, batch=16, image=64, channels=3, classes=10, width=1):
+    """ResNet-depth: basic blocks for 18/34, bottleneck blocks for 50/101/152/200."""
+    if depth not in RESNET_DEPTHS:
+        raise ValueError(f"unknown ResNet depth {depth}; valid depths: "
+                         f"{', '.join(map(str, RESNET_DEPTHS))}")
+    kind, counts = RESNET_DEPTHS[depth]
+    units, shape = _stem((batch, channels, image, image), width)
+    for stage, (n, planes) in enumerate(zip(counts, (64, 128, 256, 512)), 1):
+        for i in range(n):
+            stride = 2 if (i == 0 and stage > 1) else 1
+            block = ResidualBlock(f"layer{stage}.{i}", shape, _ch(planes, width), stride,
+                                  kind == "bottleneck")
+            units.append(block)
+            shape = block.out_shape
+    units += _head("head", shape, classes, width)
+    return Model(f"resnet{depth}", units, (batch, channels, image, image), classes)
+
+
+def densenet(depth=121, batch=16, image=64, channels=3, classes=10, width=1, growth=32):
+    """DenseNet-BC-depth (121/169/201/264): growth 32, bottleneck 4k, compression 0.5."""
+    if depth not in DENSENET_DEPTHS:
+        raise ValueError(f"unknown DenseNet depth {depth}; valid depths: "
+                         f"{', '.join(map(str, DENSENET_DEPTHS))}")
+    k = _ch(growth, width)
+    units, shape = _stem((batch, channels, image, image), width)
+    blocks = DENSENET_DEPTHS[depth]
+    for b, n in enumerate(blocks, 1):
+        for i in range(1, n + 1):
+            layer = DenseLayer(f"dense{b}.{i}", shape, k)
+            units.append(layer)
+            shape = layer.out_shape
+        if b < len(blocks):
+            name = f"transition{b}"
+            bn = BatchNorm2d(f"{name}.bn", shape)
+            relu = ReLU(f"{name}.relu", shape)
+            conv = Conv2d(f"{name}.conv", shape, max(1, shape[1] // 2), 1)
+            layers = [bn, relu, conv]
+            if conv.out_shape[2] >= 2 and conv.out_shape[3] >= 2:
+                layers.append(AvgPool2d(f"{name}.pool", conv.out_shape, 2, 2))
+            units.append(Chain(name, layers))
+            shape = units[-1].out_shape
+    units += _head("head", shape, classes, width, with_bn_relu=True)
+    return Model(f"densenet{depth}", units, (batch, channels, image, image), classes)
+
+
+MODELS = {"vgg": (vgg, VGG_DEPTHS), "resnet": (resnet, tuple(RESNET_DEPTHS)),
+          "densenet": (densenet, tuple(DENSENET_DEPTHS))}
+
+
+def build(model, depth, batch=16, image=64, channels=3, classes=10, width=1):
+    """Build (without allocating) the named model; unknown names and depths list the valid ones."""
+    try:
+        fn, depths = MODELS[model]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown model {model!r}; valid models: {', '.join(MODELS)}") from None
+    if depth not in depths:
+        raise ValueError(f"unknown {model} depth {depth!r}; valid depths: "
+                         f"{', '.join(map(str, depths))}")
+    for label, v in (("batch", batch), ("image", image), ("channels", channels), ("classes", classes)):
+        if int(v) < 1:
+            raise ValueError(f"{model}{depth}: {label} must be >= 1, got {v}")
+    if width <= 0:
+        raise ValueError(f"{model}{depth}: width divisor must be > 0, got {width}")
+    return fn(depth, int(batch), int(image), int(channels), int(classes), width)
+
+
+def _free_all(things, keep):
+    """Free every array reachable from things except the objects in keep (end of iteration)."""
+    def free(a):
+        obj = a.object
+        if obj.id not in keep and not obj.pins and not obj.freed:
+            ca.unsafe_free(a)
+    ca.onobjects(free, things)
+
+
+def train_step(s, model, x, labels, optimizer, defrag=True):
+    """One annotated SGD step on (x, labels); returns the loss.
+
+    After the step every temporary (gradients included) is freed and the fast heap defragmented
+    (§4.6), leaving only the weights. Without the cleanup switch nothing is freed before that point, as with
+    a garbage collector that runs once per iteration.
+    """
+    m = s.m
+    own = []
+    if not isinstance(x, ca.CachedArray):
+        x = ca.asarray(np.ascontiguousarray(x, dtype=s.dtype), manager=m)
+        own.append(x)
+    if not isinstance(labels, ca.CachedArray):
+        labels = ca.asarray(np.ascontiguousarray(labels, dtype=np.int64), manager=m)
+        own.append(labels)
+    tape, grads, logits = [], [], None
+    try:
+        logits = model.forward(s, x, tape)
+        loss, g = softmax_cross_entropy(s, logits, labels)
+        grads.append(g)
+        for pb in reversed(tape):
+            g = pb(g)
+            grads.append(g)
+        optimizer.step(s, model.params())
+    finally:
+        params = model.params()
+        for p in params:
+            p.drop_grad()
+        keep = ca.preserve(params, [a for a in (x, labels) if not any(a is o for o in own)])
+        _free_all((tape, grads, own, logits), keep)
+        tape.clear()
+        grads.clear()
+        if defrag:
+            m.defrag("fast")
+    return loss
