@@ -106,8 +106,24 @@ def pop_scope(rec):
 
 # ---- allocation ------------------------------------------------------------------------------
 
-def new_pinned(manager, shape, dtype, order="C"):
-    """Allocate an array through the manager's policy, returned pinned (release with _unpin)."""
+def _place(policy, nbytes, placement):
+    """Ask the policy for an object: its own choice, or fast/slow memory when a hint is given."""
+    if placement is None:
+        return policy.allocate(nbytes)
+    if placement == "slow":
+        return policy.alloc_slow(nbytes)
+    if placement == "fast":
+        obj = policy.alloc_fast(nbytes, force=True)
+        return obj if obj is not None else policy.alloc_slow(nbytes)
+    raise ValueError(f"placement must be None, 'fast' or 'slow', not {placement!r}")
+
+
+def new_pinned(manager, shape, dtype, order="C", placement=None):
+    """Allocate an array through the manager's policy, returned pinned (release with _unpin).
+
+    placement: None lets the policy choose; "slow" or "fast" (fast if it fits after forced
+    evictions, else slow) is a hint for arrays whose use the caller knows.
+    """
     dt = check_dtype(dtype)
     shape = _shape_tuple(shape)
     if order not in ("C", "F"):
@@ -117,7 +133,7 @@ def new_pinned(manager, shape, dtype, order="C"):
         n *= s
     nbytes = n * dt.itemsize
     with manager._lock:
-        obj = manager.policy.allocate(nbytes)
+        obj = _place(manager.policy, nbytes, placement)
         obj.pins += 1
         # The caller writes the new array at once: its primary differs from any slow twin.
         manager.policy.write_use(obj)
@@ -135,10 +151,10 @@ def _unpin(arr):
     arr._m.release((arr._obj,))
 
 
-def _from_ndarray(manager, a):
+def _from_ndarray(manager, a, placement=None):
     """A new CachedArray holding a copy of ndarray a."""
     order = "F" if (a.flags.f_contiguous and not a.flags.c_contiguous) else "C"
-    out = new_pinned(manager, a.shape, a.dtype, order)
+    out = new_pinned(manager, a.shape, a.dtype, order, placement)
     try:
         np.copyto(out._view(), a, casting="no")
     finally:

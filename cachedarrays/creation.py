@@ -15,44 +15,51 @@ def _manager(manager, like=None):
     return default_manager()
 
 
-def asarray(a, dtype=None, order=None, *, manager=None):
+def asarray(a, dtype=None, order=None, *, manager=None, placement=None):
     """a as a CachedArray: returned as is when it already is one (same dtype and manager)."""
     if isinstance(a, CachedArray) and (dtype is None or np.dtype(dtype) == a.dtype) and \
             (manager is None or manager is a.manager):
         return a
-    return array(a, dtype=dtype, order=order, manager=manager)
+    return array(a, dtype=dtype, order=order, manager=manager, placement=placement)
 
 
-def array(a, dtype=None, order=None, *, manager=None):
-    """A new CachedArray holding a copy of a (any array-like)."""
+def array(a, dtype=None, order=None, *, manager=None, placement=None):
+    """A new CachedArray holding a copy of a (any array-like).
+
+    placement: None lets the policy choose; "fast" or "slow" is a hint (see ``empty``).
+    """
     m = _manager(manager, a)
     if isinstance(a, CachedArray):
-        if m is a.manager:
+        if m is a.manager and placement is None:
             return a.astype(dtype if dtype is not None else a.dtype,
                             order="K" if order is None else order)
         with readable(a) as v:
-            return _copy_in(m, v, dtype, order)
-    return _copy_in(m, a, dtype, order)
+            return _copy_in(m, v, dtype, order, placement)
+    return _copy_in(m, a, dtype, order, placement)
 
 
-def _copy_in(m, a, dtype, order):
+def _copy_in(m, a, dtype, order, placement=None):
     src = np.asarray(a, dtype=dtype, order=order if order in ("C", "F") else None)
     check_dtype(src.dtype)
-    return _from_ndarray(m, src)
+    return _from_ndarray(m, src, placement)
 
 
-def empty(shape, dtype=float, order="C", *, manager=None):
-    """An uninitialised CachedArray."""
-    out = new_pinned(_manager(manager), shape, dtype, order)
+def empty(shape, dtype=float, order="C", *, manager=None, placement=None):
+    """An uninitialised CachedArray.
+
+    placement: None lets the policy choose; "slow" puts it in slow memory (e.g. a large table
+    that is read sparsely), "fast" in fast memory if it fits after forced evictions.
+    """
+    out = new_pinned(_manager(manager), shape, dtype, order, placement)
     _unpin(out)
     return out
 
 
-def full(shape, fill_value, dtype=None, order="C", *, manager=None):
+def full(shape, fill_value, dtype=None, order="C", *, manager=None, placement=None):
     """A CachedArray filled with fill_value."""
     if dtype is None:
         dtype = np.asarray(fill_value).dtype
-    out = new_pinned(_manager(manager), shape, dtype, order)
+    out = new_pinned(_manager(manager), shape, dtype, order, placement)
     try:
         out._view().fill(fill_value)
     finally:
@@ -60,12 +67,12 @@ def full(shape, fill_value, dtype=None, order="C", *, manager=None):
     return out
 
 
-def zeros(shape, dtype=float, order="C", *, manager=None):
-    return full(shape, 0, dtype, order, manager=manager)
+def zeros(shape, dtype=float, order="C", *, manager=None, placement=None):
+    return full(shape, 0, dtype, order, manager=manager, placement=placement)
 
 
-def ones(shape, dtype=float, order="C", *, manager=None):
-    return full(shape, 1, dtype, order, manager=manager)
+def ones(shape, dtype=float, order="C", *, manager=None, placement=None):
+    return full(shape, 1, dtype, order, manager=manager, placement=placement)
 
 
 def _like_args(a, dtype, order, shape):

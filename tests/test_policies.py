@@ -282,3 +282,19 @@ def test_custom_policy_subclass():
         ca.evict(small)
         assert small.device == "slow"
         np.testing.assert_array_equal(np.asarray(small), np.ones(100))
+
+
+def test_placement_hints_bypass_the_policy_choice():
+    with manager() as m:
+        xs = arrays(m, 5)
+        big = ca.zeros(3 * KB, manager=m, placement="slow")
+        assert big.device == "slow"
+        assert all(x.device == "fast" for x in xs)      # nothing was evicted for it
+        y = ca.asarray(np.ones(10), manager=m, placement="slow")
+        assert y.device == "slow"
+        z = ca.empty(10, manager=m, placement="fast")
+        assert z.device == "fast"
+        with pytest.raises(ValueError, match="placement"):
+            ca.empty(3, manager=m, placement="gpu")
+    with manager("slowonly") as m:
+        assert ca.ones(10, manager=m, placement="fast").device == "fast"
