@@ -1,7 +1,7 @@
 """CNN training on CachedArrays (dissertation §4.6–4.7): modes, traffic, modelled time, PyTorch.
 
     python benchmarks/cnn.py --model resnet --depth 50 --batch 16 --image 64 --backend onednn \\
-        --fast 25% --mode 2lm,LM,fast-only --iterations 3 --threads 2 [--plot] [--sweep] [--peer torch]
+        --fast 25% --mode 2lm,LM,fast-only --iterations 4 --threads 2 [--plot] [--sweep] [--peer torch]
 
 --fast is bytes, a size ("256MiB") or a percentage of the footprint measured by one iteration
 with everything in fast memory. --mode takes one mode or a comma-separated list of
@@ -9,17 +9,27 @@ with everything in fast memory. --mode takes one mode or a comma-separated list 
 on a slow-device profile) and wall-clock figures are printed in separate tables: on machines
 without persistent memory the slow device is a file mapping the OS keeps in DRAM, so only the
 bytes and the modelled time say what a real slow device would cost.
+
+The modes are interleaved: every mode is set up first (each with its own manager and model), then
+iteration i runs in every mode before iteration i+1 in any, so machine load hits all modes alike
+and the fast-only reference comes from the same run. The first iteration of each mode warms up;
+the tables report medians of the others. ``--peer torch`` runs the same model in PyTorch in a
+separate process (benchmarks/_torch_cnn.py: torch's OpenMP runtime never shares a process with
+oneDNN's) and alternates one step of ours with one step of PyTorch's.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
+import time
 
 # This folder holds a script named copy.py, which would shadow the standard library's `copy`
 # (numba imports it) when the folder is sys.path[0]; so import from here by file path only.
@@ -65,14 +75,17 @@ def parse_args(argv):
     p.add_argument("--fast", default="25%", help="bytes, a size like 256MiB, or a percentage")
     p.add_argument("--slow", default=None, help="slow memory size (default: 3x the estimate)")
     p.add_argument("--mode", default="2lm,LM,fast-only")
-    p.add_argument("--iterations", type=int, default=3)
+    p.add_argument("--iterations", type=int, default=4,
+                   help="iterations per mode; the first warms up, the rest give medians")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--profile", default="optane", help=f"one of {', '.join(PROFILES)}")
     p.add_argument("--line-size", type=int, default=64, help="2LM simulator line size (bytes)")
     p.add_argument("--plot", action="store_true", help="write heap occupancy and traffic PNGs")
     p.add_argument("--sweep", action="store_true", help="fast-budget sweep 100%%..0%% in mode LM")
     p.add_argument("--peer", default=None, choices=("torch",))
-    p.add_argument("--repeats", type=int, default=5, help="interleaved repetitions for --peer")
+    p.add_argument("--repeats", type=int, default=7, help="interleaved repetitions for --peer")
+    p.add_argument("--unfused", action="store_true",
+                   help="apply SGD after the backward pass instead of inside it")
     p.add_argument("--outdir", default="cnn_figures")
     p.add_argument("--no-progress", action="store_true")
     return p.parse_args(argv)
@@ -99,17 +112,26 @@ def _check_slow_room(need, slow, where):
                          "a smaller --batch or --image, or set TMPDIR to a larger file system")
 
 
-def run_mode(args, mode, budget, slow, event_log=None, bar=None):
-    """Per-iteration records of one mode (see cnn.run)."""
-    def tick(rec):
-        if bar is not None:
-            bar.update(1)
-            bar.set_postfix(mode=mode, loss=f"{rec['loss']:.3f}")
-    return cnn.run(args.model, args.depth, mode=mode, fast=budget, iterations=args.iterations,
-                   backend=args.backend, batch=args.batch, image=args.image,
-                   channels=args.channels, classes=args.classes, width=args.width,
-                   profile=args.profile, slow=slow, callback=tick, event_log=event_log,
-                   line_size=args.line_size)
+def make_trainer(args, mode, budget, slow, footprint, event_log=None):
+    """A cnn.Trainer for one mode with the benchmark's model, shapes and options."""
+    return cnn.Trainer(args.model, args.depth, mode=mode, fast=budget, backend=args.backend,
+                       batch=args.batch, image=args.image, channels=args.channels,
+                       classes=args.classes, width=args.width, profile=args.profile, slow=slow,
+                       event_log=event_log, line_size=args.line_size, fused=not args.unfused,
+                       footprint=footprint)
+
+
+def run_interleaved(trainers, iterations, bar=None):
+    """Records per trainer: iteration i of every trainer runs before iteration i+1 of any."""
+    recs = [[] for _ in trainers]
+    for _ in range(iterations):
+        for tr, out in zip(trainers, recs):
+            rec = tr.step()
+            out.append(rec)
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(mode=tr.mode, loss=f"{rec['loss']:.3f}")
+    return recs
 
 
 def _policy_row(mode, budget, recs):
@@ -125,7 +147,10 @@ def _policy_row(mode, budget, recs):
            "elided": st["events"].get("writebacks_elided", {}).get("bytes", 0),
            "peak_fast": st["devices"]["fast"]["peak_bytes"],
            "modelled": statistics.median(x["modelled"] for x in use),
-           "wall": statistics.median(x["wall"] for x in use), "loss": r["loss"]}
+           "modelled_sum": statistics.median(x["modelled_sum"] for x in use),
+           "wall": statistics.median(x["wall"] for x in use), "n": len(use),
+           "overhead": statistics.median(x["trace"]["overhead_seconds"] for x in use),
+           "loss": r["loss"]}
     mm = tr.get("memory_mode")
     if mm:
         row.update(slow_r=mm["slow_read_bytes"], slow_w=mm["slow_write_bytes"], hits=mm["hits"],
@@ -155,10 +180,11 @@ def print_policy_table(rows, profile):
 
 
 def print_wall_table(rows):
-    print("\nwall-clock figures (this machine; both tiers are DRAM here):")
-    print(f"{'mode':>9} {'wall/iter':>10} {'loss':>8}")
+    print("\nwall-clock figures (this machine; both tiers are DRAM here; medians of "
+          f"{rows[0]['n']} interleaved iterations per mode):")
+    print(f"{'mode':>9} {'wall/iter':>10} {'tracer':>9} {'loss':>8}")
     for r in rows:
-        print(f"{r['mode']:>9} {r['wall'] * 1e3:>8.1f}ms {r['loss']:>8.4f}")
+        print(f"{r['mode']:>9} {r['wall'] * 1e3:>8.1f}ms {r['overhead'] * 1e3:>7.1f}ms {r['loss']:>8.4f}")
 
 
 def print_targets(rows):
@@ -169,7 +195,9 @@ def print_targets(rows):
         print(f"target: LM slow-memory writes / 2LM slow-memory writes = {ratio:.3f} (target <= 0.5)")
     if "LM" in by and "fast-only" in by:
         print(f"target: LM modelled time / fast-only modelled time = "
-              f"{by['LM']['modelled'] / by['fast-only']['modelled']:.3f} (target <= 1.3)")
+              f"{by['LM']['modelled'] / by['fast-only']['modelled']:.3f} (target <= 1.3; "
+              f"{by['LM']['modelled_sum'] / by['fast-only']['modelled_sum']:.3f} if each slow-output "
+              "kernel pays bandwidth and factor summed)")
 
 
 def plot_occupancy(path, logs):
@@ -237,94 +265,84 @@ def plot_sweep(path, rows, fast_only):
     plt.close(fig)
 
 
-def torch_model(model):
-    """The same architecture as a torch.nn.Module (built from our units)."""
-    import torch
-    from torch import nn
+class TorchPeer:
+    """benchmarks/_torch_cnn.py in a child process: the same model and SGD step in PyTorch."""
 
-    class Residual(nn.Module):
-        def __init__(self, block):
-            super().__init__()
-            self.branch = convert(block.branch)
-            self.shortcut = convert(block.shortcut) if block.shortcut is not None else None
-            self.relu = nn.ReLU(inplace=True)
+    def __init__(self, args):
+        cfg = dict(model=args.model, depth=args.depth, batch=args.batch, image=args.image,
+                   channels=args.channels, classes=args.classes, width=args.width,
+                   threads=args.threads, lr=0.01)
+        env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads))
+        self.proc = subprocess.Popen([sys.executable, os.path.join(_HERE, "_torch_cnn.py"),
+                                      json.dumps(cfg)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, env=env)
+        self.info = self._read()
+        if self.info.get("params") != self.info.get("expected_params"):
+            raise RuntimeError(f"torch peer built {self.info.get('params')} parameters, ours has "
+                               f"{self.info.get('expected_params')}")
 
-        def forward(self, x):
-            sc = self.shortcut(x) if self.shortcut is not None else x
-            return self.relu(self.branch(x) + sc)
+    def _read(self):
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"torch peer exited (code {self.proc.wait()}); see its stderr above")
+        return json.loads(line)
 
-    class Dense(nn.Module):
-        def __init__(self, layer):
-            super().__init__()
-            self.inner = convert(layer.inner)
+    def steps(self, n=1):
+        """Seconds of each of n PyTorch training steps (timed in the child)."""
+        self.proc.stdin.write(f"{n}\n")
+        self.proc.stdin.flush()
+        return self._read()["times"]
 
-        def forward(self, x):
-            return torch.cat([x, self.inner(x)], 1)
-
-    def convert(u):
-        if isinstance(u, cnn.Conv2d):
-            k, c, r, s_ = u.w_shape
-            return nn.Conv2d(c, k, (r, s_), u.stride, u.pad, bias=u.has_bias)
-        if isinstance(u, cnn.BatchNorm2d):
-            return nn.BatchNorm2d(u.in_shape[1], eps=u.eps)
-        if isinstance(u, cnn.ReLU):
-            return nn.ReLU(inplace=True)
-        if isinstance(u, cnn.MaxPool2d):
-            return nn.MaxPool2d(u.kernel, u.stride, u.pad)
-        if isinstance(u, cnn.AvgPool2d):
-            return nn.AvgPool2d(u.kernel, u.stride, u.pad, count_include_pad=False)
-        if isinstance(u, cnn.Flatten):
-            return nn.Flatten()
-        if isinstance(u, cnn.Dense):
-            return nn.Linear(u.w_shape[1], u.w_shape[0], bias=u.has_bias)
-        if isinstance(u, cnn.Chain):
-            return nn.Sequential(*[convert(v) for v in u.layers])
-        if isinstance(u, cnn.ResidualBlock):
-            return Residual(u)
-        if isinstance(u, cnn.DenseLayer):
-            return Dense(u)
-        raise TypeError(f"no torch equivalent for {u!r}")
-
-    return nn.Sequential(*[convert(u) for u in model.units])
+    def close(self):
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write("quit\n")
+                self.proc.stdin.close()
+            except OSError:
+                pass
+            self.proc.wait(timeout=60)
 
 
-def peer_torch(args, footprint):
-    """Median seconds per training step: ours (fast-only) vs PyTorch, interleaved."""
-    import torch
-    torch.set_num_threads(args.threads)
+def peer_torch(args):
+    """Median seconds per training step, ours (fast-only) and PyTorch's, alternating one step each.
+
+    Ours runs in this process (tracer off), PyTorch in a child process; neither runs while the
+    other does. Returns (ours, torch) medians and prints them with the machine load.
+    """
+    load0 = os.getloadavg()
     model = cnn.build(args.model, args.depth, batch=args.batch, image=args.image,
                       channels=args.channels, classes=args.classes, width=args.width)
     x, y = cnn.synthetic_batch(model)
     m, s = cnn.make_session("fast-only", int(model.footprint_estimate() * 1.5) + (16 << 20),
                             1 << 20, args.backend)
     s.tracer = None
-    with m:
+    peer = TorchPeer(args)
+    ours_t, theirs_t = [], []
+    try:
         model.init(s)
         opt = cnn.SGD(0.01)
-        tmodel = torch_model(model)
-        topt = torch.optim.SGD(tmodel.parameters(), lr=0.01)
-        tx, ty = torch.from_numpy(x), torch.from_numpy(y)
-        lossf = torch.nn.CrossEntropyLoss()
-
-        def ours():
-            cnn.train_step(s, model, x, y, opt)
-
-        def theirs():
-            topt.zero_grad(set_to_none=True)
-            loss = lossf(tmodel(tx), ty)
-            loss.backward()
-            topt.step()
-
+        fused = not args.unfused
         for _ in range(2):
-            ours()
-            theirs()
-        t_ours, t_torch = interleaved([ours, theirs], args.repeats, 1)
-    print(f"\npeer: PyTorch {torch.__version__} CPU, {args.threads} threads "
-          f"(torch.set_num_threads; oneDNN set_threads), batch {args.batch}, image {args.image}, "
-          f"SGD, medians of {args.repeats} interleaved repetitions")
-    print(f"  ours ({args.backend}, fast-only) {t_ours * 1e3:.1f} ms/step, torch "
-          f"{t_torch * 1e3:.1f} ms/step, speed ratio ours/torch = {t_torch / t_ours:.2f}x "
-          f"(>= 1 means we are faster)")
+            cnn.train_step(s, model, x, y, opt, fused=fused)
+        for _ in range(args.repeats):
+            t = time.perf_counter()
+            cnn.train_step(s, model, x, y, opt, fused=fused)
+            ours_t.append(time.perf_counter() - t)
+            theirs_t.extend(peer.steps(1))
+    finally:
+        peer.close()
+        m.close()
+    t_ours, t_torch = statistics.median(ours_t), statistics.median(theirs_t)
+    load1 = os.getloadavg()
+    info = peer.info
+    print(f"\npeer: PyTorch {info['torch']} CPU in a separate process ({info['threads']} threads, "
+          f"OMP_NUM_THREADS={args.threads}); ours: {args.backend} backend, {args.threads} threads, "
+          f"fast-only, {'unfused' if args.unfused else 'fused'} SGD; {model.name} batch {args.batch}, "
+          f"image {args.image}; medians of {args.repeats} alternating steps; load average "
+          f"{load0[0]:.2f} before, {load1[0]:.2f} after")
+    print(f"  ours {t_ours * 1e3:.1f} ms/step (min {min(ours_t) * 1e3:.1f}), torch "
+          f"{t_torch * 1e3:.1f} ms/step (min {min(theirs_t) * 1e3:.1f}); speed ratio ours/torch = "
+          f"{t_torch / t_ours:.2f}x (>= 1 means we are faster)")
     return t_ours, t_torch
 
 
@@ -340,9 +358,11 @@ def main(argv=None):
         raise SystemExit(f"error: {e}") from None
     _set_threads(args.backend, args.threads)
     print(machine())
+    print(f"load average {' '.join(f'{v:.2f}' for v in os.getloadavg())} (1/5/15 min)")
     print(f"{model.name}: batch {args.batch}, {args.image}x{args.image}x{args.channels}, "
           f"{args.classes} classes, width /{args.width:g}, {model.param_count():,} parameters, "
-          f"backend {args.backend}, {args.threads} threads")
+          f"backend {args.backend}, {args.threads} threads, "
+          f"{'unfused' if args.unfused else 'fused'} SGD")
     print(cnn.FORMULA)
     need = model.footprint_estimate()
     slow = ca.parse_size(args.slow, "--slow") if args.slow else 3 * need + (64 << 20)
@@ -353,7 +373,8 @@ def main(argv=None):
                          "use a larger --slow or a smaller --batch")
     footprint = cnn.measure_footprint(args.model, args.depth, args.backend, batch=args.batch,
                                       image=args.image, channels=args.channels,
-                                      classes=args.classes, width=args.width)
+                                      classes=args.classes, width=args.width,
+                                      fused=not args.unfused)
     budget, label = _budget(args.fast, footprint)
     print(f"measured footprint {_size(footprint)} (estimate {_size(need)}); fast budget {_size(budget)} "
           f"({label}); slow device {_size(slow)}")
@@ -365,16 +386,27 @@ def main(argv=None):
     rows, logs = [], {}
     tmp = tempfile.TemporaryDirectory()
     try:
-        for mode in modes:
-            log = os.path.join(tmp.name, f"{mode}.jsonl") if args.plot else None
-            recs = run_mode(args, mode, budget, slow, log, bar)
-            rows.append(_policy_row(mode, recs[-1]["budget"], recs))
-            if log:
-                logs[mode] = log
+        trainers = []
+        try:
+            for mode in modes:
+                log = os.path.join(tmp.name, f"{mode}.jsonl") if args.plot else None
+                trainers.append(make_trainer(args, mode, budget, slow, footprint, log))
+                if log:
+                    logs[mode] = log
+            all_recs = run_interleaved(trainers, args.iterations, bar)
+        finally:
+            for tr in trainers:
+                tr.close()
+        for tr, recs in zip(trainers, all_recs):
+            rows.append(_policy_row(tr.mode, tr.budget, recs))
         sweep_rows = []
         if args.sweep:
             for pct in SWEEP:
-                recs = run_mode(args, "LM", int(footprint * pct / 100), slow, None, bar)
+                tr = make_trainer(args, "LM", int(footprint * pct / 100), slow, footprint)
+                try:
+                    recs = run_interleaved([tr], args.iterations, bar)[0]
+                finally:
+                    tr.close()
                 r = _policy_row("LM", int(footprint * pct / 100), recs)
                 r["pct"] = pct
                 sweep_rows.append(r)
@@ -405,7 +437,7 @@ def main(argv=None):
     finally:
         tmp.cleanup()
     if args.peer == "torch":
-        peer_torch(args, footprint)
+        peer_torch(args)
     return 0
 
 

@@ -12,9 +12,6 @@ import os
 import platform
 import sys
 
-# Sibling scripts (e.g. benchmarks/copy.py) must not shadow standard modules that torch imports.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 
 
 def parse_args(argv=None):

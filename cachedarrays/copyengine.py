@@ -22,6 +22,7 @@ MT_MIN = 1 << 20
 CALIBRATION_BYTES = 64 << 20
 
 _lock = threading.Lock()
+_copy_u = lib.ca_copy_u
 _chosen = False
 
 
@@ -50,20 +51,39 @@ def copy(dst_address, src_address, nbytes: int, threads: int | None = None,
 
     persist=True writes the destination's cache lines back (for DAX-mapped persistent memory).
     """
-    n = _size(nbytes)
-    if n == 0:
+    if type(nbytes) is int and 0 < nbytes < MT_MIN and type(dst_address) is int \
+            and type(src_address) is int and (threads is None or type(threads) is int and threads > 0):
+        try:
+            _copy_u(dst_address, src_address, nbytes, threads or 0,
+                    lib.CA_COPY_PERSIST if persist else 0)     # fastest path: small, plain ints
+        except OverflowError:
+            raise ValueError(f"copy of {nbytes} bytes from {src_address} to {dst_address}: "
+                             f"addresses must be in [0, 2**64)") from None
         return
-    d = _ptr(dst_address, "destination")
-    s = _ptr(src_address, "source")
     if threads is None:
-        if n >= MT_MIN and not _chosen:
-            _choose_default()
         t = 0
     else:
         t = int(threads)
         if t < 1:
             raise ValueError(f"threads must be >= 1 (or None for the default), got {threads}")
-    lib.ca_copy(d, s, n, t, lib.CA_COPY_PERSIST if persist else 0)
+    flags = lib.CA_COPY_PERSIST if persist else 0
+    if type(dst_address) is int and type(src_address) is int and type(nbytes) is int and nbytes > 0:
+        if t == 0 and not _chosen and nbytes >= MT_MIN:
+            _choose_default()
+        try:
+            lib.ca_copy_u(dst_address, src_address, nbytes, t, flags)   # fast path: plain ints
+        except OverflowError:
+            raise ValueError(f"copy of {nbytes} bytes from {src_address} to {dst_address}: "
+                             f"addresses and size must be in [0, 2**64)") from None
+        return
+    n = _size(nbytes)
+    if n == 0:
+        return
+    d = _ptr(dst_address, "destination")
+    s = _ptr(src_address, "source")
+    if t == 0 and not _chosen and n >= MT_MIN:
+        _choose_default()
+    lib.ca_copy(d, s, n, t, flags)
 
 
 def set_threads(n: int) -> None:
@@ -97,6 +117,13 @@ def get_nt_threshold() -> int:
 def isa() -> str:
     """The streaming-store instruction set picked at run time: 'avx512', 'avx2' or 'sse2'."""
     return ffi.string(lib.ca_copy_isa()).decode()
+
+
+def set_isa(name: str) -> None:
+    """Force the streaming-store ISA ('avx512', 'avx2', 'sse2'); for tests and benchmarks."""
+    if lib.ca_copy_set_isa(str(name).encode()) != lib.CA_OK:
+        raise ValueError(f"streaming-store ISA {name!r} is unknown or not supported by this CPU; "
+                         f"use one of 'avx512', 'avx2', 'sse2' that the CPU has")
 
 
 def flush(addr, nbytes: int) -> None:

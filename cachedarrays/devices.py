@@ -12,7 +12,6 @@ import stat
 import tempfile
 
 from . import copyengine
-from ._native import lib as _lib
 from .errors import DeviceError, OutOfMemoryError
 from .heap import Heap
 from .sizes import format_size, parse_size
@@ -75,7 +74,6 @@ class Device:
         self._mm = None
         self._base = None
         self.heap = None
-        self._h = None
         self.capacity = 0
         self.closed = False
 
@@ -87,7 +85,6 @@ class Device:
         self._base = ffi.from_buffer(mm)
         self.address = int(ffi.cast("uintptr_t", self._base))
         self.heap = Heap(self.address, self.size, self.granularity)
-        self._h = self.heap._h
         self.capacity = self.heap.stats().capacity
 
     @property
@@ -106,20 +103,15 @@ class Device:
                 f"device {self.name!r} has no memory (size {format_size(self.size)}): cannot place "
                 f"{format_size(nbytes)}; give it a size, or let the policy use another device"
             )
-        r = _lib.ca_heap_alloc(self._h, nbytes, owner)
-        if r >= 0:
-            return r
         try:
-            return self.heap.alloc(nbytes, owner)      # raises with the full explanation
+            return self.heap.alloc(nbytes, owner)
         except OutOfMemoryError as e:
             raise OutOfMemoryError(f"device {self.name!r}: {e}") from None
 
     def try_alloc(self, nbytes, owner):
         """Allocate a block, or return None when it does not fit (the cheap path)."""
-        if self._h is None:
-            return None
-        r = _lib.ca_heap_alloc(self._h, nbytes, owner)
-        return r if r >= 0 else None
+        heap = self.heap
+        return None if heap is None else heap.try_alloc(nbytes, owner)
 
     def can_alloc(self, nbytes):
         return self.heap is not None and self.heap.can_alloc(nbytes)
@@ -134,8 +126,9 @@ class Device:
         return self.heap is not None and self.heap.block_size(nbytes) <= self.capacity
 
     def free(self, offset, owner):
-        if self._h is None or _lib.ca_heap_free(self._h, offset, owner) != 0:
-            self.heap.free(offset, owner)              # raises with the full explanation
+        if self.heap is None:
+            raise OutOfMemoryError(f"device {self.name!r} has no heap (size 0 or closed)")
+        self.heap.free(offset, owner)
 
     def stats(self):
         if self.heap is None:
@@ -151,7 +144,6 @@ class Device:
             return
         self.closed = True
         if self.heap is not None:
-            self._h = None
             self.heap.close()
             self.heap = None
         if self._base is not None:

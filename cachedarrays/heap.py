@@ -53,37 +53,25 @@ class _Call:
         self.error: Optional[BaseException] = None
 
 
-# Innermost active call per thread: the onerror hook's fallback to find where to stash.
+# Calls in progress on this thread, innermost last. A callback runs synchronously on the thread
+# that made the native call, so the innermost call is the one whose callback raised.
 _active = threading.local()
 
 
-def _stash(exc_value, tb) -> None:
+def _stash(exc_value) -> None:
     """Record an exception raised in a callback on the call that ran it."""
-    call = None
-    while tb is not None:
-        ctx = tb.tb_frame.f_locals.get("ctx")
-        if ctx is not None:
-            try:
-                call = ffi.from_handle(ctx)
-            except Exception:  # not a handle: keep looking
-                call = None
-            if isinstance(call, _Call):
-                break
-            call = None
-        tb = tb.tb_next
-    if call is None:
-        stack = getattr(_active, "stack", None)
-        call = stack[-1] if stack else None
-    if call is None:
-        log.error("exception in a heap callback with no active call", exc_info=exc_value)
+    stack = getattr(_active, "stack", None)
+    if not stack:
+        log.error("exception in a heap callback with no call in progress", exc_info=exc_value)
         return
+    call = stack[-1]
     if call.error is None:
         call.error = exc_value
 
 
 def _on_callback_error(exc_type, exc_value, tb):
     """onerror hook: refuse (keep the block where it is) and keep the exception for re-raise."""
-    _stash(exc_value, tb)
+    _stash(exc_value)
     return 1
 
 
@@ -137,6 +125,9 @@ class Heap:
         if size < 0 or granularity < 0:
             raise ValueError(f"heap {name!r}: size {size} and granularity {granularity} must be >= 0")
         ptr, self._keepalive = _as_pointer(base)
+        if isinstance(self._keepalive, tuple) and ffi.sizeof(self._keepalive[1]) < size:
+            raise ValueError(f"heap {name!r}: the buffer has {ffi.sizeof(self._keepalive[1])} bytes, "
+                             f"fewer than the heap size {size}; pass a smaller size or a larger buffer")
         addr = int(ffi.cast("uintptr_t", ptr))
         if addr % 64:
             raise ValueError(f"heap {name!r}: base address {addr:#x} is not 64-byte aligned; "
@@ -185,8 +176,29 @@ class Heap:
         """Would alloc(nbytes) succeed right now?"""
         return bool(lib.ca_heap_can_alloc(self._handle(), _nonneg(nbytes, "nbytes")))
 
+    def try_alloc(self, nbytes: int, owner: int) -> Optional[int]:
+        """Like alloc, but return None instead of raising when no free block is large enough."""
+        h = self._h
+        if type(nbytes) is int and type(owner) is int and h is not None and 0 <= nbytes < 1 << 64 \
+                and 0 < owner < 1 << 64:
+            r = lib.ca_heap_alloc(h, nbytes, owner)
+            if r >= 0:
+                return r
+            if r == -lib.CA_ENOMEM:
+                return None
+        try:
+            return self.alloc(nbytes, owner)
+        except OutOfMemoryError:
+            return None
+
     def alloc(self, nbytes: int, owner: int) -> int:
         """Allocate a block with room for nbytes, owned by owner (> 0); returns its offset."""
+        h = self._h
+        if type(nbytes) is int and type(owner) is int and h is not None and 0 <= nbytes < 1 << 64 \
+                and 0 < owner < 1 << 64:
+            r = lib.ca_heap_alloc(h, nbytes, owner)            # fast path
+            if r >= 0:
+                return r
         h = self._handle()
         nbytes = _nonneg(nbytes, "nbytes")
         owner = _index_or(owner)
@@ -210,6 +222,10 @@ class Heap:
 
     def free(self, offset: int, owner: int) -> None:
         """Free the block at offset; owner must be the owner it was allocated for."""
+        h = self._h
+        if type(offset) is int and type(owner) is int and h is not None and 0 <= offset < 1 << 63 \
+                and 0 < owner < 1 << 64 and lib.ca_heap_free(h, offset, owner) == 0:
+            return                                              # fast path
         h = self._handle()
         offset, owner = _index_or(offset), _index_or(owner)
         if not isinstance(offset, int) or not isinstance(owner, int) or owner < 0 or owner >= 1 << 64:
@@ -251,16 +267,17 @@ class Heap:
         return b
 
     def blocks(self) -> Iterator[BlockInfo]:
-        """Every block in address order (do not alloc/free while iterating)."""
+        """Every block in address order (do not alloc or free while iterating)."""
         h = self._handle()
         out = ffi.new("ca_block_info *")
         off = lib.ca_heap_first(h)
-        while off >= 0:
+        while 0 <= off < self.capacity:
             if lib.ca_heap_info(h, off, out) != lib.CA_OK:
-                raise HeapCorruptionError(f"heap {self.name!r}: block walk reached offset {off}, "
-                                          f"which is not a block; run check()")
-            yield _block_info(out)
-            off = lib.ca_heap_next(h, off)
+                raise CachedArraysError(f"heap {self.name!r}: no block starts at offset {off} any more; "
+                                        f"the heap changed during blocks() (take list(blocks()) first)")
+            b = _block_info(out)
+            off = b.offset + b.size
+            yield b
 
     def stats(self) -> HeapStats:
         """Capacity, used and free bytes, the largest free block and block counts."""
@@ -299,8 +316,9 @@ class Heap:
         """Collect a free block for nbytes starting at block start; returns its offset or None.
 
         callback(offset, owner) must move the block's data away, call free(offset, owner) and
-        return True, or return False to refuse (pinned). An exception in it refuses, and is
-        re-raised after the walk (the heap stays consistent, every freed byte stays free).
+        return True, or return False to refuse (pinned). An exception in it refuses that block
+        and every later one, and is re-raised after the walk (the heap stays consistent and every
+        byte freed so far stays free).
         """
         h = self._handle()
         nbytes = _nonneg(nbytes, "nbytes")
@@ -321,7 +339,8 @@ class Heap:
         """Slide blocks down over free gaps; callback(owner, old, new) -> True allows each move.
 
         Returns the number of blocks moved. The callback runs before the bytes move and may not
-        alloc or free in this heap. An exception in it pins that block and is re-raised after.
+        alloc or free in this heap. An exception in it pins that block and every later one, and
+        is re-raised after the pass (the heap stays consistent, every block keeps its data).
         """
         h = self._handle()
         cb = callback if callback is not None else (lambda owner, old, new: True)

@@ -22,6 +22,7 @@
 /* Block flags as reported by ca_heap_info. */
 #define CA_FLAG_FREE 1u
 #define CA_FLAG_EVICTING 2u
+#define CA_FLAG_ORPHANED 4u     /* freed while handed to an evictfrom callback; the walk absorbs it */
 
 typedef struct ca_heap ca_heap;
 
@@ -56,16 +57,19 @@ int64_t ca_heap_alloc(ca_heap *h, uint64_t nbytes, uint64_t owner);
 
 /* Free a block. owner must match the owner given at allocation (guards against stale handles
  * and double frees). Returns CA_OK or CA_EINVAL. During evictfrom, freeing a block that the walk
- * is handing to its callback leaves the block to the walk, which absorbs it. */
+ * is handing to its callback leaves the block to the walk, which absorbs it. Inside a defrag
+ * callback it returns CA_EBUSY (blocks are being moved). */
 int ca_heap_free(ca_heap *h, int64_t block, uint64_t owner);
 
 /* Describe a live or free block at offset block. CA_EINVAL if no block starts there. */
 int ca_heap_info(const ca_heap *h, int64_t block, ca_block_info *out);
 
-/* Iterate blocks in address order: first block, then next; returns -1 after the last. */
+/* Iterate blocks in address order: first block, then next; returns -1 after the last
+ * (-CA_EINVAL if block is not a block start). */
 int64_t ca_heap_first(const ca_heap *h);
 int64_t ca_heap_next(const ca_heap *h, int64_t block);
 
+/* During evictfrom, bytes the walk has collected but not yet released count as neither used nor free. */
 void ca_heap_get_stats(const ca_heap *h, ca_heap_stats *out);
 
 /* Would an allocation of nbytes succeed right now? */
@@ -82,7 +86,10 @@ typedef int (*ca_evict_cb)(void *ctx, int64_t block, uint64_t owner);
  * range is one free block of at least ca_heap_block_size(nbytes). A refused block splits the
  * range: what was absorbed so far becomes a free block and collection restarts past it.
  * Returns the offset of a free block big enough for nbytes, or -CA_ENOMEM if the walk ended
- * without collecting one (every freed byte is still returned to the heap). */
+ * without collecting one (every freed byte is still returned to the heap); -CA_ENOMEM at once,
+ * with no callbacks, when ca_heap_block_size(nbytes) exceeds the heap; -CA_EINVAL if start is not
+ * a block or cb is NULL; -CA_EBUSY inside another evictfrom or defrag of this heap. A callback
+ * that returns 0 without freeing its block counts as a refusal. */
 int64_t ca_heap_evictfrom(ca_heap *h, int64_t start, uint64_t nbytes, ca_evict_cb cb, void *ctx);
 
 /* Callback for defrag: block old of owner is about to move to new (both header offsets).
@@ -90,7 +97,8 @@ int64_t ca_heap_evictfrom(ca_heap *h, int64_t start, uint64_t nbytes, ca_evict_c
 typedef int (*ca_move_cb)(void *ctx, uint64_t owner, int64_t old_block, int64_t new_block);
 
 /* Slide allocated blocks down over free space, so free space gathers at the top. Blocks the
- * callback refuses stay put. Returns the number of blocks moved. */
+ * callback refuses stay put. Returns the number of blocks moved, or -CA_EBUSY inside evictfrom.
+ * cb may be NULL (move everything); it may not allocate or free in this heap. */
 int64_t ca_heap_defrag(ca_heap *h, ca_move_cb cb, void *ctx);
 
 /* Verify every invariant: block sizes tile the heap, back-links match, free lists hold exactly
@@ -107,14 +115,19 @@ int ca_heap_check(const ca_heap *h, char *msg, size_t msglen);
 void ca_copy(void *dst, const void *src, uint64_t n, int nthreads, unsigned flags);
 void ca_copy_set_threads(int nthreads);           /* default thread count (>= 1) */
 int ca_copy_get_threads(void);
-void ca_copy_set_nt_threshold(uint64_t nbytes);   /* 0 disables non-temporal stores */
+void ca_copy_set_nt_threshold(uint64_t nbytes);   /* 0 disables non-temporal stores; default: the
+                                                     larger of 4 MiB and 1/8 of the L3 cache */
 uint64_t ca_copy_get_nt_threshold(void);
 const char *ca_copy_isa(void);                    /* "avx512", "avx2" or "sse2" */
+/* Force the streaming-store ISA (for tests and benchmarks); CA_EINVAL if this CPU lacks it.
+ * Not synchronised with copies running at the same time. */
+int ca_copy_set_isa(const char *name);
 void ca_flush(void *addr, uint64_t n);            /* cache-line write-back + fence */
 
 /* ---- memory placement ---- */
 
-/* Bind [addr, addr+len) to NUMA node node (mbind MPOL_BIND). Returns 0 or an errno. */
+/* Bind [addr, addr+len) to NUMA node node (mbind MPOL_BIND); addr is rounded down to a page.
+ * Returns 0 or an errno. */
 int ca_mbind(void *addr, uint64_t len, int node);
 
 #endif

@@ -227,7 +227,7 @@ def test_memory_mode_tracer_counts_traffic():
     assert lm["trace"]["slow_read_bytes"] > 0
     fo = recs["fast-only"][-1]
     assert fo["trace"]["slow_read_bytes"] == fo["trace"]["slow_write_bytes"] == 0
-    assert fo["modelled"] == pytest.approx(fo["wall"])        # nothing slow: no penalty
+    assert fo["modelled"] == pytest.approx(fo["wall"] - fo["trace"]["overhead_seconds"])  # no penalty
     assert lm["modelled"] > lm["wall"]
     assert recs["2lm"][-1]["modelled"] > recs["2lm"][-1]["wall"]
 

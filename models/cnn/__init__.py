@@ -13,13 +13,13 @@ from .layers import (AvgPool2d, BatchNorm2d, Chain, Conv2d, Dense, Flatten, MaxP
                      softmax_cross_entropy)
 from .nets import (DenseLayer, Model, ResidualBlock, build, densenet, resnet, train_step, vgg,
                    MODELS)
-from .runner import MODES, check_mode, make_policy, make_session, measure_footprint, run, synthetic_batch
+from .runner import MODES, Trainer, check_mode, make_policy, make_session, measure_footprint, run, synthetic_batch
 from .trace import FORMULA, KernelTracer, modelled_time
 
 __all__ = ["Session", "Param", "Unit", "SGD", "Conv2d", "BatchNorm2d", "ReLU", "MaxPool2d",
            "AvgPool2d", "Flatten", "Dense", "Chain", "add", "softmax_cross_entropy", "Model",
            "ResidualBlock", "DenseLayer", "build", "vgg", "resnet", "densenet", "train_step",
-           "MODELS", "MODES", "check_mode", "make_policy", "make_session", "measure_footprint",
+           "MODELS", "MODES", "Trainer", "check_mode", "make_policy", "make_session", "measure_footprint",
            "run", "synthetic_batch", "KernelTracer", "modelled_time", "FORMULA", "demo"]
 
 

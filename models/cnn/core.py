@@ -24,8 +24,9 @@ _perf = time.perf_counter
 class Param:
     """A trainable tensor (a CachedArray) and its gradient of the current step (or None).
 
-    Gradients are new arrays made by the backward pass (so they start in fast memory) and are
-    freed after the optimizer used them, or at the end of the iteration.
+    Gradients are new arrays made by the backward pass (so they start in fast memory). With a
+    fused optimizer (``Session.fused``) each is applied and freed inside the pullback that made
+    it; otherwise it is freed after the optimizer step, or at the end of the iteration.
     """
 
     __slots__ = ("name", "value", "grad")
@@ -53,6 +54,8 @@ class Session:
 
     ``annotations=False`` runs the same code without prefetch/softevict/cleanup/noescape calls.
     ``tracer`` (see ``cachedarrays.models.cnn.trace``) sees each kernel's read and write sets.
+    ``fused``: an optimizer applied to each parameter inside the backward pass, right after its
+    gradient is computed (``train_step`` sets it for the duration of a fused step).
     """
 
     def __init__(self, manager, backend="numpy", annotations=True, tracer=None, dtype=F32):
@@ -63,6 +66,7 @@ class Session:
         self.annotations = bool(annotations)
         self.tracer = tracer
         self.dtype = np.dtype(dtype)
+        self.fused = None
 
     # ---- allocation ----------------------------------------------------------------------
 
@@ -79,6 +83,27 @@ class Session:
     def frees_early(self):
         """True when annotations are on and the policy's cleanup switch allows eager frees."""
         return self.annotations and getattr(self.m.policy, "allows_cleanup", True)
+
+    def release(self, *arrays):
+        """Free arrays whose last use has run (a layer's saved state after its pullback), when the
+        memory optimisations are on; None, freed and pinned arrays are skipped. Pass base arrays
+        only: freeing a view frees the storage it shares."""
+        if not self.frees_early:
+            return
+        for a in arrays:
+            if a is not None and not a.is_freed and not a.object.pins:
+                ca.unsafe_free(a)
+
+    def grads_ready(self, *params):
+        """Called by a pullback once these parameters' gradients are written and nothing else in
+        the pullback reads their old values. With a fused optimizer, apply each update now and
+        free the gradient (when frees_early; else it lives until the end of the iteration)."""
+        opt = self.fused
+        if opt is None:
+            return
+        for p in params:
+            if p is not None:
+                opt.update(self, p)
 
     # ---- kernels -------------------------------------------------------------------------
 
@@ -206,20 +231,30 @@ class Unit:
 class SGD:
     """Plain stochastic gradient descent: param -= lr * grad, one kernel per parameter.
 
+    ``update`` applies one parameter's gradient (fused into the backward pass, or called by
+    ``step`` after it). The update is elementwise and each weight is read by its own layer only,
+    so applying it inside the pullback gives bitwise the same weights as applying it at the end.
     With the memory optimisations on, each gradient is freed as soon as it has been applied.
     """
 
     def __init__(self, lr=0.01):
         self.lr = float(lr)
 
+    def update(self, s, p):
+        """param -= lr * grad for one Param; frees the gradient when s.frees_early."""
+        if p.grad is None:
+            raise ValueError(f"SGD: parameter {p.name} has no gradient; run the backward pass "
+                             "(the model's pullbacks) before the optimizer step")
+        lr, be = self.lr, s.be
+        s.kernel("sgd_update", lambda g, w: be.sgd_update(w, g, lr), (p.grad,), (p.value,))
+        if s.frees_early:
+            p.drop_grad()
+        if s.annotations:
+            # Not needed again until this layer's next forward: let saved activations, which the
+            # rest of the backward pass reads sooner, stay in fast memory before it.
+            ca.softevict(p.value)
+
     def step(self, s, params):
-        lr = self.lr
-        be = s.be
-        early = s.frees_early
+        """Apply every parameter's gradient (the unfused path)."""
         for p in params:
-            if p.grad is None:
-                raise ValueError(f"SGD: parameter {p.name} has no gradient; run the backward pass "
-                                 "(the model's pullbacks) before the optimizer step")
-            s.kernel("sgd_update", lambda g, w: be.sgd_update(w, g, lr), (p.grad,), (p.value,))
-            if early:
-                p.drop_grad()
+            self.update(s, p)

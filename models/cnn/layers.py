@@ -3,7 +3,12 @@
 Shapes are fixed when a layer is built (so a model knows its footprint before it allocates and
 every mismatch names the layer). Parameters and activations are CachedArrays; every kernel runs
 through ``Session.kernel``. The backward pass writes each parameter's gradient into a new array
-(``Param.grad``), which the optimizer consumes.
+(``Param.grad``) and calls ``Session.grads_ready``, where a fused optimizer applies it at once.
+
+Early frees (``Session.release``, only with the memory optimisations on): in reverse mode every
+consumer's pullback runs before its producer's, so a layer's pullback frees the output it made
+in the forward pass, and the state it saved, as soon as its own kernels have run. A Chain frees
+the gradients passed between its layers once the next pullback consumed them.
 """
 
 from __future__ import annotations
@@ -85,6 +90,8 @@ class Conv2d(Unit):
             s.kernel("conv2d_backward_weights",
                      lambda xv, d, dw, db: be.conv2d_backward_weights(xv, d, st, pd, dw, db),
                      (x, dy), (gw, gb))
+            s.grads_ready(pw, pb)          # after backward_data: it needed the old weights
+            s.release(y)
             return dx
 
         return y, pullback
@@ -130,6 +137,8 @@ class BatchNorm2d(Unit):
                      lambda d, xv, gv, mv, vv, o, dgv, dbv:
                      be.batchnorm_backward(d, xv, gv, mv, vv, eps, o, dgv, dbv),
                      (dy, x, g, mean, var), (dx, dg, db))
+            s.grads_ready(pg, pb)
+            s.release(y, mean, var)
             return dx
 
         return y, pullback
@@ -192,6 +201,7 @@ class MaxPool2d(Unit):
             s.kernel("maxpool_backward",
                      lambda d, sv, o: be.maxpool_backward(d, None, sv, k, st, pd, o),
                      (dy, state), (dx,))
+            s.release(y, state)
             return dx
 
         return y, pullback
@@ -224,6 +234,7 @@ class AvgPool2d(Unit):
         def pullback(dy):
             dx = s.empty(in_shape)
             s.kernel("avgpool_backward", lambda d, o: be.avgpool_backward(d, k, st, pd, o), (dy,), (dx,))
+            s.release(y)
             return dx
 
         return y, pullback
@@ -295,6 +306,8 @@ class Dense(Unit):
             gw, gb = pw.new_grad(s), (pb.new_grad(s) if pb is not None else None)
             s.kernel("dense_backward_weights",
                      lambda xv, d, dw, db: be.dense_backward_weights(xv, d, dw, db), (x, dy), (gw, gb))
+            s.grads_ready(pw, pb)
+            s.release(y)
             return dx
 
         return y, pullback
@@ -317,9 +330,13 @@ class Chain(Unit):
             pullbacks.append(pb)
 
         def pullback(dy):
+            g = dy
             for pb in reversed(pullbacks):
-                dy = pb(dy)
-            return dy
+                dg = pb(g)
+                if g is not dy and (dg is None or dg.object is not g.object):  # Flatten: a view
+                    s.release(g)
+                g = dg
+            return g
 
         return x, pullback
 

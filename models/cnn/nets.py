@@ -142,12 +142,17 @@ class ResidualBlock(Unit):
             sc, pb_short = self.shortcut.forward(s, x)
         else:
             sc, pb_short = x, None
-        y, pb_relu = self.relu.forward(s, add(s, h, sc))
+        z = add(s, h, sc)
+        s.release(h, sc if self.shortcut is not None else None)   # the sum is all backward needs
+        y, pb_relu = self.relu.forward(s, z)
 
         def pullback(dy):
             dz = pb_relu(dy)
+            s.release(y)                   # read by the ReLU's pullback only
             dx = pb_branch(dz)
-            add(s, dx, pb_short(dz) if pb_short is not None else dz, out=dx)
+            ds = pb_short(dz) if pb_short is not None else dz
+            add(s, dx, ds, out=dx)
+            s.release(dz, ds if ds is not dz else None)
             return dx
 
         return y, pullback
@@ -179,13 +184,17 @@ class DenseLayer(Unit):
         new, pb_inner = self.inner.forward(s, x)
         y = s.empty(self.out_shape)
         s.kernel("concat_channels", lambda a, b, o: be.concat_channels([a, b], o), (x, new), (y,))
+        s.release(new)                     # the concatenation holds a copy
         in_shape, new_shape = self.in_shape, new.shape
 
         def pullback(dy):
             dx, dnew = s.empty(in_shape), s.empty(new_shape)
             s.kernel("split_channels", lambda d, o1, o2: be.split_channels(d, [c, k], [o1, o2]),
                      (dy,), (dx, dnew))
-            add(s, dx, pb_inner(dnew), out=dx)
+            s.release(y)
+            dinner = pb_inner(dnew)
+            add(s, dx, dinner, out=dx)
+            s.release(dnew, dinner)
             return dx
 
         return y, pullback
@@ -313,9 +322,12 @@ def _free_all(things, keep):
     ca.onobjects(free, things)
 
 
-def train_step(s, model, x, labels, optimizer, defrag=True):
+def train_step(s, model, x, labels, optimizer, defrag=True, fused=True):
     """One annotated SGD step on (x, labels); returns the loss.
 
+    fused: apply each parameter's update inside the backward pass, right after its gradient (and
+    the data gradient that needs the old weights) is computed, and free the gradient at once;
+    bitwise the same weights as ``fused=False``, which applies every update after the backward.
     After the step every temporary (gradients included) is freed and the fast heap defragmented
     (§4.6), leaving only the weights. Without the cleanup switch nothing is freed before that point, as with
     a garbage collector that runs once per iteration.
@@ -333,11 +345,15 @@ def train_step(s, model, x, labels, optimizer, defrag=True):
         logits = model.forward(s, x, tape)
         loss, g = softmax_cross_entropy(s, logits, labels)
         grads.append(g)
+        s.fused = optimizer if fused else None
         for pb in reversed(tape):
             g = pb(g)
             grads.append(g)
-        optimizer.step(s, model.params())
+        s.fused = None
+        if not fused:
+            optimizer.step(s, model.params())
     finally:
+        s.fused = None
         params = model.params()
         for p in params:
             p.drop_grad()

@@ -30,7 +30,8 @@ from .trace import KernelTracer, modelled_time
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MODES", "make_policy", "make_session", "measure_footprint", "run", "synthetic_batch"]
+__all__ = ["MODES", "Trainer", "make_policy", "make_session", "measure_footprint", "run",
+           "synthetic_batch"]
 
 MODES = ("none", "L", "LM", "LMP", "fast-only", "2lm", "2lm-none")
 _LRU = {"none": "CA:0", "L": "CA:L", "LM": "CA:LM", "LMP": "CA:LMP"}
@@ -78,7 +79,7 @@ def synthetic_batch(model, seed=0):
     return x, y
 
 
-def measure_footprint(model_name, depth, backend="numpy", **shape):
+def measure_footprint(model_name, depth, backend="numpy", fused=True, **shape):
     """Peak bytes in use during one training iteration with everything in fast memory."""
     model = build(model_name, depth, **shape)
     est = model.footprint_estimate()
@@ -86,62 +87,96 @@ def measure_footprint(model_name, depth, backend="numpy", **shape):
     with m:
         model.init(s)
         x, y = synthetic_batch(model)
-        train_step(s, model, x, y, SGD(0.01))
+        train_step(s, model, x, y, SGD(0.01), fused=fused)
         m.reset_stats()
-        train_step(s, model, x, y, SGD(0.01))
+        train_step(s, model, x, y, SGD(0.01), fused=fused)
         return m.stats()["devices"]["fast"]["peak_bytes"]
+
+
+class Trainer:
+    """One model training in one mode, an iteration at a time (so a benchmark can interleave
+    modes: each ``step()`` is one iteration; ``close()`` releases the manager's memory).
+
+    fast: bytes, a size string or a percentage of the measured footprint (e.g. "25%").
+    fused: apply SGD inside the backward pass (the default; see ``train_step``).
+    """
+
+    def __init__(self, model_name="resnet", depth=18, mode="LM", fast="25%", backend="numpy",
+                 batch=4, image=16, channels=3, classes=10, width=8, lr=0.01, seed=0,
+                 profile=None, slow=None, event_log=None, line_size=64, fused=True,
+                 footprint=None):
+        shape = dict(batch=batch, image=image, channels=channels, classes=classes, width=width)
+        model = build(model_name, depth, **shape)
+        mode = check_mode(mode)
+        if footprint is None and (isinstance(fast, str) and fast.strip().endswith("%")
+                                  or mode == "fast-only"):
+            footprint = measure_footprint(model_name, depth, backend, fused=fused, **shape)
+        if mode == "fast-only":
+            budget = int(model.footprint_estimate() * 1.5) + (16 << 20)
+        elif isinstance(fast, str) and fast.strip().endswith("%"):
+            budget = int(footprint * float(fast.strip()[:-1]) / 100)
+        else:
+            budget = ca.parse_size(fast, "fast memory budget")
+        need = model.footprint_estimate()
+        if slow is None:
+            slow = 3 * need + (64 << 20)
+        slow = ca.parse_size(slow, "slow memory size")
+        room = slow + (0 if mode.startswith("2lm") else budget)
+        if room < need:
+            raise MemoryError(
+                f"{model.name} with batch {batch} and {image}x{image} images needs about "
+                f"{ca.format_size(need)} per training iteration, but fast ({ca.format_size(budget)}) "
+                f"plus slow ({ca.format_size(slow)}) memory hold only {ca.format_size(room)}; "
+                "use a larger slow size or a smaller batch")
+        self.model, self.mode, self.budget, self.footprint = model, mode, budget, footprint
+        self.seed, self.profile, self.fused, self.iteration = seed, profile, fused, 0
+        self.m, self.s = make_session(mode, budget, slow, backend, line_size=line_size,
+                                      event_log=event_log)
+        model.init(self.s, seed)
+        self.opt = SGD(lr)
+
+    def step(self):
+        """Run one iteration; returns its record (loss, wall, stats, trace, modelled, ...)."""
+        m, s, it = self.m, self.s, self.iteration
+        x, y = synthetic_batch(self.model, self.seed + it)
+        m.reset_stats()
+        s.tracer.reset()
+        m.count("cnn_iteration", 0, iteration=it)
+        t = time.perf_counter()
+        loss = train_step(s, self.model, x, y, self.opt, fused=self.fused)
+        wall = time.perf_counter() - t
+        stats = m.stats()
+        self.iteration += 1
+        rec = {"iteration": it, "mode": self.mode, "loss": loss, "wall": wall,
+               "budget": self.budget, "footprint": self.footprint, "stats": stats,
+               "trace": s.tracer.summary(),
+               "modelled": modelled_time(wall, stats, s.tracer, self.profile),
+               "modelled_sum": modelled_time(wall, stats, s.tracer, self.profile, combine="sum")}
+        log.debug("%s mode %s iteration %d: loss %.4f, wall %.3f s, modelled %.3f s",
+                  self.model.name, self.mode, it, loss, wall, rec["modelled"])
+        return rec
+
+    def close(self):
+        """Release the manager (its devices and every array)."""
+        self.m.close()
 
 
 def run(model_name="resnet", depth=18, mode="LM", fast="25%", iterations=2, backend="numpy",
         batch=4, image=16, channels=3, classes=10, width=8, lr=0.01, seed=0, profile=None,
-        slow=None, callback=None, event_log=None, line_size=64):
+        slow=None, callback=None, event_log=None, line_size=64, fused=True):
     """Train a model for some iterations in one mode; returns a list of per-iteration dicts.
 
     fast: bytes, a size string or a percentage of the measured footprint (e.g. "25%").
     """
-    shape = dict(batch=batch, image=image, channels=channels, classes=classes, width=width)
-    model = build(model_name, depth, **shape)
-    mode = check_mode(mode)
-    footprint = None
-    if isinstance(fast, str) and fast.strip().endswith("%") or mode == "fast-only":
-        footprint = measure_footprint(model_name, depth, backend, **shape)
-    if mode == "fast-only":
-        budget = int(model.footprint_estimate() * 1.5) + (16 << 20)
-    elif isinstance(fast, str) and fast.strip().endswith("%"):
-        budget = int(footprint * float(fast.strip()[:-1]) / 100)
-    else:
-        budget = ca.parse_size(fast, "fast memory budget")
-    need = model.footprint_estimate()
-    if slow is None:
-        slow = 3 * need + (64 << 20)
-    slow = ca.parse_size(slow, "slow memory size")
-    room = slow + (0 if mode.startswith("2lm") else budget)
-    if room < need:
-        raise MemoryError(
-            f"{model.name} with batch {batch} and {image}x{image} images needs about "
-            f"{ca.format_size(need)} per training iteration, but fast ({ca.format_size(budget)}) plus "
-            f"slow ({ca.format_size(slow)}) memory hold only {ca.format_size(room)}; "
-            "use a larger slow size or a smaller batch")
-    m, s = make_session(mode, budget, slow, backend, line_size=line_size, event_log=event_log)
+    tr = Trainer(model_name, depth, mode, fast, backend, batch, image, channels, classes, width,
+                 lr, seed, profile, slow, event_log, line_size, fused)
     out = []
-    with m:
-        model.init(s, seed)
-        opt = SGD(lr)
-        for it in range(iterations):
-            x, y = synthetic_batch(model, seed + it)
-            m.reset_stats()
-            s.tracer.reset()
-            m.count("cnn_iteration", 0, iteration=it)
-            t = time.perf_counter()
-            loss = train_step(s, model, x, y, opt)
-            wall = time.perf_counter() - t
-            stats = m.stats()
-            rec = {"iteration": it, "loss": loss, "wall": wall, "budget": budget,
-                   "footprint": footprint, "stats": stats, "trace": s.tracer.summary(),
-                   "modelled": modelled_time(wall, stats, s.tracer, profile)}
+    try:
+        for _ in range(iterations):
+            rec = tr.step()
             out.append(rec)
-            log.debug("%s mode %s iteration %d: loss %.4f, wall %.3f s, modelled %.3f s",
-                      model.name, mode, it, loss, wall, rec["modelled"])
             if callback is not None:
                 callback(rec)
+    finally:
+        tr.close()
     return out

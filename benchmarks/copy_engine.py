@@ -1,0 +1,194 @@
+"""Copy bandwidth: cachedarrays' copy engine against np.copyto and libc memcpy on the same buffers.
+
+Three directions: fast->fast (anonymous mappings), fast->slow and slow->fast (slow is a mapping
+of a temporary file). One and two threads; the two-thread peers copy the two halves from two
+Python threads (numpy and ctypes release the GIL). Medians of interleaved repetitions.
+
+    python benchmarks/copy_engine.py [--sizes 1M,64M] [--repeats 7] [--quick] [--nt-threshold 4M]
+"""
+from __future__ import annotations
+
+import argparse
+import atexit
+import ctypes
+import mmap
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import threading
+import time
+
+import numpy as np
+
+from cachedarrays import copyengine as ce
+
+UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def parse_size(text: str) -> int:
+    text = text.strip().upper().removesuffix("IB").removesuffix("B")
+    if text and text[-1] in UNITS:
+        return int(float(text[:-1]) * UNITS[text[-1]])
+    return int(text)
+
+
+def fmt_size(n: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale and n % scale == 0:
+            return f"{n // scale} {unit}"
+    return f"{n} B"
+
+
+def machine() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+class Pair:
+    """Two persistent threads that run f(0) and f(1) together (the 2-thread peer)."""
+
+    def __init__(self):
+        self.job = None
+        self.start = [threading.Semaphore(0), threading.Semaphore(0)]
+        self.done = threading.Semaphore(0)
+        self.threads = [threading.Thread(target=self._loop, args=(k,), daemon=True) for k in (0, 1)]
+        for t in self.threads:
+            t.start()
+
+    def _loop(self, k):
+        while True:
+            self.start[k].acquire()
+            self.job(k)
+            self.done.release()
+
+    def run(self, job):
+        self.job = job
+        self.start[0].release()
+        self.start[1].release()
+        self.done.acquire()
+        self.done.acquire()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", help="comma-separated sizes (e.g. 4K,1M,64M); default 4 KiB..1 GiB by 4x")
+    ap.add_argument("--repeats", type=int, default=7, help="interleaved repetitions per cell (median)")
+    ap.add_argument("--quick", action="store_true", help="stop at 64 MiB")
+    ap.add_argument("--threads", default="1,2", help="thread counts to measure")
+    ap.add_argument("--nt-threshold", help="override the non-temporal store threshold (0 disables)")
+    ap.add_argument("--directions", default="fast->fast,fast->slow,slow->fast")
+    args = ap.parse_args(argv)
+
+    if args.sizes:
+        sizes = [parse_size(s) for s in args.sizes.split(",")]
+    else:
+        top = 64 << 20 if args.quick else 1 << 30
+        sizes = []
+        n = 4 << 10
+        while n <= top:
+            sizes.append(n)
+            n *= 4
+    if args.nt_threshold is not None:
+        ce.set_nt_threshold(parse_size(args.nt_threshold))
+    threads = [int(t) for t in args.threads.split(",")]
+    directions = args.directions.split(",")
+    biggest = max(sizes)
+
+    t0 = time.perf_counter()
+    auto = ce.get_threads()   # triggers the automatic calibration
+    calib_ms = (time.perf_counter() - t0) * 1e3
+
+    fast_a = mmap.mmap(-1, biggest)
+    fast_b = mmap.mmap(-1, biggest)
+    fd, path = tempfile.mkstemp(prefix="cachedarrays-copybench-", dir=tempfile.gettempdir())
+    atexit.register(lambda: os.path.exists(path) and os.unlink(path))
+    os.ftruncate(fd, biggest)
+    slow = mmap.mmap(fd, biggest)
+    os.close(fd)
+    views = {name: np.frombuffer(m, dtype=np.uint8) for name, m in
+             (("fastA", fast_a), ("fastB", fast_b), ("slow", slow))}
+    rng = np.random.default_rng(0)
+    chunk = rng.integers(0, 256, 1 << 20, dtype=np.uint8)
+    for v in views.values():      # pre-fault every page (and give the source real data)
+        for i in range(0, biggest, len(chunk)):
+            v[i:i + len(chunk)] = chunk[:min(len(chunk), biggest - i)]
+    pairs = {"fast->fast": ("fastA", "fastB"), "fast->slow": ("fastA", "slow"),
+             "slow->fast": ("slow", "fastB")}
+
+    libc = ctypes.CDLL(None)
+    memcpy = libc.memcpy
+    memcpy.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
+    memcpy.restype = ctypes.c_void_p
+    pair = Pair()
+
+    print(f"# machine: {machine()} ({os.cpu_count()} CPUs), python {platform.python_version()}, "
+          f"numpy {np.__version__}")
+    print(f"# copy engine: ISA {ce.isa()}, non-temporal threshold {fmt_size(ce.get_nt_threshold()) if ce.get_nt_threshold() else 'off'}, "
+          f"automatic default threads {auto} (calibration {calib_ms:.0f} ms)")
+    print(f"# slow = file mapping in {tempfile.gettempdir()} (page cache, DRAM); medians of "
+          f"{args.repeats} interleaved repetitions")
+    head = (f"{'size':>9} {'direction':>10} {'thr':>3} {'ours GB/s':>10} {'np.copyto':>10} "
+            f"{'memcpy':>8} {'ours/np':>8}")
+    print(head)
+    print("-" * len(head))
+    sys.stdout.flush()
+
+    ratios_big = []
+    for n in sizes:
+        inner = max(1, int(8e-3 * 10e9 / n))   # each sample ~8 ms at 10 GB/s
+        for direction in directions:
+            s_name, d_name = pairs[direction]
+            src, dst = views[s_name][:n], views[d_name][:n]
+            sa, da = src.ctypes.data, dst.ctypes.data
+            half = (n // 2) & ~63
+            for t in threads:
+                if t == 1:
+                    impls = {
+                        "ours": lambda: ce.copy(da, sa, n, threads=1),
+                        "np": lambda: np.copyto(dst, src),
+                        "memcpy": lambda: memcpy(da, sa, n),
+                    }
+                else:
+                    parts = [(0, half), (half, n)]
+                    impls = {
+                        "ours": lambda: ce.copy(da, sa, n, threads=t),
+                        "np": lambda: pair.run(lambda k: np.copyto(dst[parts[k][0]:parts[k][1]],
+                                                                   src[parts[k][0]:parts[k][1]])),
+                        "memcpy": lambda: pair.run(lambda k: memcpy(da + parts[k][0], sa + parts[k][0],
+                                                                    parts[k][1] - parts[k][0])),
+                    }
+                samples = {k: [] for k in impls}
+                names = list(impls)
+                for f in impls.values():   # warm-up
+                    f()
+                for rep in range(args.repeats):
+                    order = names[rep % 3:] + names[:rep % 3]   # rotate who goes first
+                    for k in order:
+                        f = impls[k]
+                        a = time.perf_counter()
+                        for _ in range(inner):
+                            f()
+                        samples[k].append((time.perf_counter() - a) / inner)
+                gbs = {k: n / statistics.median(v) / 1e9 for k, v in samples.items()}
+                ratio = gbs["ours"] / gbs["np"]
+                if n >= 1 << 20:
+                    ratios_big.append(ratio)
+                print(f"{fmt_size(n):>9} {direction:>10} {t:>3} {gbs['ours']:>10.2f} {gbs['np']:>10.2f} "
+                      f"{gbs['memcpy']:>8.2f} {ratio:>8.2f}")
+                sys.stdout.flush()
+    if ratios_big:
+        print(f"# sizes >= 1 MiB: ours/np.copyto min {min(ratios_big):.2f}, "
+              f"median {statistics.median(ratios_big):.2f}, max {max(ratios_big):.2f}")
+    return 0   # the mappings go away with the process; the file is unlinked at exit
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,751 @@
+"""Embedding tables on CachedArrays: the table API of the dissertation's Table 5.2 and
+CachedEmbeddings (§5.4, Fig. 5.7), a per-row software cache in fast memory.
+
+Every table has ``name``, ``nvectors``, ``featuresize``, ``dtype``, a row-address accessor
+``rowpointer(i, context)`` and ``lookup`` / ``update`` built on the kernels of
+:mod:`cachedarrays.models.dlrm.kernels`.  Kernels run on ndarray views handed out by pinned
+``ca.readable`` / ``ca.writable`` scopes; no view outlives its scope.
+
+* :class:`SimpleTable` keeps all rows contiguous in one CachedArray, placed by the manager's
+  policy or explicitly in fast or slow memory.
+* :class:`CachedEmbeddingTable` keeps the *base* rows in slow memory and caches single rows in a
+  pool of fixed-size pages in fast memory.  ``where[row]`` (int64) is the row's slot in the
+  pool or -1; ``backedge[slot]`` is the row held by a slot or -1.  numba has no CPU
+  compare-and-swap, so rows are cached batch-synchronously: take the batch's uncached rows,
+  bump-allocate slots, copy the rows in parallel, swap the pointers, then look up.  The result
+  is the state the dissertation's lock-bit protocol reaches, deterministically.
+
+Policies of §5.6.1 (see :func:`make_table`): ``simple`` (a SimpleTable in slow memory),
+``static`` (fill the cache once with random rows, then freeze it) and ``dynamic`` (cache every
+row a lookup touches; ``maintain()`` flushes the oldest pages, writing dirty rows back, when the
+cache is full).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections import deque
+
+import numpy as np
+from numba import njit, prange
+
+import cachedarrays as ca
+
+from . import kernels
+
+__all__ = [
+    "FORWARD", "UPDATE", "EmbeddingTable", "SimpleTable", "CachedEmbeddingTable",
+    "make_table", "lookup_tables", "update_tables", "TABLE_POLICIES",
+]
+
+log = logging.getLogger(__name__)
+
+#: Access contexts of ``rowpointer``: a lookup (may cache the row) and a gradient write.
+FORWARD = "forward"
+UPDATE = "update"
+_CONTEXTS = (None, FORWARD, UPDATE)
+TABLE_POLICIES = ("fast", "simple", "static", "dynamic")
+_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+#: Rows per cache page unless the table says otherwise (a page is the unit of flushing).
+DEFAULT_PAGE_ROWS = 1024
+
+
+# ---- numba helpers for the cache (kernels.py owns lookup and SGD) -------------------------
+
+@njit(cache=True, nogil=True)
+def _scan_misses(indices, where, miss_rows):
+    """Count cached occurrences; list each uncached row once (first-seen order).
+
+    Marks a listed row with ``where[r] = -2 - k``; ``_place_rows`` restores every mark."""
+    hits = 0
+    nmiss = 0
+    for j in range(indices.shape[0]):
+        r = indices[j]
+        w = where[r]
+        if w >= 0:
+            hits += 1
+        elif w == -1:
+            where[r] = -2 - nmiss
+            miss_rows[nmiss] = r
+            nmiss += 1
+    return hits, nmiss
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _place_rows(base, cache, where, backedge, rows, slots):
+    """Copy rows[k] into slot slots[k] for k < len(slots); unmark the rest (stay in base)."""
+    fs = base.shape[1]
+    nslots = slots.shape[0]
+    for k in prange(rows.shape[0]):
+        r = rows[k]
+        if k < nslots:
+            s = slots[k]
+            for f in range(fs):
+                cache[s, f] = base[r, f]
+            backedge[s] = r
+            where[r] = s
+        else:
+            where[r] = -1
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _drop_slots(base, cache, where, backedge, dirty, slots):
+    """Send the rows of ``slots`` home, copying the dirty ones back; returns the copies."""
+    fs = base.shape[1]
+    copied = 0
+    for k in prange(slots.shape[0]):
+        s = slots[k]
+        r = backedge[s]
+        if r >= 0:
+            if dirty[s]:
+                for f in range(fs):
+                    base[r, f] = cache[s, f]
+                copied += 1
+            where[r] = -1
+            backedge[s] = -1
+        dirty[s] = 0
+    return copied
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _copy_home(base, cache, backedge, slots):
+    """base[backedge[s]] = cache[s] for each slot (write back without dropping)."""
+    fs = base.shape[1]
+    for k in prange(slots.shape[0]):
+        s = slots[k]
+        r = backedge[s]
+        for f in range(fs):
+            base[r, f] = cache[s, f]
+
+
+# ---- small utilities ---------------------------------------------------------------------
+
+def _scope(x, write=False):
+    """A context giving an ndarray for x: a pinned scope for a CachedArray, x itself otherwise."""
+    if isinstance(x, ca.CachedArray):
+        return ca.writable(x) if write else ca.readable(x)
+    return contextlib.nullcontext(x)
+
+
+def _check_dtype(dtype, name):
+    dt = np.dtype(dtype)
+    if dt not in _DTYPES:
+        raise TypeError(f"table {name!r}: dtype {dt} is not supported; use float32 (or float64)")
+    return dt
+
+
+def _check_context(context, name):
+    if context not in _CONTEXTS:
+        raise ValueError(f"table {name!r}: unknown context {context!r}; use "
+                         f"None, {FORWARD!r} or {UPDATE!r}")
+
+
+def _fill(arr, nvectors, featuresize, dtype, init, seed, name):
+    """Write the initial rows: a copy of ``init`` or U(-1/sqrt(n), 1/sqrt(n)) from ``seed``."""
+    with ca.writable(arr) as a:
+        if init is not None:
+            src = np.asarray(init)
+            if src.shape != (nvectors, featuresize):
+                raise ValueError(f"table {name!r}: init has shape {src.shape}, expected "
+                                 f"({nvectors}, {featuresize})")
+            np.copyto(a, src, casting="same_kind")
+            return
+        rng = np.random.default_rng(seed)
+        bound = 1.0 / np.sqrt(max(nvectors, 1))
+        chunk = max(1, (1 << 22) // max(featuresize, 1))
+        for lo in range(0, nvectors, chunk):
+            hi = min(nvectors, lo + chunk)
+            a[lo:hi] = rng.uniform(-bound, bound, size=(hi - lo, featuresize)).astype(dtype)
+
+
+def _batch_size(offsets, out, nidx):
+    if out is not None:
+        return out.shape[0]
+    if offsets is None:
+        return nidx
+    return np.shape(offsets)[0]
+
+
+class EmbeddingTable:
+    """The table API (Table 5.2): featuresize, nvectors, dtype, rowpointer, lookup, update."""
+
+    name: str
+    nvectors: int
+    featuresize: int
+    dtype: np.dtype
+    manager: ca.Manager
+
+    @property
+    def shape(self):
+        return (self.nvectors, self.featuresize)
+
+    @property
+    def rowbytes(self):
+        return self.featuresize * self.dtype.itemsize
+
+    def example(self):
+        """An array whose manager and dtype outputs should use (Table 5.2's ``example``)."""
+        raise NotImplementedError
+
+    def rowpointer(self, i, context=None):
+        """(CachedArray, row) where vector i lives now; a FORWARD access may cache it first."""
+        raise NotImplementedError
+
+    def __getitem__(self, i):
+        arr, pos = self.rowpointer(self._row_index(i))
+        with ca.readable(arr) as a:
+            return a[pos].copy()
+
+    def _row_index(self, i):
+        if not isinstance(i, (int, np.integer)):
+            raise TypeError(f"table {self.name!r}: row index must be an integer, got {type(i).__name__}")
+        if not 0 <= i < self.nvectors:
+            raise IndexError(f"table {self.name!r}: row {i} is out of range; valid rows are "
+                             f"0..{self.nvectors - 1}")
+        return int(i)
+
+    def _new_output(self, nbags):
+        return ca.empty((nbags, self.featuresize), dtype=self.dtype, manager=self.manager)
+
+    def _prepare(self, indices, offsets, nbags):
+        idx = kernels.check_indices(indices, self.nvectors, self.name)
+        if offsets is None:
+            if nbags != idx.shape[0]:
+                raise ValueError(f"table {self.name!r}: without offsets every index is its own bag, "
+                                 f"but {idx.shape[0]} indices were given for {nbags} bags")
+            off = np.arange(idx.shape[0], dtype=np.int64)
+        else:
+            off = kernels.check_offsets(offsets, idx.shape[0], nbags, self.name)
+        return idx, off
+
+    def lookup(self, indices, offsets=None, out=None, context=FORWARD):
+        """Sum-pooled bags (one row per bag if ``offsets`` is None) into ``out`` (new if None)."""
+        raise NotImplementedError
+
+    def update(self, indices, offsets, dout, lr):
+        """Fused pullback + SGD of a lookup's gradient ``dout``; returns the unique rows updated."""
+        raise NotImplementedError
+
+    def maintain(self):
+        """Work between iterations (flushing a full dynamic cache); a no-op by default."""
+
+    def snapshot(self):
+        """An ndarray copy of every row's current value."""
+        raise NotImplementedError
+
+    def stats(self):
+        """Telemetry: accesses served from fast/slow memory, rows updated, bytes moved."""
+        raise NotImplementedError
+
+    def __repr__(self):
+        return (f"<{type(self).__name__} {self.name!r} {self.nvectors}x{self.featuresize} "
+                f"{self.dtype}>")
+
+
+class SimpleTable(EmbeddingTable):
+    """All rows contiguous in one CachedArray; ``placement`` "policy", "fast" or "slow"."""
+
+    def __init__(self, nvectors, featuresize, dtype=np.float32, *, manager=None,
+                 placement="policy", init=None, seed=0, name="table"):
+        self.name = str(name)
+        self.dtype = _check_dtype(dtype, self.name)
+        self.nvectors, self.featuresize = int(nvectors), int(featuresize)
+        if self.nvectors < 1 or self.featuresize < 1:
+            raise ValueError(f"table {self.name!r}: need at least one row and one feature, got "
+                             f"{nvectors}x{featuresize}")
+        if placement not in ("policy", "fast", "slow"):
+            raise ValueError(f"table {self.name!r}: placement must be 'policy', 'fast' or 'slow', "
+                             f"got {placement!r}")
+        self.manager = manager if manager is not None else ca.default_manager()
+        self.placement = placement
+        self.data = ca.empty(self.shape, dtype=self.dtype, manager=self.manager)
+        _fill(self.data, self.nvectors, self.featuresize, self.dtype, init, seed, self.name)
+        if placement == "slow":
+            ca.evict(self.data)
+        elif placement == "fast":
+            ca.prefetch(self.data, force=True)
+        self._stats = dict(lookups=0, hits=0, misses=0, updates=0, rows_updated=0,
+                           fast_write_bytes=0, slow_write_bytes=0)
+
+    @property
+    def device(self):
+        return self.data.device
+
+    def example(self):
+        return self.data
+
+    def rowpointer(self, i, context=None):
+        _check_context(context, self.name)
+        return self.data, self._row_index(i)
+
+    def _account_lookup(self, n):
+        self._stats["lookups"] += n
+        self._stats["hits" if self.data.device == "fast" else "misses"] += n
+
+    def _account_update(self, nrows):
+        self._stats["updates"] += 1
+        self._stats["rows_updated"] += nrows
+        key = "fast_write_bytes" if self.data.device == "fast" else "slow_write_bytes"
+        self._stats[key] += nrows * self.rowbytes
+
+    def lookup(self, indices, offsets=None, out=None, context=FORWARD):
+        _check_context(context, self.name)
+        nbags = _batch_size(offsets, out, np.shape(indices)[0] if np.ndim(indices) else 0)
+        idx = kernels.check_indices(indices, self.nvectors, self.name)
+        if out is None:
+            out = self._new_output(nbags)
+        with ca.readable(self.data) as t, _scope(out, True) as o:
+            if offsets is None:
+                kernels.lookup(t, idx, o, name=self.name)
+            else:
+                kernels.lookup_sum(t, idx, offsets, o, name=self.name)
+        self._account_lookup(idx.shape[0])
+        return out
+
+    def update(self, indices, offsets, dout, lr):
+        with _scope(dout) as g, ca.writable(self.data) as t:
+            rows = kernels.sgd_update(t, indices, offsets, g, lr, name=self.name)
+        self._account_update(rows.shape[0])
+        return rows
+
+    def snapshot(self):
+        with ca.readable(self.data) as t:
+            return t.copy()
+
+    def stats(self):
+        s = dict(self._stats)
+        s["device"] = self.data.device
+        s["hit_rate"] = s["hits"] / s["lookups"] if s["lookups"] else 0.0
+        s["fast_read_bytes"] = s["hits"] * self.rowbytes
+        s["slow_read_bytes"] = s["misses"] * self.rowbytes
+        return s
+
+
+def _size_to_rows(value, total_rows, rowbytes, what, name):
+    """A cache size as rows: a float is a fraction of the table, an int or string is bytes."""
+    if isinstance(value, float):
+        if not 0.0 <= value:
+            raise ValueError(f"table {name!r}: {what} fraction must be >= 0, got {value}")
+        return min(total_rows, int(np.ceil(value * total_rows)))
+    try:
+        nbytes = ca.parse_size(value)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"table {name!r}: {what} must be a fraction of the table (float) or a "
+                         f"size in bytes (int or '64MiB'), got {value!r}") from e
+    return min(total_rows, -(-nbytes // rowbytes))
+
+
+class CachedEmbeddingTable(EmbeddingTable):
+    """Base rows in slow memory, a per-row cache of fixed-size pages in fast memory (§5.4).
+
+    ``cachelower`` / ``cacheslack`` are fractions of the table (float) or bytes (int or
+    "64MiB"). The page pool is one fast CachedArray of ``ceil((lower + slack) / page)`` pages,
+    reserved up front; flushing frees whole pages, oldest first, until at most ``cachelower``
+    bytes of pages remain. ``mode`` is "dynamic" (cache on every FORWARD access) or "static"
+    (``prepopulate`` once, then never cache more). The base is created, filled and then moved
+    to slow memory with ``ca.evict``.
+    """
+
+    def __init__(self, nvectors, featuresize, dtype=np.float32, *, manager=None,
+                 cachelower=0.25, cacheslack=0.05, page_rows=DEFAULT_PAGE_ROWS, mode="dynamic",
+                 init=None, seed=0, name="table"):
+        self.name = str(name)
+        self.dtype = _check_dtype(dtype, self.name)
+        self.nvectors, self.featuresize = int(nvectors), int(featuresize)
+        if self.nvectors < 1 or self.featuresize < 1:
+            raise ValueError(f"table {self.name!r}: need at least one row and one feature, got "
+                             f"{nvectors}x{featuresize}")
+        if mode not in ("dynamic", "static"):
+            raise ValueError(f"table {self.name!r}: mode must be 'dynamic' or 'static', got {mode!r}")
+        if int(page_rows) < 1:
+            raise ValueError(f"table {self.name!r}: page_rows must be >= 1, got {page_rows}")
+        self.manager = manager if manager is not None else ca.default_manager()
+        self.mode = mode
+        self.frozen = False
+        self._page_rows_wanted = int(page_rows)
+        self.base = ca.empty(self.shape, dtype=self.dtype, manager=self.manager)
+        _fill(self.base, self.nvectors, self.featuresize, self.dtype, init, seed, self.name)
+        ca.evict(self.base)
+        self.where = np.full(self.nvectors, -1, dtype=np.int64)
+        self.cache = None
+        self._stats = dict(lookups=0, hits=0, misses=0, rows_cached=0, uncached=0, updates=0,
+                           rows_updated=0, update_hits=0, flushes=0, pages_flushed=0,
+                           rows_flushed=0, rows_written_back=0)
+        self._lower_rows = _size_to_rows(cachelower, self.nvectors, self.rowbytes, "cachelower",
+                                         self.name)
+        self._slack_rows = _size_to_rows(cacheslack, self.nvectors, self.rowbytes, "cacheslack",
+                                         self.name)
+        self._build_pool()
+
+    # ---- sizing ------------------------------------------------------------------------
+
+    def _build_pool(self):
+        """(Re)allocate an empty page pool for lower + slack rows (all rows sent home first)."""
+        if self.cache is not None:
+            self.flush_dirty(0)
+            ca.unsafe_free(self.cache)
+        want = min(self.nvectors, self._lower_rows + self._slack_rows)
+        self.page_rows = max(1, min(self._page_rows_wanted, want))
+        self.npages = -(-want // self.page_rows)
+        slots = self.npages * self.page_rows
+        self.cache = ca.empty((slots, self.featuresize), dtype=self.dtype, manager=self.manager)
+        ca.prefetch(self.cache, force=True)
+        self.backedge = np.full(slots, -1, dtype=np.int64)
+        self.dirty = np.zeros(slots, dtype=np.uint8)
+        self._pages = deque()                      # pages in use, oldest first
+        self._free_pages = list(range(self.npages - 1, -1, -1))
+        self._insert = self.page_rows              # bump pointer into the newest page
+        self._full = False
+
+    @property
+    def cachelower(self):
+        """Bytes the cache is flushed down to."""
+        return self._lower_rows * self.rowbytes
+
+    @property
+    def cacheslack(self):
+        """Bytes the cache may grow beyond ``cachelower`` before it is full."""
+        return self._slack_rows * self.rowbytes
+
+    def set_cachelower(self, value):
+        """Set ``cachelower`` (fraction or bytes); the pool is rebuilt empty (dirty rows go home)."""
+        self._lower_rows = _size_to_rows(value, self.nvectors, self.rowbytes, "cachelower", self.name)
+        self._build_pool()
+
+    def set_cacheslack(self, value):
+        """Set ``cacheslack`` (fraction or bytes); the pool is rebuilt empty (dirty rows go home)."""
+        self._slack_rows = _size_to_rows(value, self.nvectors, self.rowbytes, "cacheslack", self.name)
+        self._build_pool()
+
+    @property
+    def isfull(self):
+        """True once an access found no free slot; cleared by a flush."""
+        return self._full
+
+    @property
+    def cached_rows(self):
+        return int(np.count_nonzero(self.backedge >= 0))
+
+    @property
+    def cache_bytes(self):
+        """Bytes of pages in use (the cache size that ``cachelower`` bounds)."""
+        return len(self._pages) * self.page_rows * self.rowbytes
+
+    def example(self):
+        return self.cache
+
+    # ---- caching -----------------------------------------------------------------------
+
+    def _allocate(self, n):
+        """Bump-allocate up to n slots, opening pages from the free list; sets ``isfull``."""
+        pieces, need = [], n
+        while need > 0:
+            if self._insert >= self.page_rows:
+                if not self._free_pages:
+                    self._full = True
+                    break
+                self._pages.append(self._free_pages.pop())
+                self._insert = 0
+            take = min(need, self.page_rows - self._insert)
+            start = self._pages[-1] * self.page_rows + self._insert
+            pieces.append(np.arange(start, start + take, dtype=np.int64))
+            self._insert += take
+            need -= take
+        if not pieces:
+            return np.empty(0, dtype=np.int64)
+        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+
+    def _account_lookup(self, nidx, hits):
+        self._stats["lookups"] += nidx
+        self._stats["hits"] += hits
+        self._stats["misses"] += nidx - hits
+
+    def _cache_batch(self, idx, base_view, stack):
+        """Cache the batch's uncached rows (batch-synchronous); returns the pool's view."""
+        miss_rows = np.empty(idx.shape[0], dtype=np.int64)
+        hits, nmiss = _scan_misses(idx, self.where, miss_rows)
+        try:
+            slots = self._allocate(nmiss)
+            if slots.size:
+                cache_view = stack.enter_context(ca.writable(self.cache))
+                _place_rows(base_view, cache_view, self.where, self.backedge, miss_rows[:nmiss],
+                            slots)
+            else:
+                cache_view = stack.enter_context(ca.readable(self.cache))
+                self.where[miss_rows[:nmiss]] = -1
+        except BaseException:
+            marked = miss_rows[:nmiss]
+            self.where[marked[self.where[marked] < -1]] = -1
+            raise
+        self._stats["rows_cached"] += slots.size
+        self._stats["uncached"] += nmiss - slots.size
+        return cache_view, hits
+
+    def _count_hits(self, idx):
+        return int(np.count_nonzero(self.where[idx] >= 0))
+
+    def rowpointer(self, i, context=None):
+        _check_context(context, self.name)
+        i = self._row_index(i)
+        if context == FORWARD and self.mode == "dynamic" and not self.frozen and self.where[i] < 0:
+            idx = np.array([i], dtype=np.int64)
+            with contextlib.ExitStack() as stack:
+                base_view = stack.enter_context(ca.readable(self.base))
+                _, hits = self._cache_batch(idx, base_view, stack)
+            self._account_lookup(1, hits)
+        w = int(self.where[i])
+        return (self.cache, w) if w >= 0 else (self.base, i)
+
+    def access_and_cache(self, indices, offsets=None, out=None):
+        """Lookup that first caches the batch's uncached rows while there is room (FORWARD)."""
+        return self._lookup(indices, offsets, out, cache=True)
+
+    def access(self, indices, offsets=None, out=None):
+        """Lookup through the pointers without caching anything."""
+        return self._lookup(indices, offsets, out, cache=False)
+
+    def lookup(self, indices, offsets=None, out=None, context=FORWARD):
+        _check_context(context, self.name)
+        cache = context == FORWARD and self.mode == "dynamic" and not self.frozen
+        return self._lookup(indices, offsets, out, cache=cache)
+
+    def _lookup(self, indices, offsets, out, cache):
+        nbags = _batch_size(offsets, out, np.shape(indices)[0] if np.ndim(indices) else 0)
+        idx, off = self._prepare(indices, offsets, nbags)
+        if out is None:
+            out = self._new_output(nbags)
+        if not ca.in_fast(self.cache):
+            ca.prefetch(self.cache)
+        with contextlib.ExitStack() as stack:
+            base_view = stack.enter_context(ca.readable(self.base))
+            if cache:
+                cache_view, hits = self._cache_batch(idx, base_view, stack)
+            else:
+                cache_view = stack.enter_context(ca.readable(self.cache))
+                hits = self._count_hits(idx)
+            o = stack.enter_context(_scope(out, True))
+            kernels.lookup_sum_indirect(base_view, cache_view, self.where, idx, off, o, name=self.name)
+        self._account_lookup(idx.shape[0], hits)
+        return out
+
+    def update(self, indices, offsets, dout, lr):
+        with _scope(dout) as g, ca.writable(self.base) as b, ca.writable(self.cache) as c:
+            rows = kernels.sgd_update_indirect(b, c, self.where, indices, offsets, g, lr,
+                                               name=self.name)
+        slots = self.where[rows]
+        slots = slots[slots >= 0]
+        self.dirty[slots] = 1
+        self._stats["updates"] += 1
+        self._stats["rows_updated"] += rows.shape[0]
+        self._stats["update_hits"] += slots.shape[0]
+        return rows
+
+    # ---- policies and flushing -----------------------------------------------------------
+
+    def prepopulate(self, rows=None, seed=0, freeze=True):
+        """Static policy: cache ``rows`` (default: random rows up to ``cachelower``), then freeze."""
+        if rows is None:
+            k = min(self.nvectors, max(self._lower_rows, 0), self.npages * self.page_rows)
+            rows = np.random.default_rng(seed).choice(self.nvectors, size=k, replace=False)
+        idx = kernels.check_indices(rows, self.nvectors, self.name)
+        with contextlib.ExitStack() as stack:
+            base_view = stack.enter_context(ca.readable(self.base))
+            self._cache_batch(idx, base_view, stack)
+        self.frozen = bool(freeze)
+
+    def maintain(self):
+        """Between iterations: a full dynamic cache is flushed (dirty) down to ``cachelower``."""
+        if self.mode == "dynamic" and not self.frozen and self._full:
+            self.flush_dirty()
+
+    def _flush(self, target_rows, writeback):
+        target = self._lower_rows if target_rows is None else int(target_rows)
+        popped = []
+        while self._pages and len(self._pages) * self.page_rows > target:
+            popped.append(self._pages.popleft())
+        if not popped:
+            self._full = False
+            return 0
+        slots = np.concatenate([np.arange(p * self.page_rows, (p + 1) * self.page_rows,
+                                          dtype=np.int64) for p in popped])
+        if not writeback and self.dirty[slots].any():
+            self._pages.extendleft(reversed(popped))
+            n = int(np.count_nonzero(self.dirty[slots]))
+            raise RuntimeError(f"table {self.name!r}: flush_clean would drop {n} updated rows "
+                               f"that base memory does not have; use flush_dirty()")
+        held = self.backedge[slots]
+        nrows = int(np.count_nonzero(held >= 0))
+        if writeback:
+            with ca.writable(self.base) as b, ca.readable(self.cache) as c:
+                copied = _drop_slots(b, c, self.where, self.backedge, self.dirty, slots)
+        else:
+            self.where[held[held >= 0]] = -1
+            self.backedge[slots] = -1
+            copied = 0
+        self._free_pages.extend(reversed(popped))
+        if not self._pages:
+            self._insert = self.page_rows
+        self._full = False
+        self._stats["flushes"] += 1
+        self._stats["pages_flushed"] += len(popped)
+        self._stats["rows_flushed"] += nrows
+        self._stats["rows_written_back"] += int(copied)
+        log.debug("table %r: flushed %d pages (%d rows, %d written back)", self.name,
+                  len(popped), nrows, copied)
+        return int(copied)
+
+    def flush_clean(self, target_rows=None):
+        """Drop the oldest pages until at most ``cachelower`` remains; refuses dirty rows."""
+        return self._flush(target_rows, writeback=False)
+
+    def flush_dirty(self, target_rows=None):
+        """Drop the oldest pages until at most ``cachelower`` remains, writing dirty rows home."""
+        return self._flush(target_rows, writeback=True)
+
+    def writeback(self):
+        """Copy every dirty cached row home and mark it clean; rows stay cached."""
+        slots = np.flatnonzero(self.dirty).astype(np.int64)
+        if slots.size:
+            with ca.writable(self.base) as b, ca.readable(self.cache) as c:
+                _copy_home(b, c, self.backedge, slots)
+            self.dirty[slots] = 0
+            self._stats["rows_written_back"] += int(slots.size)
+        return int(slots.size)
+
+    # ---- inspection --------------------------------------------------------------------
+
+    def snapshot(self):
+        with ca.readable(self.base) as b, ca.readable(self.cache) as c:
+            out = b.copy()
+            slots = np.flatnonzero(self.backedge >= 0)
+            out[self.backedge[slots]] = c[slots]
+        return out
+
+    def check(self, clean=False):
+        """Verify the pointer invariants (and, with ``clean``, that cached rows equal base)."""
+        cached = np.flatnonzero(self.where >= 0)
+        slots = self.where[cached]
+        errors = []
+        if np.any(self.where < -1):
+            errors.append("where holds values below -1")
+        if slots.size and (slots.max() >= self.backedge.shape[0]):
+            errors.append("where points past the page pool")
+        elif not np.array_equal(self.backedge[slots], cached):
+            errors.append("a cached row's back-pointer names another row")
+        used = np.flatnonzero(self.backedge >= 0)
+        if used.size != cached.size:
+            errors.append(f"{used.size} slots hold rows but {cached.size} rows are cached")
+        if np.unique(self.backedge[used]).size != used.size:
+            errors.append("two slots claim the same row")
+        live = set()
+        for p in self._pages:
+            live.update(range(p * self.page_rows, (p + 1) * self.page_rows))
+        if not set(used.tolist()) <= live:
+            errors.append("a row sits in a page that is not in use")
+        if np.any(self.dirty[self.backedge < 0]):
+            errors.append("an empty slot is marked dirty")
+        if clean and slots.size:
+            with ca.readable(self.base) as b, ca.readable(self.cache) as c:
+                if not np.array_equal(b[cached], c[slots]):
+                    errors.append("a cached row differs from base")
+        if errors:
+            raise AssertionError(f"table {self.name!r}: " + "; ".join(errors))
+
+    def stats(self):
+        s = dict(self._stats)
+        rb = self.rowbytes
+        s["hit_rate"] = s["hits"] / s["lookups"] if s["lookups"] else 0.0
+        s["cache_rows"] = self.cached_rows
+        s["capacity_rows"] = self.npages * self.page_rows
+        s["cache_bytes"] = self.cache_bytes
+        s["bytes_cached"] = s["rows_cached"] * rb
+        s["bytes_written_back"] = s["rows_written_back"] * rb
+        s["fast_read_bytes"] = s["hits"] * rb
+        s["slow_read_bytes"] = s["misses"] * rb + s["bytes_cached"]
+        s["fast_write_bytes"] = s["update_hits"] * rb + s["bytes_cached"]
+        s["slow_write_bytes"] = (s["rows_updated"] - s["update_hits"]) * rb + s["bytes_written_back"]
+        return s
+
+
+# ---- policies and ensembles --------------------------------------------------------------
+
+def make_table(policy, nvectors, featuresize, dtype=np.float32, *, manager=None, cache=0.25,
+               slack=0.05, page_rows=DEFAULT_PAGE_ROWS, init=None, seed=0, name="table"):
+    """A table for a §5.6.1 policy: "simple" (slow, uncached), "static", "dynamic", or "fast"."""
+    if policy == "fast":
+        return SimpleTable(nvectors, featuresize, dtype, manager=manager, placement="fast",
+                           init=init, seed=seed, name=name)
+    if policy == "simple":
+        return SimpleTable(nvectors, featuresize, dtype, manager=manager, placement="slow",
+                           init=init, seed=seed, name=name)
+    if policy not in ("static", "dynamic"):
+        raise ValueError(f"table {name!r}: unknown policy {policy!r}; use one of {TABLE_POLICIES}")
+    t = CachedEmbeddingTable(nvectors, featuresize, dtype, manager=manager, cachelower=cache,
+                             cacheslack=0.0 if policy == "static" else slack, page_rows=page_rows,
+                             mode=policy, init=init, seed=seed, name=name)
+    if policy == "static":
+        t.prepopulate(seed=seed + 1)
+    return t
+
+
+def _columns(tables, column_offsets):
+    if column_offsets is None:
+        return np.concatenate([[0], np.cumsum([t.featuresize for t in tables])[:-1]]).astype(np.int64)
+    return np.asarray(column_offsets, dtype=np.int64)
+
+
+def _bag_offsets(indices_list, offsets_list):
+    """None offsets mean one index per bag."""
+    return [np.arange(np.shape(i)[0], dtype=np.int64) if o is None else o
+            for i, o in zip(indices_list, offsets_list)]
+
+
+def lookup_tables(tables, indices_list, offsets_list, out, column_offsets=None):
+    """Lookups of an ensemble into column blocks of ``out`` (batch, width); returns ``out``.
+
+    SimpleTables run together in one parallel kernel; cached tables go one at a time.
+    """
+    if len(indices_list) != len(tables) or len(offsets_list) != len(tables):
+        raise ValueError(f"{len(tables)} tables but {len(indices_list)} index arrays and "
+                         f"{len(offsets_list)} offset arrays")
+    cols = _columns(tables, column_offsets)
+    offsets_list = _bag_offsets(indices_list, offsets_list)
+    simple = [k for k, t in enumerate(tables) if isinstance(t, SimpleTable)]
+    with _scope(out, True) as o:
+        if simple:
+            with contextlib.ExitStack() as stack:
+                views = [stack.enter_context(ca.readable(tables[k].data)) for k in simple]
+                kernels.lookup_many(views, [indices_list[k] for k in simple],
+                                    [offsets_list[k] for k in simple], o, cols[simple],
+                                    names=[tables[k].name for k in simple])
+            for k in simple:
+                tables[k]._account_lookup(np.shape(indices_list[k])[0])
+        for k, t in enumerate(tables):
+            if not isinstance(t, SimpleTable):
+                c = int(cols[k])
+                t.lookup(indices_list[k], offsets_list[k], o[:, c:c + t.featuresize])
+    return out
+
+
+def update_tables(tables, indices_list, offsets_list, dout, lr, column_offsets=None):
+    """SGD of an ensemble from the gradient of ``lookup_tables``' output (column blocks of dout)."""
+    if len(indices_list) != len(tables) or len(offsets_list) != len(tables):
+        raise ValueError(f"{len(tables)} tables but {len(indices_list)} index arrays and "
+                         f"{len(offsets_list)} offset arrays")
+    cols = _columns(tables, column_offsets)
+    offsets_list = _bag_offsets(indices_list, offsets_list)
+    simple = [k for k, t in enumerate(tables) if isinstance(t, SimpleTable)]
+    with _scope(dout) as g:
+        if simple:
+            with contextlib.ExitStack() as stack:
+                views = [stack.enter_context(ca.writable(tables[k].data)) for k in simple]
+                rows = kernels.update_many(views, [indices_list[k] for k in simple],
+                                           [offsets_list[k] for k in simple], g, lr, cols[simple],
+                                           names=[tables[k].name for k in simple])
+            for k, r in zip(simple, rows):
+                tables[k]._account_update(r.shape[0])
+        for k, t in enumerate(tables):
+            if not isinstance(t, SimpleTable):
+                c = int(cols[k])
+                t.update(indices_list[k], offsets_list[k], g[:, c:c + t.featuresize], lr)

@@ -1,0 +1,818 @@
+"""Embedding-table kernels on plain NumPy arrays: gathers, bag sums and the fused sparse SGD.
+
+Tables are C-ordered ``(nvectors, featuresize)`` arrays (one row per embedding vector).
+Bags follow ``torch.nn.functional.embedding_bag(mode="sum")``: ``offsets`` holds the start
+of every bag in ``indices`` (optionally followed by ``len(indices)``).  The numba kernels
+never keep a reference to an argument after they return, so callers may pass arrays they
+obtained from tiered memory inside a pinned scope.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+from numba.typed import List as TypedList
+
+__all__ = [
+    "lookup",
+    "lookup_sum",
+    "lookup_sum_indirect",
+    "lookup_many",
+    "sgd_update",
+    "sgd_update_indirect",
+    "update_many",
+    "accumulate_grad",
+    "check_indices",
+    "check_offsets",
+]
+
+log = logging.getLogger(__name__)
+
+_PARALLEL = dict(parallel=True, cache=True, fastmath=False, nogil=True)
+_SERIAL = dict(cache=True, fastmath=False, nogil=True)
+_FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+#: Bags handled by one parallel work item; big enough to amortise scheduling, small enough to balance.
+_BAGS_PER_ITEM = 64
+#: Unique rows updated by one parallel work item.
+_ROWS_PER_ITEM = 256
+#: Rows ahead that the update prefetches (with write intent): halves the random RMW time.
+_PREFETCH_AHEAD = 16
+
+
+# ----------------------------------------------------------------------------------------
+# numba kernels.  Outputs and gradients are passed as flat 1-D buffers with a row stride so
+# that a column block of a wider array (``big[:, 64:128]``) is written in place and the
+# inner loop over features is a unit-stride loop LLVM can vectorise.
+# ----------------------------------------------------------------------------------------
+
+
+def _make_prefetch(rw):
+    @intrinsic
+    def prefetch(typingctx, arr, idx):
+        sig = types.void(arr, idx)
+
+        def codegen(context, builder, signature, args):
+            aryty = signature.args[0]
+            ary = context.make_array(aryty)(context, builder, args[0])
+            ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [args[1]],
+                                           wraparound=False)
+            i32 = ir.IntType(32)
+            fnty = ir.FunctionType(ir.VoidType(), [ptr.type, i32, i32, i32])
+            fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
+            builder.call(fn, [ptr, i32(rw), i32(3), i32(1)])  # locality 3, data cache
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return prefetch
+
+
+#: ``_prefetch_read(arr, i)`` / ``_prefetch_write(arr, i)``: an ``llvm.prefetch`` hint for
+#: ``arr[i]``; a hint never faults, so no bounds check is needed.
+_prefetch_read = _make_prefetch(0)
+_prefetch_write = _make_prefetch(1)
+
+
+@njit(**_SERIAL)
+def _bag_bounds(offsets, b, nidx):
+    start = offsets[b]
+    end = offsets[b + 1] if b + 1 < offsets.shape[0] else nidx
+    return start, end
+
+
+# Flat buffers are indexed with uint64 so numba emits no negative-index wraparound in the
+# inner loops (the wraparound branch keeps LLVM from vectorising them; ~4x slower).
+
+
+@njit(**_SERIAL)
+def _sum_bag(tflat, fs, indices, start, end, acc):
+    """acc[:] = sum of rows indices[start:end] of the flat table, added in index order.
+
+    Rows are taken 8 (then 4, then 1) at a time: the element-wise order of additions is
+    unchanged, but acc is loaded and stored once per group and 8 rows are in flight."""
+    for f in range(fs):
+        acc[f] = 0
+    j = start
+    while j + 8 <= end:
+        p0 = np.uint64(indices[j] * fs)
+        p1 = np.uint64(indices[j + 1] * fs)
+        p2 = np.uint64(indices[j + 2] * fs)
+        p3 = np.uint64(indices[j + 3] * fs)
+        p4 = np.uint64(indices[j + 4] * fs)
+        p5 = np.uint64(indices[j + 5] * fs)
+        p6 = np.uint64(indices[j + 6] * fs)
+        p7 = np.uint64(indices[j + 7] * fs)
+        for f in range(fs):
+            uf = np.uint64(f)
+            acc[uf] = (acc[uf] + tflat[p0 + uf] + tflat[p1 + uf] + tflat[p2 + uf] + tflat[p3 + uf]
+                       + tflat[p4 + uf] + tflat[p5 + uf] + tflat[p6 + uf] + tflat[p7 + uf])
+        j += 8
+    while j + 4 <= end:
+        p0 = np.uint64(indices[j] * fs)
+        p1 = np.uint64(indices[j + 1] * fs)
+        p2 = np.uint64(indices[j + 2] * fs)
+        p3 = np.uint64(indices[j + 3] * fs)
+        for f in range(fs):
+            uf = np.uint64(f)
+            acc[uf] = acc[uf] + tflat[p0 + uf] + tflat[p1 + uf] + tflat[p2 + uf] + tflat[p3 + uf]
+        j += 4
+    while j < end:
+        p0 = np.uint64(indices[j] * fs)
+        for f in range(fs):
+            uf = np.uint64(f)
+            acc[uf] += tflat[p0 + uf]
+        j += 1
+
+
+@njit(**_SERIAL)
+def _sum_bag_indirect(bflat, cflat, where, fs, indices, start, end, acc):
+    """Like ``_sum_bag`` but row r is read from cache[where[r]] when where[r] >= 0."""
+    for f in range(fs):
+        acc[f] = 0
+    for j in range(start, end):
+        r = indices[j]
+        w = where[r]
+        if w >= 0:
+            p = np.uint64(w * fs)
+            for f in range(fs):
+                uf = np.uint64(f)
+                acc[uf] += cflat[p + uf]
+        else:
+            p = np.uint64(r * fs)
+            for f in range(fs):
+                uf = np.uint64(f)
+                acc[uf] += bflat[p + uf]
+
+
+@njit(**_SERIAL)
+def _store(acc, out, o):
+    for f in range(acc.shape[0]):
+        out[np.uint64(o + f)] = acc[f]
+
+
+@njit(**_PARALLEL)
+def _gather_kernel(table, indices, out, ostride, ocol):
+    n = indices.shape[0]
+    fs = table.shape[1]
+    tflat = table.reshape(-1)
+    nitems = (n + _BAGS_PER_ITEM - 1) // _BAGS_PER_ITEM
+    for it in prange(nitems):
+        lo = it * _BAGS_PER_ITEM
+        hi = min(n, lo + _BAGS_PER_ITEM)
+        for i in range(lo, hi):
+            p = np.uint64(indices[i] * fs)
+            o = np.uint64(i * ostride + ocol)
+            for f in range(fs):
+                uf = np.uint64(f)
+                out[o + uf] = tflat[p + uf]
+
+
+@njit(**_PARALLEL)
+def _bag_sum_kernel(table, indices, offsets, nbags, out, ostride, ocol):
+    nidx = indices.shape[0]
+    fs = table.shape[1]
+    tflat = table.reshape(-1)
+    nitems = (nbags + _BAGS_PER_ITEM - 1) // _BAGS_PER_ITEM
+    for it in prange(nitems):
+        acc = np.empty(fs, dtype=table.dtype)
+        lo = it * _BAGS_PER_ITEM
+        hi = min(nbags, lo + _BAGS_PER_ITEM)
+        for b in range(lo, hi):
+            start, end = _bag_bounds(offsets, b, nidx)
+            _sum_bag(tflat, fs, indices, start, end, acc)
+            _store(acc, out, b * ostride + ocol)
+
+
+@njit(**_PARALLEL)
+def _bag_sum_indirect_kernel(base, cache, where, indices, offsets, nbags, out, ostride, ocol):
+    nidx = indices.shape[0]
+    fs = base.shape[1]
+    bflat = base.reshape(-1)
+    cflat = cache.reshape(-1)
+    nitems = (nbags + _BAGS_PER_ITEM - 1) // _BAGS_PER_ITEM
+    for it in prange(nitems):
+        acc = np.empty(fs, dtype=base.dtype)
+        lo = it * _BAGS_PER_ITEM
+        hi = min(nbags, lo + _BAGS_PER_ITEM)
+        for b in range(lo, hi):
+            start, end = _bag_bounds(offsets, b, nidx)
+            _sum_bag_indirect(bflat, cflat, where, fs, indices, start, end, acc)
+            _store(acc, out, b * ostride + ocol)
+
+
+@njit(**_PARALLEL)
+def _bag_sum_many_kernel(tables, indices, offsets, nbags, out, ostride, cols, chunk):
+    """All tables into one concatenated output; work items are (bag chunk, table) pairs."""
+    ntables = len(tables)
+    nchunks = (nbags + chunk - 1) // chunk
+    for it in prange(nchunks * ntables):
+        c = it // ntables
+        t = it - c * ntables  # tables vary fastest so each thread gets a mix of tables
+        table = tables[t]
+        fs = table.shape[1]
+        tflat = table.reshape(-1)
+        acc = np.empty(fs, dtype=table.dtype)
+        idx = indices[t]
+        off = offsets[t]
+        nidx = idx.shape[0]
+        lo = c * chunk
+        hi = min(nbags, lo + chunk)
+        for b in range(lo, hi):
+            start, end = _bag_bounds(off, b, nidx)
+            _sum_bag(tflat, fs, idx, start, end, acc)
+            _store(acc, out, b * ostride + cols[t])
+
+
+@njit(**_SERIAL)
+def _reindex(indices, offsets, nbags, slot, rows, bounds, occ):
+    """CSR re-indexing of one table's occurrences, grouped by unique row in first-seen order.
+
+    Fills ``rows[:nu]`` (unique rows), ``occ`` (the bag of every occurrence, grouped by row,
+    occurrence order inside a group) and ``bounds`` so that group u is
+    ``occ[bounds[u + 1]:bounds[u + 2]]``.  ``slot`` (one int32 per table row) must be zero on
+    entry and is zero again on exit, so one scratch buffer serves every call.  Returns nu.
+    """
+    nidx = indices.shape[0]
+    nu = 0
+    for j in range(nidx):  # histogram: slot[r] = 1 + unique id of r, bounds[u + 2] = count
+        if j + _PREFETCH_AHEAD < nidx:
+            _prefetch_write(slot, indices[j + _PREFETCH_AHEAD])
+        r = indices[j]
+        s = slot[r]
+        if s == 0:
+            rows[nu] = r
+            nu += 1
+            slot[r] = nu
+            bounds[nu + 1] = 1
+        else:
+            bounds[s + 1] += 1
+    bounds[0] = 0
+    bounds[1] = 0
+    for u in range(nu):  # prefix sum: bounds[u + 2] = end of group u
+        bounds[u + 2] += bounds[u + 1]
+    for u in range(nu):  # shift so that bounds[u + 1] = end of group u
+        bounds[u + 1] = bounds[u + 2]
+    bounds[nu + 1] = nidx
+    for b in range(nbags - 1, -1, -1):  # scatter backwards: groups fill in occurrence order
+        start, end = _bag_bounds(offsets, b, nidx)
+        for j in range(end - 1, start - 1, -1):
+            if j >= _PREFETCH_AHEAD:
+                _prefetch_read(slot, indices[j - _PREFETCH_AHEAD])
+            g = slot[indices[j]]
+            bounds[g] -= 1
+            occ[bounds[g]] = b
+    for u in range(nu):
+        if u + _PREFETCH_AHEAD < nu:
+            _prefetch_write(slot, rows[u + _PREFETCH_AHEAD])
+        slot[rows[u]] = 0
+    return nu
+
+
+@njit(**_SERIAL)
+def _sum_grad(dout, gstride, gcol, occ, lo, hi, acc):
+    """acc[:] = sum of gradient rows occ[lo:hi] (a row-strided flat buffer), in order."""
+    fs = acc.shape[0]
+    for f in range(fs):
+        acc[f] = 0
+    for k in range(lo, hi):
+        g = np.uint64(occ[k] * gstride + gcol)
+        for f in range(fs):
+            uf = np.uint64(f)
+            acc[uf] += dout[g + uf]
+
+
+@njit(**_SERIAL)
+def _sgd_row(flat, p, fs, lr, dout, gstride, gcol, occ, lo, hi, acc):
+    """flat[p:p+fs] -= lr * (sum of gradient rows occ[lo:hi]): one read-modify-write of a row.
+
+    A row used once (the common case for large tables) skips the accumulator; the result is
+    identical because 0 + g == g."""
+    if hi - lo == 1:
+        g = np.uint64(occ[lo] * gstride + gcol)
+        for f in range(fs):
+            uf = np.uint64(f)
+            flat[p + uf] -= lr * dout[g + uf]
+    else:
+        _sum_grad(dout, gstride, gcol, occ, lo, hi, acc)
+        for f in range(fs):
+            uf = np.uint64(f)
+            flat[p + uf] -= lr * acc[uf]
+
+
+@njit(**_SERIAL)
+def _prefetch_row_write(flat, p, fs):
+    step = max(1, 64 // flat.itemsize)
+    for f in range(0, fs, step):
+        _prefetch_write(flat, p + np.uint64(f))
+
+
+@njit(**_SERIAL)
+def _reindex_kernel(indices, offsets, nbags, slot, rows, bounds, occ):
+    return _reindex(indices, offsets, nbags, slot, rows, bounds, occ)
+
+
+@njit(**_PARALLEL)
+def _apply_sgd_kernel(table, rows, bounds, occ, nu, dout, gstride, gcol, lr):
+    fs = table.shape[1]
+    tflat = table.reshape(-1)
+    nitems = (nu + _ROWS_PER_ITEM - 1) // _ROWS_PER_ITEM
+    for it in prange(nitems):
+        acc = np.empty(fs, dtype=table.dtype)
+        lo = it * _ROWS_PER_ITEM
+        hi = min(nu, lo + _ROWS_PER_ITEM)
+        for u in range(lo, hi):
+            if u + _PREFETCH_AHEAD < hi:
+                _prefetch_row_write(tflat, np.uint64(rows[u + _PREFETCH_AHEAD] * fs), fs)
+            _sgd_row(tflat, np.uint64(rows[u] * fs), fs, lr, dout, gstride, gcol, occ,
+                     bounds[u + 1], bounds[u + 2], acc)
+
+
+@njit(**_SERIAL)
+def _where_address(where, r, fs):
+    """(in cache?, flat start) of logical row r."""
+    w = where[r]
+    if w >= 0:
+        return True, np.uint64(w * fs)
+    return False, np.uint64(r * fs)
+
+
+@njit(**_PARALLEL)
+def _apply_sgd_indirect_kernel(base, cache, where, rows, bounds, occ, nu, dout, gstride, gcol, lr):
+    fs = base.shape[1]
+    bflat = base.reshape(-1)
+    cflat = cache.reshape(-1)
+    nitems = (nu + _ROWS_PER_ITEM - 1) // _ROWS_PER_ITEM
+    for it in prange(nitems):
+        acc = np.empty(fs, dtype=base.dtype)
+        lo = it * _ROWS_PER_ITEM
+        hi = min(nu, lo + _ROWS_PER_ITEM)
+        for u in range(lo, hi):
+            if u + _PREFETCH_AHEAD < hi:
+                cached, q = _where_address(where, rows[u + _PREFETCH_AHEAD], fs)
+                _prefetch_row_write(cflat if cached else bflat, q, fs)
+            cached, p = _where_address(where, rows[u], fs)
+            _sgd_row(cflat if cached else bflat, p, fs, lr, dout, gstride, gcol, occ,
+                     bounds[u + 1], bounds[u + 2], acc)
+
+
+@njit(**_PARALLEL)
+def _grad_kernel(rows, bounds, occ, nu, dout, gstride, gcol, grads):
+    nitems = (nu + _ROWS_PER_ITEM - 1) // _ROWS_PER_ITEM
+    for it in prange(nitems):
+        lo = it * _ROWS_PER_ITEM
+        hi = min(nu, lo + _ROWS_PER_ITEM)
+        for u in range(lo, hi):
+            _sum_grad(dout, gstride, gcol, occ, bounds[u + 1], bounds[u + 2], grads[u])
+
+
+@njit(**_PARALLEL)
+def _update_many_kernel(tables, indices, offsets, nbags, dout, gstride, cols, lr, slots,
+                        nworkers, idx_base):
+    """Re-index every table (worker w takes tables w, w + nworkers, ...; one scratch row of
+    ``slots`` each), then apply SGD over flattened (row chunk, table) items.
+    Returns the unique-row counts and the concatenated unique rows."""
+    ntables = len(tables)
+    total = idx_base[ntables]
+    rows = np.empty(total, dtype=np.int64)
+    occ = np.empty(total, dtype=np.int64)
+    bounds = np.empty(total + 2 * ntables, dtype=np.int64)
+    nus = np.zeros(ntables, dtype=np.int64)
+    for w in prange(nworkers):
+        for t in range(w, ntables, nworkers):
+            lo = idx_base[t]
+            hi = idx_base[t + 1]
+            nus[t] = _reindex(indices[t], offsets[t], nbags, slots[w], rows[lo:hi],
+                              bounds[lo + 2 * t:hi + 2 * t + 2], occ[lo:hi])
+    maxitems = 0
+    for t in range(ntables):
+        maxitems = max(maxitems, (nus[t] + _ROWS_PER_ITEM - 1) // _ROWS_PER_ITEM)
+    for it in prange(maxitems * ntables):
+        c = it // ntables
+        t = it - c * ntables  # tables vary fastest
+        nu = nus[t]
+        lo = c * _ROWS_PER_ITEM
+        if lo < nu:
+            hi = min(nu, lo + _ROWS_PER_ITEM)
+            table = tables[t]
+            fs = table.shape[1]
+            tflat = table.reshape(-1)
+            acc = np.empty(fs, dtype=table.dtype)
+            base = idx_base[t]
+            trows = rows[base:base + nu]
+            tocc = occ[base:idx_base[t + 1]]
+            tb = bounds[base + 2 * t:idx_base[t + 1] + 2 * t + 2]
+            for u in range(lo, hi):
+                if u + _PREFETCH_AHEAD < hi:
+                    _prefetch_row_write(tflat, np.uint64(trows[u + _PREFETCH_AHEAD] * fs), fs)
+                _sgd_row(tflat, np.uint64(trows[u] * fs), fs, lr, dout, gstride, cols[t], tocc,
+                         tb[u + 1], tb[u + 2], acc)
+    return nus, rows
+
+
+class _SlotPool:
+    """Zeroed int32 scratch histograms, reused across calls (kernels leave them zeroed).
+
+    Allocating and faulting in a fresh zeroed histogram costs more than the whole re-index for
+    tables of ~10M rows; each buffer is 4 bytes per row of the largest table seen."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._free = []
+
+    def take(self, count, nrows):
+        with self._lock:
+            for i, buf in enumerate(self._free):
+                if buf.shape[0] >= count and buf.shape[1] >= nrows:
+                    return self._free.pop(i)
+        return np.zeros((count, nrows), dtype=np.int32)
+
+    def give(self, buf):
+        with self._lock:
+            self._free.append(buf)
+            if len(self._free) > 4:  # keep the few largest
+                self._free.sort(key=lambda b: b.size, reverse=True)
+                del self._free[4:]
+
+
+_slots = _SlotPool()
+
+
+# ----------------------------------------------------------------------------------------
+# Argument checking (vectorised NumPy; runs before any kernel touches memory).
+# ----------------------------------------------------------------------------------------
+
+
+def _check_table(table, name, what="table"):
+    if not isinstance(table, np.ndarray):
+        raise TypeError(f"{what} {name!r}: expected a numpy.ndarray, got {type(table).__name__}")
+    if table.ndim != 2:
+        raise ValueError(f"{what} {name!r}: expected a 2-D (nvectors, featuresize) array, "
+                         f"got shape {table.shape}")
+    if table.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"{what} {name!r}: dtype {table.dtype} is not supported; "
+                        f"use float32 (or float64)")
+    if not table.flags.c_contiguous:
+        raise ValueError(f"{what} {name!r}: rows must be C-contiguous (strides {table.strides}); "
+                         f"pass the table itself, not a column slice or a transpose")
+
+
+def _as_index_array(a, name, what):
+    a = np.asarray(a)
+    if a.ndim != 1:
+        raise ValueError(f"table {name!r}: {what} must be 1-D, got shape {a.shape}")
+    if a.dtype.kind not in "iu":
+        raise TypeError(f"table {name!r}: {what} must be an integer array, got dtype {a.dtype}")
+    return np.ascontiguousarray(a, dtype=np.int64)
+
+
+def check_indices(indices, nrows: int, name: str = "table") -> np.ndarray:
+    """Return ``indices`` as contiguous int64; raise IndexError if any is outside [0, nrows)."""
+    idx = _as_index_array(indices, name, "indices")
+    if idx.size == 0:
+        return idx
+    lo, hi = idx.min(), idx.max()
+    if lo < 0 or hi >= nrows:
+        bad = np.flatnonzero((idx < 0) | (idx >= nrows))[0]
+        raise IndexError(f"table {name!r}: index {int(idx[bad])} at position {int(bad)} is out of "
+                         f"range; valid rows are 0..{nrows - 1} (table has {nrows} rows)")
+    return idx
+
+
+def check_offsets(offsets, nidx: int, nbags: int, name: str = "table") -> np.ndarray:
+    """Return bag ``offsets`` (nbags or nbags+1 starts) as int64; ValueError if they are invalid."""
+    off = _as_index_array(offsets, name, "offsets")
+    n = off.shape[0]
+    if n not in (nbags, nbags + 1):
+        raise ValueError(f"table {name!r}: {n} offsets for {nbags} bags; pass nbags start "
+                         f"positions, optionally followed by len(indices) = {nidx}")
+    if n == 0:
+        if nidx != 0:
+            raise ValueError(f"table {name!r}: no bags but {nidx} indices")
+        return off
+    if off[0] != 0:
+        raise ValueError(f"table {name!r}: offsets[0] must be 0, got {int(off[0])}")
+    if n > 1:
+        steps = np.diff(off)
+        if steps.min() < 0:
+            bad = int(np.flatnonzero(steps < 0)[0]) + 1
+            raise ValueError(f"table {name!r}: offsets must be non-decreasing; offsets[{bad}] = "
+                             f"{int(off[bad])} < offsets[{bad - 1}] = {int(off[bad - 1])}")
+    if off[-1] > nidx:
+        raise ValueError(f"table {name!r}: last offset {int(off[-1])} exceeds len(indices) = {nidx}")
+    if n == nbags + 1 and off[-1] != nidx:
+        raise ValueError(f"table {name!r}: with nbags+1 offsets the last must equal "
+                         f"len(indices) = {nidx}, got {int(off[-1])}")
+    return off
+
+
+def _flat_rows(arr, nrows, ncols, dtype, name, what):
+    """View a (nrows, ncols) block with unit column stride as (flat buffer, row stride)."""
+    if not isinstance(arr, np.ndarray):
+        raise TypeError(f"table {name!r}: {what} must be a numpy.ndarray, got {type(arr).__name__}")
+    if arr.ndim != 2 or arr.shape[0] != nrows or arr.shape[1] != ncols:
+        raise ValueError(f"table {name!r}: {what} has shape {arr.shape}, expected ({nrows}, {ncols})")
+    if arr.dtype != dtype:
+        raise TypeError(f"table {name!r}: {what} dtype {arr.dtype} differs from the table's {dtype}")
+    isz = arr.itemsize
+    if nrows == 0 or ncols == 0:
+        return np.empty(0, dtype=dtype), 0
+    if arr.strides[1] != isz or arr.strides[0] % isz != 0 or arr.strides[0] < ncols * isz:
+        return None, 0
+    stride = arr.strides[0] // isz
+    flat = np.lib.stride_tricks.as_strided(arr, shape=((nrows - 1) * stride + ncols,),
+                                           strides=(isz,))
+    return flat, stride
+
+
+def _output(out, nrows, ncols, dtype, name):
+    """Allocate or validate an output block; returns (out, flat, stride, scratch)."""
+    if out is None:
+        out = np.empty((nrows, ncols), dtype=dtype)
+    flat, stride = _flat_rows(out, nrows, ncols, dtype, name, "out")
+    if flat is None:  # exotic strides: compute into scratch, copy at the end
+        log.debug("table %r: out strides %s are not unit-stride rows; using a scratch copy",
+                  name, out.strides)
+        scratch = np.empty((nrows, ncols), dtype=dtype)
+        return out, scratch.reshape(-1), ncols, scratch
+    return out, flat, stride, None
+
+
+def _gradient(dout, nbags, ncols, dtype, name):
+    flat, stride = _flat_rows(dout, nbags, ncols, dtype, name, "dout")
+    if flat is None:
+        flat, stride = np.ascontiguousarray(dout).reshape(-1), ncols
+    return flat, stride
+
+
+def _nbags_of(out, offsets):
+    if out is not None:
+        if not isinstance(out, np.ndarray) or out.ndim != 2:
+            raise ValueError("out must be a 2-D numpy.ndarray (nbags, featuresize)")
+        return out.shape[0]
+    return np.asarray(offsets).shape[0]
+
+
+def _check_where(where, base, cache, idx, name):
+    where = _as_index_array(where, name, "where")
+    if where.shape[0] != base.shape[0]:
+        raise ValueError(f"table {name!r}: where has {where.shape[0]} entries for "
+                         f"{base.shape[0]} base rows")
+    if cache.shape[1] != base.shape[1] or cache.dtype != base.dtype:
+        raise ValueError(f"table {name!r}: cache {cache.shape} {cache.dtype} does not match "
+                         f"base {base.shape} {base.dtype}")
+    if idx.size:
+        used = where[idx]
+        if used.min() < -1 or used.max() >= cache.shape[0]:
+            bad = np.flatnonzero((used < -1) | (used >= cache.shape[0]))[0]
+            raise IndexError(f"table {name!r}: row {int(idx[bad])} maps to cache slot "
+                             f"{int(used[bad])}; valid slots are -1 (base) and "
+                             f"0..{cache.shape[0] - 1}")
+    return where
+
+
+# ----------------------------------------------------------------------------------------
+# Public API
+# ----------------------------------------------------------------------------------------
+
+
+def lookup(table, indices, out=None, *, name="table"):
+    """Non-reducing gather ``out[i, :] = table[indices[i], :]``; returns ``out``."""
+    _check_table(table, name)
+    idx = check_indices(indices, table.shape[0], name)
+    out, flat, stride, scratch = _output(out, idx.shape[0], table.shape[1], table.dtype, name)
+    if idx.size and table.shape[1]:
+        _gather_kernel(table, idx, flat, stride, 0)
+    if scratch is not None:
+        out[...] = scratch
+    return out
+
+
+def lookup_sum(table, indices, offsets, out=None, *, name="table"):
+    """Sum-pooled bag lookup (``embedding_bag(mode="sum")``); ``out`` may be a column block.
+
+    Without ``out`` there are ``len(offsets)`` bags, so pass ``out`` when ``offsets`` ends with
+    ``len(indices)``."""
+    _check_table(table, name)
+    nbags = _nbags_of(out, offsets)
+    idx = check_indices(indices, table.shape[0], name)
+    off = check_offsets(offsets, idx.shape[0], nbags, name)
+    out, flat, stride, scratch = _output(out, nbags, table.shape[1], table.dtype, name)
+    if nbags and table.shape[1]:
+        _bag_sum_kernel(table, idx, off, nbags, flat, stride, 0)
+    if scratch is not None:
+        out[...] = scratch
+    return out
+
+
+def lookup_sum_indirect(base, cache, where, indices, offsets, out=None, *, name="table"):
+    """Bag-sum lookup where row r lives at ``cache[where[r]]`` if ``where[r] >= 0`` else ``base[r]``."""
+    _check_table(base, name, "base")
+    _check_table(cache, name, "cache")
+    nbags = _nbags_of(out, offsets)
+    idx = check_indices(indices, base.shape[0], name)
+    off = check_offsets(offsets, idx.shape[0], nbags, name)
+    where = _check_where(where, base, cache, idx, name)
+    out, flat, stride, scratch = _output(out, nbags, base.shape[1], base.dtype, name)
+    if nbags and base.shape[1]:
+        _bag_sum_indirect_kernel(base, cache, where, idx, off, nbags, flat, stride, 0)
+    if scratch is not None:
+        out[...] = scratch
+    return out
+
+
+def _prepare_update(nrows, indices, offsets, dout, dtype, fs, name):
+    idx = check_indices(indices, nrows, name)
+    if offsets is None:  # one index per bag (the pullback of a non-reducing lookup)
+        offsets = np.arange(idx.shape[0], dtype=np.int64)
+    if not isinstance(dout, np.ndarray) or dout.ndim != 2:
+        raise ValueError(f"table {name!r}: dout must be a 2-D numpy.ndarray (nbags, featuresize)")
+    nbags = dout.shape[0]
+    off = check_offsets(offsets, idx.shape[0], nbags, name)
+    gflat, gstride = _gradient(dout, nbags, fs, dtype, name)
+    return idx, off, nbags, gflat, gstride
+
+
+def _reindexed(nrows, idx, off, nbags):
+    n = idx.shape[0]
+    rows = np.empty(n, dtype=np.int64)
+    bounds = np.empty(n + 2, dtype=np.int64)
+    occ = np.empty(n, dtype=np.int64)
+    nu = 0
+    if n:
+        slot = _slots.take(1, nrows)
+        nu = _reindex_kernel(idx, off, nbags, slot[0], rows, bounds, occ)
+        _slots.give(slot)  # not on error: a half-used histogram is not zero
+    return rows, bounds, occ, nu
+
+
+def sgd_update(table, indices, offsets, dout, lr, *, name="table"):
+    """Fused pullback + SGD: ``table[r] -= lr * sum(dout[bag] for each occurrence of r)``.
+
+    Every unique row is updated once by one thread, summing its occurrences in order, so the
+    result is deterministic.  ``offsets=None`` means one index per bag.  Returns the unique rows.
+    """
+    _check_table(table, name)
+    _check_writable(table, name)
+    idx, off, nbags, gflat, gstride = _prepare_update(table.shape[0], indices, offsets, dout,
+                                                      table.dtype, table.shape[1], name)
+    rows, bounds, occ, nu = _reindexed(table.shape[0], idx, off, nbags)
+    if nu and table.shape[1]:
+        _apply_sgd_kernel(table, rows, bounds, occ, nu, gflat, gstride, 0, table.dtype.type(lr))
+    return rows[:nu]
+
+
+def sgd_update_indirect(base, cache, where, indices, offsets, dout, lr, *, name="table"):
+    """Fused SGD that writes each row where it lives (``cache[where[r]]`` or ``base[r]``)."""
+    _check_table(base, name, "base")
+    _check_table(cache, name, "cache")
+    _check_writable(base, name, "base")
+    _check_writable(cache, name, "cache")
+    idx, off, nbags, gflat, gstride = _prepare_update(base.shape[0], indices, offsets, dout,
+                                                      base.dtype, base.shape[1], name)
+    where = _check_where(where, base, cache, idx, name)
+    rows, bounds, occ, nu = _reindexed(base.shape[0], idx, off, nbags)
+    if nu and base.shape[1]:
+        _apply_sgd_indirect_kernel(base, cache, where, rows, bounds, occ, nu, gflat, gstride, 0,
+                                   base.dtype.type(lr))
+    return rows[:nu]
+
+
+def accumulate_grad(indices, offsets, dout, nrows, *, name="table"):
+    """Sparse gradient of a bag-sum lookup: ``(unique_rows, grads)`` with rows in first-seen order."""
+    dout = np.asarray(dout)
+    if dout.ndim != 2 or dout.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"table {name!r}: dout must be a 2-D float32/float64 array, "
+                        f"got {dout.dtype} with shape {dout.shape}")
+    idx, off, nbags, gflat, gstride = _prepare_update(int(nrows), indices, offsets, dout,
+                                                      dout.dtype, dout.shape[1], name)
+    rows, bounds, occ, nu = _reindexed(int(nrows), idx, off, nbags)
+    grads = np.empty((nu, dout.shape[1]), dtype=dout.dtype)
+    if nu and dout.shape[1]:
+        _grad_kernel(rows, bounds, occ, nu, gflat, gstride, 0, grads)
+    return rows[:nu].copy(), grads
+
+
+def _readonly(a):
+    """A read-only view: every array in an ensemble then has one numba type (one compile)."""
+    v = a.view()
+    v.flags.writeable = False
+    return v
+
+
+def _check_writable(table, name, what="table"):
+    if not table.flags.writeable:
+        raise ValueError(f"{what} {name!r} is read-only; an update needs a writable array "
+                         f"(e.g. from a writable access scope)")
+
+
+def _ensemble(tables, indices_list, offsets_list, nbags, names, update=False):
+    ntables = len(tables)
+    if ntables == 0:
+        raise ValueError("need at least one table")
+    if len(indices_list) != ntables or len(offsets_list) != ntables:
+        raise ValueError(f"{ntables} tables but {len(indices_list)} index arrays and "
+                         f"{len(offsets_list)} offset arrays")
+    if names is None:
+        names = [f"table{t}" for t in range(ntables)]
+    tl, il, ol = TypedList(), TypedList(), TypedList()
+    dtype = None
+    for t in range(ntables):
+        _check_table(tables[t], names[t])
+        if dtype is None:
+            dtype = tables[t].dtype
+        elif tables[t].dtype != dtype:
+            raise TypeError(f"table {names[t]!r}: dtype {tables[t].dtype} differs from "
+                            f"{names[0]!r}'s {dtype}; an ensemble needs one dtype")
+        idx = check_indices(indices_list[t], tables[t].shape[0], names[t])
+        off = check_offsets(offsets_list[t], idx.shape[0], nbags, names[t])
+        if update:
+            _check_writable(tables[t], names[t])
+            tl.append(tables[t])
+        else:
+            tl.append(_readonly(tables[t]))
+        il.append(_readonly(idx))
+        ol.append(_readonly(off))
+    return tl, il, ol, dtype, names
+
+
+def _columns(tables, column_offsets, width, names):
+    fss = [t.shape[1] for t in tables]
+    if column_offsets is None:
+        column_offsets = np.concatenate([[0], np.cumsum(fss)[:-1]])
+    cols = np.asarray(column_offsets, dtype=np.int64)
+    if cols.shape != (len(tables),):
+        raise ValueError(f"column_offsets must have one entry per table ({len(tables)}), "
+                         f"got shape {cols.shape}")
+    for t, (c, fs) in enumerate(zip(cols, fss)):
+        if c < 0 or (width is not None and c + fs > width):
+            raise ValueError(f"table {names[t]!r}: columns {c}..{c + fs} do not fit in an "
+                             f"output of width {width}")
+    return cols
+
+
+def lookup_many(tables, indices_list, offsets_list, out=None, column_offsets=None, *,
+                names=None, batch_size=None):
+    """Bag-sum lookups of an ensemble into one ``(batch, sum of featuresizes)`` output.
+
+    Table t lands in columns ``column_offsets[t]:column_offsets[t] + featuresize`` (default:
+    packed in order).  Work is split into (bag chunk, table) items in one parallel loop.
+    """
+    if out is not None:
+        nbags = out.shape[0]
+    elif batch_size is not None:
+        nbags = int(batch_size)
+    else:
+        nbags = np.asarray(offsets_list[0]).shape[0]
+    if names is None:
+        names = [f"table{t}" for t in range(len(tables))]
+    tl, il, ol, dtype, names = _ensemble(tables, indices_list, offsets_list, nbags, names)
+    if out is None:
+        cols = _columns(tables, column_offsets, None, names)
+        width = int(max(int(c) + t.shape[1] for c, t in zip(cols, tables)))
+        out = np.empty((nbags, width), dtype=dtype)
+    if not isinstance(out, np.ndarray) or out.ndim != 2:
+        raise ValueError("out must be a 2-D numpy.ndarray (batch, width)")
+    cols = _columns(tables, column_offsets, out.shape[1], names)
+    out, flat, stride, scratch = _output(out, nbags, out.shape[1], dtype, names[0])
+    if nbags:
+        nthreads = numba.get_num_threads()
+        chunk = max(1, min(_BAGS_PER_ITEM, -(-nbags * len(tables) // (8 * nthreads))))
+        _bag_sum_many_kernel(tl, il, ol, nbags, flat, stride, cols, chunk)
+    if scratch is not None:
+        out[...] = scratch
+    return out
+
+
+def update_many(tables, indices_list, offsets_list, dout, lr, column_offsets=None, *, names=None):
+    """Fused SGD for an ensemble from the gradient of the concatenated ``lookup_many`` output.
+
+    Re-indexing runs one table per thread; row updates are flattened (row chunk, table) items.
+    Returns the unique rows of every table.
+    """
+    if not isinstance(dout, np.ndarray) or dout.ndim != 2:
+        raise ValueError("dout must be a 2-D numpy.ndarray (batch, width)")
+    nbags = dout.shape[0]
+    if names is None:
+        names = [f"table{t}" for t in range(len(tables))]
+    tl, il, ol, dtype, names = _ensemble(tables, indices_list, offsets_list, nbags, names,
+                                         update=True)
+    cols = _columns(tables, column_offsets, dout.shape[1], names)
+    gflat, gstride = _gradient(dout, nbags, dout.shape[1], dtype, names[0])
+    idx_base = np.zeros(len(tables) + 1, dtype=np.int64)
+    np.cumsum([a.shape[0] for a in il], out=idx_base[1:])
+    if nbags == 0 or idx_base[-1] == 0:
+        return [np.empty(0, dtype=np.int64) for _ in tables]
+    maxrows = max(t.shape[0] for t in tables)
+    nworkers = max(1, min(numba.get_num_threads(), len(tables)))
+    slots = _slots.take(nworkers, maxrows)
+    nus, rows = _update_many_kernel(tl, il, ol, nbags, gflat, gstride, cols, dtype.type(lr),
+                                    slots, nworkers, idx_base)
+    _slots.give(slots)
+    return [rows[idx_base[t]:idx_base[t] + nus[t]] for t in range(len(tables))]

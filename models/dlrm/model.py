@@ -1,0 +1,378 @@
+"""DLRM on CachedArrays: bottom MLP, embedding ensemble, dot (or concat) interaction, top MLP,
+sigmoid + binary cross-entropy, plain SGD.
+
+Weights, biases, activations and gradients are CachedArrays allocated once per batch size and
+reused; kernels (oneDNN or NumPy dense layers, numba embedding and interaction kernels) run on
+views from pinned access scopes. ``train_step`` times four phases: ``lookup`` (embedding
+forward), ``interaction`` (forward and backward), ``mlp`` (both MLPs forward and backward, the
+loss and the dense SGD) and ``update`` (embedding SGD plus cache maintenance).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+from numba import njit, prange
+
+import cachedarrays as ca
+from cachedarrays.models.backend import get_backend
+
+from . import embedding as emb
+from .configs import DLRMConfig, get_config
+from .data import Batch, SyntheticDataset
+
+__all__ = ["DLRM", "synthetic_dataset", "dot_interaction", "dot_interaction_backward",
+           "bce_with_logits", "PHASES", "demo"]
+
+log = logging.getLogger(__name__)
+
+PHASES = ("lookup", "interaction", "mlp", "update")
+
+
+def synthetic_dataset(config: DLRMConfig, distribution="uniform", seed=0, num_batches=100,
+                      alpha=1.0, batch_size=None):
+    """A :class:`SyntheticDataset` shaped for ``config`` (uniform or Zipf + LFSR indices)."""
+    b = config.batch_size if batch_size is None else int(batch_size)
+    return SyntheticDataset(config.dense_features, config.table_sizes, b,
+                            pooling=config.bag_size, distribution=distribution, alpha=alpha,
+                            seed=seed, num_batches=num_batches)
+
+
+# ---- interaction kernels (numba, one sample per parallel item) ----------------------------
+
+@njit(parallel=True, cache=True, fastmath=False, nogil=True)
+def _dot_forward(t, nfeat, fs, r):
+    """r[b] = [t[b, :fs], dot(t_i, t_j) for i in range(nfeat) for j in range(i)]."""
+    for b in prange(t.shape[0]):
+        for k in range(fs):
+            r[b, k] = t[b, k]
+        p = fs
+        for i in range(nfeat):
+            for j in range(i):
+                s = t.dtype.type(0)
+                for k in range(fs):
+                    s += t[b, i * fs + k] * t[b, j * fs + k]
+                r[b, p] = s
+                p += 1
+
+
+@njit(parallel=True, cache=True, fastmath=False, nogil=True)
+def _dot_backward(t, dr, nfeat, fs, dt):
+    """Gradient of ``_dot_forward``: dt from dr (both pair terms and the passed-through block)."""
+    for b in prange(t.shape[0]):
+        for k in range(t.shape[1]):
+            dt[b, k] = 0
+        for k in range(fs):
+            dt[b, k] = dr[b, k]
+        p = fs
+        for i in range(nfeat):
+            for j in range(i):
+                g = dr[b, p]
+                for k in range(fs):
+                    dt[b, i * fs + k] += g * t[b, j * fs + k]
+                    dt[b, j * fs + k] += g * t[b, i * fs + k]
+                p += 1
+
+
+def dot_interaction(t, nfeat, fs, out=None):
+    """Dot interaction of (B, nfeat*fs) features: the first block and the strictly lower
+    triangle of each sample's Gram matrix (PyTorch DLRM order)."""
+    if out is None:
+        out = np.empty((t.shape[0], fs + nfeat * (nfeat - 1) // 2), dtype=t.dtype)
+    _dot_forward(t, nfeat, fs, out)
+    return out
+
+
+def dot_interaction_backward(t, dr, nfeat, fs, dt=None):
+    """Gradient of :func:`dot_interaction` with respect to ``t``."""
+    if dt is None:
+        dt = np.empty_like(t)
+    _dot_backward(t, dr, nfeat, fs, dt)
+    return dt
+
+
+def bce_with_logits(z, y, dz=None):
+    """Mean binary cross-entropy of sigmoid(z) (log clamped at -100, as torch.nn.BCELoss);
+    writes d(loss)/dz, (sigmoid(z) - y) / B unless saturated, into ``dz`` when given."""
+    z64 = z.astype(np.float64).reshape(-1)
+    p = 1.0 / (1.0 + np.exp(-z64))
+    p32 = p.astype(np.float32).astype(np.float64)
+    with np.errstate(divide="ignore"):
+        logp = np.maximum(np.log(p32), -100.0)
+        log1p = np.maximum(np.log(1.0 - p32), -100.0)
+    yy = y.astype(np.float64).reshape(-1)
+    loss = float(-np.mean(yy * logp + (1.0 - yy) * log1p))
+    if dz is not None:  # through sigmoid' = p(1-p) as autograd does: zero once p saturates
+        s = p32 * (1.0 - p32)
+        g = (p32 - yy) / np.maximum(s, 1e-12) * s / yy.shape[0]
+        dz[...] = g.astype(dz.dtype).reshape(dz.shape)
+    return loss
+
+
+# ---- the model -----------------------------------------------------------------------------
+
+class _Dense:
+    """One dense layer's parameters and gradient buffers (CachedArrays)."""
+
+    def __init__(self, name, fan_in, fan_out, relu, rng, manager):
+        self.name, self.relu = name, relu
+        std_w = np.sqrt(2.0 / (fan_in + fan_out))
+        std_b = np.sqrt(1.0 / fan_out)
+        self.w = ca.asarray(rng.normal(0.0, std_w, (fan_out, fan_in)).astype(np.float32),
+                            manager=manager)
+        self.b = ca.asarray(rng.normal(0.0, std_b, fan_out).astype(np.float32), manager=manager)
+        self.dw = ca.zeros((fan_out, fan_in), dtype=np.float32, manager=manager)
+        self.db = ca.zeros(fan_out, dtype=np.float32, manager=manager)
+
+
+class DLRM:
+    """DLRM whose tables follow ``policy`` ("fast", "simple", "static", "dynamic").
+
+    ``cache`` is each cached table's ``cachelower`` (fraction of the table), ``slack`` its
+    ``cacheslack``; ``backend`` "onednn" or "numpy" runs the MLPs.
+    """
+
+    def __init__(self, config, *, manager=None, policy="fast", cache=0.25, slack=0.05,
+                 backend="onednn", seed=51234, page_rows=emb.DEFAULT_PAGE_ROWS):
+        if isinstance(config, str):
+            config = get_config(config)
+        if not isinstance(config, DLRMConfig):
+            raise TypeError(f"config must be a DLRMConfig or a config name, got {type(config).__name__}")
+        if policy not in emb.TABLE_POLICIES:
+            raise ValueError(f"unknown table policy {policy!r}; use one of {emb.TABLE_POLICIES}")
+        self.config, self.policy = config, policy
+        self.manager = manager if manager is not None else ca.default_manager()
+        self.backend = get_backend(backend)
+        rng = np.random.default_rng(seed)
+        m, cfg = self.manager, config
+        widths = (cfg.dense_features,) + tuple(cfg.bottom)
+        self.bottom = [_Dense(f"bottom.{i}", widths[i], widths[i + 1], True, rng, m)
+                       for i in range(len(cfg.bottom))]
+        widths = (cfg.interaction_width,) + tuple(cfg.top)
+        self.top = [_Dense(f"top.{i}", widths[i], widths[i + 1], i < len(cfg.top) - 1, rng, m)
+                    for i in range(len(cfg.top))]
+        self.tables = [emb.make_table(policy, n, cfg.featuresize, manager=m, cache=cache,
+                                      slack=slack, page_rows=page_rows, seed=seed + 1 + t,
+                                      name=f"emb.{t}")
+                       for t, n in enumerate(cfg.table_sizes)]
+        fs = cfg.featuresize
+        self.columns = np.arange(1, cfg.ntables + 1, dtype=np.int64) * fs
+        self._acts = None
+        self._acts_batch = None
+        self.timings = {p: [] for p in PHASES}
+        self.losses = []
+
+    # ---- buffers ---------------------------------------------------------------------
+
+    def _buffers(self, b):
+        """Activations and their gradients for batch size b, allocated once and reused."""
+        if self._acts_batch == b:
+            return self._acts
+        if self._acts is not None:
+            ca.unsafe_free(*[a for a in self._acts.values() if isinstance(a, ca.CachedArray)]
+                           + [a for v in self._acts.values() if isinstance(v, list) for a in v])
+        cfg, m = self.config, self.manager
+        f = cfg.ntables + 1
+
+        def new(*shape):
+            return ca.empty(shape, dtype=np.float32, manager=m)
+
+        acts = {
+            "x": new(b, cfg.dense_features),
+            "bottom": [new(b, layer.w.shape[0]) for layer in self.bottom],
+            "t": new(b, f * cfg.featuresize),
+            "top": [new(b, layer.w.shape[0]) for layer in self.top],
+            "dtop": [new(b, layer.w.shape[0]) for layer in self.top],
+            "dbottom": [new(b, layer.w.shape[0]) for layer in self.bottom],
+            "dr": new(b, cfg.interaction_width),
+            "dt": new(b, f * cfg.featuresize),
+        }
+        acts["r"] = new(b, cfg.interaction_width) if cfg.interaction == "dot" else acts["t"]
+        self._acts, self._acts_batch = acts, b
+        return acts
+
+    # ---- layers ----------------------------------------------------------------------
+
+    def _mlp_forward(self, layers, x, outs):
+        be = self.backend
+        for layer, y in zip(layers, outs):
+            with ca.readable(x) as xv, ca.readable(layer.w) as w, ca.readable(layer.b) as bv, \
+                    ca.writable(y) as yv:
+                be.dense_forward(xv, w, bv, yv)
+                if layer.relu:
+                    be.relu_forward(yv, yv)
+            x = y
+        return x
+
+    def _mlp_backward(self, layers, x0, outs, douts, dx0=None):
+        """Back through ``layers``; douts[-1] holds the gradient of the last output on entry."""
+        be = self.backend
+        for i in range(len(layers) - 1, -1, -1):
+            layer, y, dy = layers[i], outs[i], douts[i]
+            x = outs[i - 1] if i > 0 else x0
+            with ca.writable(dy) as dyv:
+                if layer.relu:
+                    with ca.readable(y) as yv:
+                        be.relu_backward(dyv, yv, dyv)
+                with ca.readable(x) as xv, ca.writable(layer.dw) as dw, ca.writable(layer.db) as db:
+                    be.dense_backward_weights(xv, dyv, dw, db)
+                dx = douts[i - 1] if i > 0 else dx0
+                if dx is not None:
+                    with ca.readable(layer.w) as w, ca.writable(dx) as dxv:
+                        be.dense_backward_data(dyv, w, dxv)
+
+    def _sgd(self, layers, lr):
+        be = self.backend
+        for layer in layers:
+            for p, g in ((layer.w, layer.dw), (layer.b, layer.db)):
+                with ca.writable(p) as pv, ca.readable(g) as gv:
+                    be.sgd_update(pv, gv, lr)
+
+    def _check_batch(self, batch):
+        cfg = self.config
+        if isinstance(batch, (tuple, list)) and len(batch) == 4:
+            batch = Batch(*batch)
+        dense = np.asarray(batch.dense)
+        if dense.ndim != 2 or dense.shape[1] != cfg.dense_features:
+            raise ValueError(f"DLRM {cfg.name!r}: dense input has shape {dense.shape}, expected "
+                             f"(batch, {cfg.dense_features})")
+        if len(batch.indices) != cfg.ntables:
+            raise ValueError(f"DLRM {cfg.name!r}: {len(batch.indices)} index arrays for "
+                             f"{cfg.ntables} tables")
+        b = dense.shape[0]
+        offsets = list(batch.offsets) if batch.offsets is not None else [None] * cfg.ntables
+        for t, (idx, off) in enumerate(zip(batch.indices, offsets)):
+            if off is None:
+                n = np.shape(idx)[0]
+                if n % b:
+                    raise ValueError(f"table 'emb.{t}': {n} indices do not split into {b} equal "
+                                     f"bags; pass offsets")
+                offsets[t] = np.arange(0, n, n // b, dtype=np.int64)
+        return Batch(dense, list(batch.indices), offsets, np.asarray(batch.labels))
+
+    # ---- forward / training ----------------------------------------------------------
+
+    def _forward(self, batch, times):
+        cfg, fs = self.config, self.config.featuresize
+        b = batch.dense.shape[0]
+        acts = self._buffers(b)
+        t0 = time.perf_counter()
+        with ca.writable(acts["x"]) as xv:
+            np.copyto(xv, batch.dense, casting="same_kind")
+        bot = self._mlp_forward(self.bottom, acts["x"], acts["bottom"])
+        t1 = time.perf_counter()
+        with ca.writable(acts["t"]) as tv:
+            with ca.readable(bot) as bv:
+                tv[:, :fs] = bv
+            emb.lookup_tables(self.tables, batch.indices, batch.offsets, tv, self.columns)
+        t2 = time.perf_counter()
+        if cfg.interaction == "dot":
+            with ca.readable(acts["t"]) as tv, ca.writable(acts["r"]) as rv:
+                dot_interaction(tv, cfg.ntables + 1, fs, rv)
+        t3 = time.perf_counter()
+        z = self._mlp_forward(self.top, acts["r"], acts["top"])
+        t4 = time.perf_counter()
+        times["mlp"] += (t1 - t0) + (t4 - t3)
+        times["lookup"] += t2 - t1
+        times["interaction"] += t3 - t2
+        return z
+
+    def predict(self, batch):
+        """Click probabilities (B,) as an ndarray (no training)."""
+        batch = self._check_batch(batch)
+        times = dict.fromkeys(PHASES, 0.0)
+        z = self._forward(batch, times)
+        with ca.readable(z) as zv:
+            return 1.0 / (1.0 + np.exp(-zv[:, 0].astype(np.float64)))
+
+    def train_step(self, batch, lr=None):
+        """One SGD iteration; returns the loss and appends phase times to ``timings``."""
+        lr = self.config.lr if lr is None else float(lr)
+        batch = self._check_batch(batch)
+        cfg, fs = self.config, self.config.featuresize
+        times = dict.fromkeys(PHASES, 0.0)
+        z = self._forward(batch, times)
+        acts = self._acts
+        t0 = time.perf_counter()
+        with ca.readable(z) as zv, ca.writable(acts["dtop"][-1]) as dz:
+            loss = bce_with_logits(zv, batch.labels, dz)
+        self._mlp_backward(self.top, acts["r"], acts["top"], acts["dtop"], acts["dr"])
+        t1 = time.perf_counter()
+        if cfg.interaction == "dot":
+            with ca.readable(acts["t"]) as tv, ca.readable(acts["dr"]) as drv, \
+                    ca.writable(acts["dt"]) as dtv:
+                dot_interaction_backward(tv, drv, cfg.ntables + 1, fs, dtv)
+            dt = acts["dt"]
+        else:
+            dt = acts["dr"]
+        t2 = time.perf_counter()
+        with ca.readable(dt) as dtv, ca.writable(acts["dbottom"][-1]) as dbv:
+            dbv[...] = dtv[:, :fs]
+        self._mlp_backward(self.bottom, acts["x"], acts["bottom"], acts["dbottom"], None)
+        self._sgd(self.bottom, lr)
+        self._sgd(self.top, lr)
+        t3 = time.perf_counter()
+        emb.update_tables(self.tables, batch.indices, batch.offsets, dt, lr, self.columns)
+        for table in self.tables:
+            table.maintain()
+        t4 = time.perf_counter()
+        times["mlp"] += (t1 - t0) + (t3 - t2)
+        times["interaction"] += t2 - t1
+        times["update"] += t4 - t3
+        for p in PHASES:
+            self.timings[p].append(times[p])
+        self.losses.append(loss)
+        return loss
+
+    def train(self, batches, lr=None):
+        """``train_step`` over an iterable of batches; returns the losses."""
+        return [self.train_step(b, lr) for b in batches]
+
+    # ---- inspection ------------------------------------------------------------------
+
+    def state_dict(self):
+        """ndarray copies of every parameter: "bottom.i.weight/bias", "top.i...", "emb.t"."""
+        out = {}
+        for layer in self.bottom + self.top:
+            with ca.readable(layer.w) as w, ca.readable(layer.b) as b:
+                out[f"{layer.name}.weight"] = w.copy()
+                out[f"{layer.name}.bias"] = b.copy()
+        for t in self.tables:
+            out[t.name] = t.snapshot()
+        return out
+
+    def table_stats(self):
+        """Sum of the tables' telemetry plus the overall hit rate."""
+        total = {}
+        for t in self.tables:
+            for k, v in t.stats().items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "hit_rate":
+                    total[k] = total.get(k, 0) + v
+        total["hit_rate"] = total["hits"] / total["lookups"] if total.get("lookups") else 0.0
+        return total
+
+    def phase_medians(self, skip=1):
+        """Median seconds per phase over the recorded iterations (skipping the first ``skip``)."""
+        return {p: float(np.median(v[skip:] if len(v) > skip else v)) if v else 0.0
+                for p, v in self.timings.items()}
+
+    def stats(self):
+        """Phase medians, table telemetry and the manager's stats."""
+        return {"phases": self.phase_medians(), "tables": self.table_stats(),
+                "manager": self.manager.stats()}
+
+
+def demo(iterations=8, policy="dynamic", seed=0):
+    """A short DLRM run with CachedEmbeddings: losses, table hit rate and manager stats."""
+    from .configs import small
+
+    cfg = small(scale=0.002, width_scale=0.25, batch_size=1024)
+    with ca.Manager(fast="256MiB", slow="1GiB") as m:
+        model = DLRM(cfg, manager=m, policy=policy, cache=0.25, backend="onednn", seed=seed)
+        data = synthetic_dataset(cfg, "zipf", seed=seed, num_batches=iterations)
+        losses = model.train(data)
+        return {"config": cfg.name, "policy": policy, "losses": losses,
+                "hit_rate": model.table_stats()["hit_rate"], "tables": model.table_stats(),
+                "phases": model.phase_medians(), "manager": m.stats()}

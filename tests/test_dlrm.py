@@ -1,0 +1,238 @@
+"""DLRM: one training step against an independent NumPy reference, policies agree, loss falls."""
+
+import importlib.util
+import pathlib
+
+import numpy as np
+import pytest
+
+import cachedarrays as ca
+from cachedarrays.models.backend import available_backends
+from cachedarrays.models.dlrm import configs
+from cachedarrays.models.dlrm.data import Batch
+from cachedarrays.models.dlrm.model import (DLRM, bce_with_logits, dot_interaction,
+                                            dot_interaction_backward, synthetic_dataset)
+
+
+def random_batch(cfg, seed=0, distribution="uniform"):
+    return synthetic_dataset(cfg, distribution, seed=seed).batch(0)
+
+BACKENDS = available_backends()
+
+
+@pytest.fixture
+def m():
+    with ca.Manager(fast="64MiB", slow="256MiB") as manager:
+        yield manager
+
+
+def _pairs(f):
+    return [i for i in range(f) for j in range(i)], [j for i in range(f) for j in range(i)]
+
+
+def _bag_sum(table, idx, off):
+    ends = np.append(off[1:], len(idx))
+    return np.stack([table[idx[s:e]].sum(0) for s, e in zip(off, ends)])
+
+
+def reference_step(params, cfg, batch, lr):
+    """Loss and updated parameters of one SGD step, in float64, written from the formulas."""
+    p = {k: v.astype(np.float64) for k, v in params.items()}
+    nb, nt, d, b = len(cfg.bottom), len(cfg.top), cfg.featuresize, batch.batch_size
+    xs = [batch.dense.astype(np.float64)]
+    for i in range(nb):
+        xs.append(np.maximum(xs[-1] @ p[f"bottom.{i}.weight"].T + p[f"bottom.{i}.bias"], 0))
+    embs = [_bag_sum(p[f"emb.{t}"], batch.indices[t], batch.offsets[t]) for t in range(cfg.ntables)]
+    t_all = np.concatenate([xs[-1]] + embs, axis=1)
+    f = cfg.ntables + 1
+    li, lj = _pairs(f)
+    if cfg.interaction == "dot":
+        tr = t_all.reshape(b, f, d)
+        z = tr @ tr.transpose(0, 2, 1)
+        r = np.concatenate([xs[-1], z[:, li, lj]], axis=1)
+    else:
+        r = t_all
+    hs = [r]
+    for i in range(nt):
+        h = hs[-1] @ p[f"top.{i}.weight"].T + p[f"top.{i}.bias"]
+        hs.append(np.maximum(h, 0) if i < nt - 1 else h)
+    prob = 1 / (1 + np.exp(-hs[-1][:, 0]))
+    y = batch.labels.astype(np.float64)
+    loss = -np.mean(y * np.log(prob) + (1 - y) * np.log(1 - prob))
+    new = dict(p)
+    dy = ((prob - y) / b)[:, None]
+    for i in range(nt - 1, -1, -1):
+        if i < nt - 1:
+            dy = dy * (hs[i + 1] > 0)
+        new[f"top.{i}.weight"] = p[f"top.{i}.weight"] - lr * dy.T @ hs[i]
+        new[f"top.{i}.bias"] = p[f"top.{i}.bias"] - lr * dy.sum(0)
+        dy = dy @ p[f"top.{i}.weight"]
+    if cfg.interaction == "dot":
+        dz = np.zeros((b, f, f))
+        dz[:, li, lj] = dy[:, d:]
+        dt = ((dz + dz.transpose(0, 2, 1)) @ tr).reshape(b, f * d)
+        dt[:, :d] += dy[:, :d]
+    else:
+        dt = dy
+    for t in range(cfg.ntables):
+        g = np.zeros_like(p[f"emb.{t}"])
+        idx, off = batch.indices[t], batch.offsets[t]
+        bag = np.repeat(np.arange(b), np.diff(np.append(off, len(idx))))
+        np.add.at(g, idx, dt[bag, d * (t + 1):d * (t + 2)])
+        new[f"emb.{t}"] = p[f"emb.{t}"] - lr * g
+    dy = dt[:, :d]
+    for i in range(nb - 1, -1, -1):
+        dy = dy * (xs[i + 1] > 0)
+        new[f"bottom.{i}.weight"] = p[f"bottom.{i}.weight"] - lr * dy.T @ xs[i]
+        new[f"bottom.{i}.bias"] = p[f"bottom.{i}.bias"] - lr * dy.sum(0)
+        dy = dy @ p[f"bottom.{i}.weight"]
+    return loss, prob, new
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("interaction", ["dot", "cat"])
+def test_training_step_equals_numpy_reference(m, backend, interaction):
+    cfg = configs.tiny(interaction=interaction, lr=0.5)
+    model = DLRM(cfg, manager=m, backend=backend, policy="dynamic", cache=0.3, page_rows=8)
+    for step in range(2):
+        batch = random_batch(cfg, seed=step)
+        before = model.state_dict()
+        loss_ref, prob_ref, after_ref = reference_step(before, cfg, batch, cfg.lr)
+        np.testing.assert_allclose(model.predict(batch), prob_ref, rtol=1e-5, atol=1e-6)
+        loss = model.train_step(batch)
+        assert loss == pytest.approx(loss_ref, rel=1e-5)
+        after = model.state_dict()
+        assert after.keys() == after_ref.keys()
+        for k in after:
+            np.testing.assert_allclose(after[k], after_ref[k], rtol=1e-4, atol=2e-6,
+                                       err_msg=f"{k} after step {step}")
+    assert all(len(v) == 2 for v in model.timings.values())
+
+
+def test_policies_train_identically(m):
+    cfg = configs.tiny(lr=0.3)
+    batches = [random_batch(cfg, seed=s, distribution=d) for s, d in
+               zip(range(6), ["uniform", "zipf"] * 3)]
+    runs = {}
+    for policy in ("fast", "simple", "static", "dynamic"):
+        model = DLRM(cfg, manager=m, backend="numpy", policy=policy, cache=0.2, page_rows=4)
+        runs[policy] = (model.train(batches), model.state_dict())
+        if policy == "dynamic":
+            s = model.table_stats()
+            assert s["rows_cached"] > 0 and s["flushes"] > 0 and 0 < s["hit_rate"] < 1
+            for t in model.tables:
+                t.check()
+    for policy, (losses, state) in runs.items():
+        np.testing.assert_allclose(losses, runs["fast"][0], rtol=1e-6, err_msg=policy)
+        for k in state:
+            np.testing.assert_allclose(state[k], runs["fast"][1][k], rtol=1e-5, atol=1e-7,
+                                       err_msg=f"{policy} {k}")
+
+
+def test_loss_falls_on_learnable_synthetic_data(m):
+    cfg = configs.tiny(batch_size=256, lr=0.5)
+    model = DLRM(cfg, manager=m, policy="dynamic", backend=BACKENDS[-1])
+    losses = []
+    for step in range(40):
+        batch = random_batch(cfg, seed=100 + step)
+        signal = batch.dense[:, 0] + (batch.indices[0][::cfg.bag_size] % 2) - 0.5
+        batch.labels = (signal > 0).astype(np.float32)
+        losses.append(model.train_step(batch))
+    assert np.mean(losses[-5:]) < 0.75 * np.mean(losses[:5])
+
+
+def test_interaction_kernels_match_formula():
+    rng = np.random.default_rng(0)
+    b, f, d = 5, 4, 3
+    t = rng.standard_normal((b, f * d)).astype(np.float32)
+    r = dot_interaction(t, f, d)
+    tr = t.reshape(b, f, d)
+    li, lj = _pairs(f)
+    assert r.shape == (b, d + 6)
+    np.testing.assert_allclose(r[:, d:], (tr @ tr.transpose(0, 2, 1))[:, li, lj], rtol=1e-6)
+    dr = rng.standard_normal(r.shape).astype(np.float32)
+    dt = dot_interaction_backward(t, dr, f, d)
+    eps, k = 1e-3, (2, 7)                       # a finite difference of <dr, r(t)>
+    tp, tm = t.astype(np.float64), t.astype(np.float64)
+    tp = tp.copy(); tp[k] += eps
+    tm = tm.copy(); tm[k] -= eps
+    fd = ((dot_interaction(tp, f, d) * dr).sum() - (dot_interaction(tm, f, d) * dr).sum()) / (2 * eps)
+    assert dt[k] == pytest.approx(fd, rel=1e-3)
+
+
+def test_bce_matches_torch_and_clamps():
+    torch = pytest.importorskip("torch")
+    z = np.array([[-3.0], [0.0], [2.5], [40.0]], np.float32)
+    y = np.array([0, 1, 1, 0], np.float32)
+    dz = np.empty_like(z)
+    loss = bce_with_logits(z, y, dz)
+    zt = torch.tensor(z, requires_grad=True)
+    lt = torch.nn.BCELoss()(torch.sigmoid(zt)[:, 0], torch.tensor(y))
+    lt.backward()
+    assert loss == pytest.approx(lt.item(), rel=1e-6)
+    np.testing.assert_allclose(dz, zt.grad.numpy(), rtol=1e-5, atol=1e-7)
+
+
+def test_configs_follow_the_tables():
+    s, lg, t6 = configs.small(), configs.large(), configs.table56()
+    assert (s.featuresize, s.bottom, s.top, s.batch_size) == (16, (512, 256, 64, 16), (512, 256, 1), 8192)
+    assert (lg.featuresize, lg.bottom, lg.top, lg.batch_size) == \
+        (128, (512, 256, 128), (1024, 1024, 512, 256, 1), 32768)
+    assert s.ntables == lg.ntables == 26 and max(s.table_sizes) == 10131227
+    assert s.interaction_width == 16 + 27 * 26 // 2
+    assert (t6.ntables, t6.table_sizes[0], t6.featuresize, t6.bag_size, t6.batch_size) == \
+        (64, 6_000_000, 256, 100, 512)
+    assert len(t6.bottom) == 8 and len(t6.top) == 16 and t6.top[0] == 4096
+    shrunk = configs.small(scale=0.001, width_scale=0.25)
+    assert max(shrunk.table_sizes) == 10131 and min(shrunk.table_sizes) == 3
+    assert shrunk.bottom == (128, 64, 16, 16) and shrunk.top == (128, 64, 1)
+    with pytest.raises(ValueError, match="must end in featuresize"):
+        configs.DLRMConfig("bad", (10,), 16, (32, 8), (4, 1), 8)
+    with pytest.raises(ValueError, match="unknown DLRM config 'huge'"):
+        configs.get_config("huge")
+
+
+def test_bad_batches_are_refused(m):
+    cfg = configs.tiny()
+    model = DLRM(cfg, manager=m, backend="numpy")
+    good = random_batch(cfg)
+    with pytest.raises(ValueError, match="dense input has shape"):
+        model.train_step(Batch(good.dense[:, :5], good.indices, good.offsets, good.labels))
+    with pytest.raises(ValueError, match="3 index arrays for 4 tables"):
+        model.train_step(Batch(good.dense, good.indices[:3], good.offsets[:3], good.labels))
+    with pytest.raises(ValueError, match="'emb.1'.*equal bags"):
+        model.train_step(Batch(good.dense, [good.indices[0], good.indices[1][:-1]] + good.indices[2:],
+                               None, good.labels))
+    bad = [i.copy() for i in good.indices]
+    bad[2][5] = cfg.table_sizes[2]
+    with pytest.raises(IndexError, match=f"'emb.2'.*index {cfg.table_sizes[2]} at position 5"):
+        model.train_step(Batch(good.dense, bad, good.offsets, good.labels))
+    with pytest.raises(ValueError, match="unknown table policy"):
+        DLRM(cfg, manager=m, policy="lru")
+
+
+def _load_benchmark():
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "dlrm.py"
+    spec = importlib.util.spec_from_file_location("bench_dlrm", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_torch_peer_trains_to_the_same_losses(m):
+    pytest.importorskip("torch")
+    bench = _load_benchmark()
+    cfg = configs.tiny(lr=0.3)
+    model = DLRM(cfg, manager=m, backend=BACKENDS[-1], policy="dynamic")
+    peer = bench.TorchDLRM(cfg, model.state_dict())
+    batches = [random_batch(cfg, seed=s) for s in range(8)]
+    ours = model.train(batches)
+    theirs = [peer.train_step(b, cfg.lr) for b in batches]
+    np.testing.assert_allclose(ours, theirs, rtol=1e-4)
+
+
+def test_demo_returns_losses_hit_rate_and_stats():
+    from cachedarrays.models.dlrm import demo
+    r = demo(iterations=3)
+    assert len(r["losses"]) == 3 and 0 <= r["hit_rate"] <= 1
+    assert "moved" in r["manager"] and set(r["phases"]) == {"lookup", "interaction", "mlp", "update"}

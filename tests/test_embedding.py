@@ -1,0 +1,286 @@
+"""Embedding tables: SimpleTable and CachedEmbeddingTable against torch and against each other."""
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+import cachedarrays as ca
+from cachedarrays.models.dlrm import embedding as E
+
+
+@pytest.fixture(scope="module")
+def m():
+    with ca.Manager(fast="64MiB", slow="256MiB") as manager:
+        yield manager
+
+
+def _init(n, fs, seed=0, dtype=np.float32):
+    return np.random.default_rng(seed).standard_normal((n, fs)).astype(dtype)
+
+
+def _bags(rng, n, nbags, maxlen):
+    lengths = rng.integers(0, maxlen + 1, nbags)
+    offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    return rng.integers(0, n, int(lengths.sum())), offsets
+
+
+def _tables(m, n, fs, init):
+    return {
+        "fast": E.SimpleTable(n, fs, manager=m, init=init, placement="fast", name="fast"),
+        "slow": E.SimpleTable(n, fs, manager=m, init=init, placement="slow", name="slow"),
+        "dynamic": E.CachedEmbeddingTable(n, fs, manager=m, init=init, cachelower=0.3,
+                                          cacheslack=0.05, page_rows=16, name="dynamic"),
+        "static": E.make_table("static", n, fs, manager=m, init=init, cache=0.5, page_rows=16,
+                               name="static"),
+    }
+
+
+@pytest.mark.parametrize("fs", [1, 16, 37])
+def test_lookup_equals_torch_embedding_bag(m, fs):
+    torch = pytest.importorskip("torch")
+    n, rng = 300, np.random.default_rng(fs)
+    init = _init(n, fs)
+    weight = torch.from_numpy(init)
+    for name, table in _tables(m, n, fs, init).items():
+        for _ in range(3):
+            idx, off = _bags(rng, n, 50, 6)
+            got = table.lookup(idx, off)
+            want = torch.nn.functional.embedding_bag(torch.from_numpy(idx), weight,
+                                                     torch.from_numpy(off), mode="sum").numpy()
+            assert isinstance(got, ca.CachedArray)
+            np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5, err_msg=name)
+        one = rng.integers(0, n, 40)                 # non-reducing: one row per bag
+        np.testing.assert_array_equal(np.asarray(table.lookup(one)), init[one], err_msg=name)
+
+
+def test_update_equals_torch_sparse_sgd(m):
+    torch = pytest.importorskip("torch")
+    n, fs, lr, rng = 200, 24, 0.5, np.random.default_rng(3)
+    init = _init(n, fs, seed=4)
+    bag = torch.nn.EmbeddingBag(n, fs, mode="sum", sparse=True)
+    with torch.no_grad():
+        bag.weight.copy_(torch.from_numpy(init))
+    opt = torch.optim.SGD(bag.parameters(), lr=lr)
+    tables = _tables(m, n, fs, init)
+    for step in range(4):
+        idx, off = _bags(rng, n, 64, 8)
+        dout = rng.standard_normal((64, fs)).astype(np.float32)
+        opt.zero_grad()
+        bag(torch.from_numpy(idx), torch.from_numpy(off)).backward(torch.from_numpy(dout))
+        opt.step()
+        want = bag.weight.detach().numpy()
+        for name, table in tables.items():
+            table.lookup(idx, off)
+            rows = table.update(idx, off, dout, lr)
+            assert sorted(rows.tolist()) == sorted(set(idx.tolist())), name
+            np.testing.assert_allclose(table.snapshot(), want, rtol=1e-5, atol=1e-6,
+                                       err_msg=f"{name} after step {step}")
+
+
+def test_cached_table_layout_and_telemetry(m):
+    n, fs = 1000, 16
+    t = E.CachedEmbeddingTable(n, fs, manager=m, init=_init(n, fs), cachelower=0.1,
+                               cacheslack=0.02, page_rows=20, name="tele")
+    assert t.base.device == "slow" and t.cache.device == "fast"
+    assert t.where.dtype == np.int64 and (t.where == -1).all()
+    assert t.npages * t.page_rows >= 120 and t.cachelower == 100 * t.rowbytes
+    idx = np.arange(50)
+    t.lookup(idx)                                   # 50 misses, all cached
+    t.lookup(idx)                                   # 50 hits
+    s = t.stats()
+    assert (s["lookups"], s["hits"], s["misses"], s["rows_cached"]) == (100, 50, 50, 50)
+    assert s["hit_rate"] == 0.5 and t.cached_rows == 50
+    arr, pos = t.rowpointer(7)
+    assert arr is t.cache and t.backedge[pos] == 7
+    assert t.rowpointer(999) == (t.base, 999)
+    np.testing.assert_array_equal(t[999], _init(n, fs)[999])
+    t.check(clean=True)
+
+
+def test_cache_smaller_than_batch_falls_back_and_counts(m):
+    n, fs = 500, 8
+    init = _init(n, fs)
+    t = E.CachedEmbeddingTable(n, fs, manager=m, init=init, cachelower=10 * 32, cacheslack=0,
+                               page_rows=4, name="small-cache")
+    idx = np.arange(100)
+    out = t.lookup(idx, np.arange(0, 100, 5))
+    np.testing.assert_allclose(np.asarray(out), init[:100].reshape(20, 5, fs).sum(1), rtol=1e-6)
+    s = t.stats()
+    assert t.isfull and s["rows_cached"] == 12 and s["uncached"] == 88
+    t.check(clean=True)
+    t.maintain()                                    # dynamic + full: flush down to cachelower
+    assert not t.isfull and t.cache_bytes <= t.cachelower
+
+
+def test_flushes_write_back_dirty_rows_oldest_first(m):
+    n, fs = 64, 4
+    init = _init(n, fs)
+    t = E.CachedEmbeddingTable(n, fs, manager=m, init=init, cachelower=8 * 16, cacheslack=8 * 16,
+                               page_rows=4, name="flush")
+    t.lookup(np.arange(16))                         # 4 pages: rows 0-3, 4-7, 8-11, 12-15
+    t.update(np.arange(16), None, np.ones((16, fs), np.float32), 1.0)
+    with pytest.raises(RuntimeError, match="'flush'.*flush_dirty"):
+        t.flush_clean()
+    t.check()
+    assert t.flush_dirty() == 8                     # the two oldest pages go home
+    assert (t.where[:8] == -1).all() and (t.where[8:16] >= 0).all()
+    with ca.readable(t.base) as b:
+        np.testing.assert_array_equal(b[:8], init[:8] - 1)
+        np.testing.assert_array_equal(b[8:16], init[8:16])
+    assert t.stats()["bytes_written_back"] == 8 * t.rowbytes
+    assert t.writeback() == 8 and t.flush_clean(0) == 0
+    t.check(clean=True)
+    np.testing.assert_array_equal(t.snapshot(), init - np.where(np.arange(n) < 16, 1, 0).astype(np.float32)[:, None])
+
+
+def test_static_policy_freezes_after_prepopulate(m):
+    n, fs = 400, 8
+    t = E.make_table("static", n, fs, manager=m, cache=0.25, name="static")
+    assert t.frozen and t.cached_rows == 100
+    before = t.where.copy()
+    t.lookup(np.arange(n))
+    np.testing.assert_array_equal(t.where, before)
+    assert t.stats()["hits"] == 100 and t.stats()["misses"] == 300
+
+
+def test_policy_placements(m):
+    assert E.make_table("simple", 10, 4, manager=m).data.device == "slow"
+    assert E.make_table("fast", 10, 4, manager=m).data.device == "fast"
+    assert isinstance(E.make_table("dynamic", 10, 4, manager=m), E.CachedEmbeddingTable)
+    with pytest.raises(ValueError, match="unknown policy 'lru'"):
+        E.make_table("lru", 10, 4, manager=m)
+
+
+def test_ensemble_writes_column_blocks(m):
+    rng = np.random.default_rng(7)
+    inits = [_init(n, 4, seed=n) for n in (30, 50, 70)]
+    tables = [E.make_table(p, len(i), 4, manager=m, init=i, name=p)
+              for p, i in zip(("fast", "dynamic", "simple"), inits)]
+    idx = [rng.integers(0, len(i), 20) for i in inits]
+    off = [np.arange(0, 20, 2)] * 3
+    out = ca.zeros((10, 16), dtype=np.float32, manager=m)
+    E.lookup_tables(tables, idx, off, out, column_offsets=[4, 8, 12])
+    got = np.asarray(out)
+    assert (got[:, :4] == 0).all()
+    for k, init in enumerate(inits):
+        np.testing.assert_allclose(got[:, 4 + 4 * k:8 + 4 * k], init[idx[k]].reshape(10, 2, 4).sum(1),
+                                   rtol=1e-6)
+    dout = np.ones((10, 16), np.float32)
+    E.update_tables(tables, idx, off, dout, 0.5, column_offsets=[4, 8, 12])
+    for k, (t, init) in enumerate(zip(tables, inits)):
+        want = init.copy()
+        np.subtract.at(want, idx[k], 0.5)
+        np.testing.assert_allclose(t.snapshot(), want, rtol=1e-6, err_msg=t.name)
+
+
+# ---- bad input ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["fast", "dynamic"])
+def test_bad_indices_name_table_position_and_value(m, kind):
+    t = E.make_table(kind, 10, 4, manager=m, name="users")
+    with pytest.raises(IndexError, match=r"'users'.*index 10 at position 2"):
+        t.lookup(np.array([1, 2, 10, 3]))
+    with pytest.raises(IndexError, match=r"'users'.*index -1 at position 0"):
+        t.lookup(np.array([-1, 2]), np.array([0, 1]))
+    with pytest.raises(IndexError, match="'users'"):
+        t.update(np.array([3, 11]), None, np.zeros((2, 4), np.float32), 0.1)
+    with pytest.raises(TypeError, match="'users'.*integer"):
+        t.lookup(np.array([1.0, 2.0]))
+    with pytest.raises(IndexError, match="'users'.*row 10"):
+        t.rowpointer(10)
+    if kind == "dynamic":
+        assert (t.where == -1).all() and t.stats()["lookups"] == 0   # nothing half-cached
+        t.check()
+
+
+@pytest.mark.parametrize("kind", ["fast", "dynamic"])
+def test_bad_offsets_and_dtypes_are_refused(m, kind):
+    t = E.make_table(kind, 10, 4, manager=m, name="items")
+    idx = np.array([1, 2, 3, 4])
+    with pytest.raises(ValueError, match="'items'.*non-decreasing"):
+        t.lookup(idx, np.array([0, 3, 1]))
+    with pytest.raises(ValueError, match="'items'.*offsets\\[0\\] must be 0"):
+        t.lookup(idx, np.array([1, 2]))
+    with pytest.raises(ValueError, match="'items'.*exceeds"):
+        t.lookup(idx, np.array([0, 9]))
+    with pytest.raises(TypeError, match="'items'.*float64"):
+        t.update(idx, np.array([0, 2]), np.zeros((2, 4), np.float64), 0.1)
+    with pytest.raises(ValueError, match="'items'"):
+        t.update(idx, np.array([0, 2]), np.zeros((2, 5), np.float32), 0.1)
+    with pytest.raises(TypeError, match="'ints'.*int32"):
+        E.SimpleTable(4, 4, np.int32, manager=m, name="ints")
+    with pytest.raises(ValueError, match="'shape'.*init has shape"):
+        E.CachedEmbeddingTable(4, 4, manager=m, init=np.zeros((3, 4)), name="shape")
+    with pytest.raises(ValueError, match="'ctx'.*context"):
+        E.SimpleTable(4, 4, manager=m, name="ctx").lookup(idx[:2], context="backward")
+
+
+# ---- CachedEmbeddingTable == SimpleTable under any sequence of operations ------------------
+
+NROWS, FS = 40, 3
+
+
+class CachedMatchesSimple(RuleBasedStateMachine):
+    """Random lookups, updates, flushes and resizes leave both tables with equal values."""
+
+    def __init__(self):
+        super().__init__()
+        self.m = ca.Manager(fast="8MiB", slow="32MiB")
+        init = _init(NROWS, FS, seed=11)
+        self.simple = E.SimpleTable(NROWS, FS, manager=self.m, init=init, name="simple")
+        self.cached = E.CachedEmbeddingTable(NROWS, FS, manager=self.m, init=init,
+                                             cachelower=0.2, cacheslack=0.1, page_rows=3,
+                                             name="cached")
+
+    def teardown(self):
+        self.m.close()
+
+    @rule(rows=st.lists(st.integers(0, NROWS - 1), min_size=0, max_size=24),
+          bag=st.integers(1, 4), cache=st.booleans())
+    def lookup(self, rows, bag, cache):
+        idx = np.array(rows, dtype=np.int64)
+        off = np.arange(0, len(rows), bag, dtype=np.int64)
+        a = np.asarray(self.simple.lookup(idx, off))
+        fn = self.cached.access_and_cache if cache else self.cached.access
+        b = np.asarray(fn(idx, off))
+        np.testing.assert_array_equal(a, b)
+
+    @rule(rows=st.lists(st.integers(0, NROWS - 1), min_size=1, max_size=24),
+          lr=st.sampled_from([0.5, 1.0, 2.0]), seed=st.integers(0, 2 ** 16))
+    def update(self, rows, lr, seed):
+        idx = np.array(rows, dtype=np.int64)
+        dout = np.random.default_rng(seed).standard_normal((len(rows), FS)).astype(np.float32)
+        self.simple.update(idx, None, dout, lr)
+        self.cached.update(idx, None, dout, lr)
+
+    @rule(rows=st.sampled_from([None, 0, 3, 7]))
+    def flush_dirty(self, rows):
+        self.cached.flush_dirty(rows)
+
+    @precondition(lambda self: not self.cached.dirty.any())
+    @rule()
+    def flush_clean(self):
+        self.cached.flush_clean()
+
+    @rule()
+    def writeback(self):
+        self.cached.writeback()
+
+    @rule()
+    def maintain(self):
+        self.cached.maintain()
+
+    @rule(lower=st.sampled_from([0.0, 0.1, 0.5, 1.0]))
+    def resize(self, lower):
+        self.cached.set_cachelower(lower)
+
+    @invariant()
+    def same_values(self):
+        self.cached.check()
+        np.testing.assert_array_equal(self.simple.snapshot(), self.cached.snapshot())
+
+
+TestCachedMatchesSimple = CachedMatchesSimple.TestCase
+TestCachedMatchesSimple.settings = settings(max_examples=40, stateful_step_count=25, deadline=None,
+                                            suppress_health_check=[HealthCheck.too_slow])

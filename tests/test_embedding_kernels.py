@@ -1,0 +1,360 @@
+"""Embedding kernels against plain NumPy (and PyTorch when it is installed)."""
+
+import numpy as np
+import pytest
+
+from cachedarrays.models.dlrm import kernels as K
+
+
+def make_bags(rng, nbags, nrows, lmax, allow_empty=True):
+    lengths = rng.integers(0 if allow_empty else 1, lmax + 1, nbags)
+    offsets = np.zeros(nbags, dtype=np.int64)
+    np.cumsum(lengths[:-1], out=offsets[1:])
+    indices = rng.integers(0, nrows, int(lengths.sum()))
+    return indices, offsets
+
+
+def bag_ids(offsets, nidx):
+    ends = np.append(offsets[1:], nidx)
+    return np.repeat(np.arange(len(offsets)), ends - offsets)
+
+
+def ref_bag_sum(table, indices, offsets):
+    out = np.zeros((len(offsets), table.shape[1]), dtype=table.dtype)
+    np.add.at(out, bag_ids(offsets, len(indices)), table[indices])
+    return out
+
+
+def ref_dense_grad(nrows, indices, offsets, dout):
+    grad = np.zeros((nrows, dout.shape[1]), dtype=np.float64)
+    np.add.at(grad, indices, dout[bag_ids(offsets, len(indices))].astype(np.float64))
+    return grad
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(1234)
+
+
+# --- lookups -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fs", [1, 7, 16, 33, 64])
+def test_lookup_sum_matches_numpy_with_empty_bags_and_duplicates(rng, fs):
+    table = rng.standard_normal((50, fs)).astype(np.float32)
+    indices, offsets = make_bags(rng, 40, 50, 13)
+    indices[:5] = 3  # duplicates inside one bag
+    offsets[3] = offsets[4] = offsets[2]  # forced empty bags
+    out = K.lookup_sum(table, indices, offsets)
+    np.testing.assert_allclose(out, ref_bag_sum(table, indices, offsets), rtol=1e-6, atol=1e-6)
+    assert not out[2:4].any()
+
+
+def test_lookup_sum_is_exact_in_index_order(rng):
+    table = rng.standard_normal((20, 24)).astype(np.float32)
+    indices, offsets = make_bags(rng, 150, 20, 20)  # 150 bags: several work items
+    out = K.lookup_sum(table, indices, offsets)
+    ends = np.append(offsets[1:], len(indices))
+    for b, (s, e) in enumerate(zip(offsets, ends)):
+        acc = np.zeros(24, dtype=np.float32)
+        for r in indices[s:e]:
+            acc = acc + table[r]
+        assert np.array_equal(out[b], acc)
+
+
+def test_lookup_sum_writes_only_its_column_block(rng):
+    table = rng.standard_normal((100, 16)).astype(np.float32)
+    indices, offsets = make_bags(rng, 9, 100, 6)
+    big = np.full((9, 40), 7.0, dtype=np.float32)
+    res = K.lookup_sum(table, indices, offsets, big[:, 13:29])
+    assert res.base is big or res.base is big.base
+    np.testing.assert_allclose(big[:, 13:29], ref_bag_sum(table, indices, offsets), rtol=1e-6)
+    assert np.all(big[:, :13] == 7.0) and np.all(big[:, 29:] == 7.0)
+
+
+def test_lookup_sum_into_strided_columns_uses_scratch(rng):
+    table = rng.standard_normal((30, 5)).astype(np.float32)
+    indices, offsets = make_bags(rng, 4, 30, 5)
+    big = np.zeros((4, 10), dtype=np.float32)
+    K.lookup_sum(table, indices, offsets, big[:, ::2])
+    np.testing.assert_allclose(big[:, ::2], ref_bag_sum(table, indices, offsets), rtol=1e-6)
+    assert not big[:, 1::2].any()
+
+
+def test_lookup_sum_accepts_trailing_offset(rng):
+    table = rng.standard_normal((30, 8)).astype(np.float32)
+    indices, offsets = make_bags(rng, 6, 30, 5)
+    full = np.append(offsets, len(indices))
+    out = np.empty((6, 8), dtype=np.float32)
+    K.lookup_sum(table, indices, full, out)
+    np.testing.assert_allclose(out, ref_bag_sum(table, indices, offsets), rtol=1e-6)
+
+
+def test_lookup_sum_without_indices_gives_zeros():
+    table = np.ones((4, 3), dtype=np.float32)
+    out = K.lookup_sum(table, np.empty(0, np.int64), np.zeros(5, np.int64))
+    assert out.shape == (5, 3) and not out.any()
+
+
+def test_lookup_sum_float64_and_int32_indices(rng):
+    table = rng.standard_normal((40, 12))
+    indices, offsets = make_bags(rng, 10, 40, 8)
+    out = K.lookup_sum(table, indices.astype(np.int32), offsets.astype(np.int32))
+    assert out.dtype == np.float64
+    np.testing.assert_allclose(out, ref_bag_sum(table, indices, offsets), rtol=1e-12)
+
+
+def test_lookup_gathers_rows(rng):
+    table = rng.standard_normal((25, 9)).astype(np.float32)
+    indices = rng.integers(0, 25, 60)
+    assert np.array_equal(K.lookup(table, indices), table[indices])
+    big = np.zeros((60, 20), dtype=np.float32)
+    K.lookup(table, indices, big[:, 4:13])
+    assert np.array_equal(big[:, 4:13], table[indices]) and not big[:, 13:].any()
+
+
+def test_indirect_lookup_reads_cache_copies(rng):
+    base = rng.standard_normal((64, 16)).astype(np.float32)
+    indices, offsets = make_bags(rng, 20, 64, 9)
+    cache = np.zeros((10, 16), dtype=np.float32)
+    where = np.full(64, -1, dtype=np.int64)
+    cached_rows = rng.choice(64, 10, replace=False)
+    where[cached_rows] = np.arange(10)
+    cache[:] = base[cached_rows] * 2  # distinguishable copies
+    expect = base.copy()
+    expect[cached_rows] *= 2
+    out = K.lookup_sum_indirect(base, cache, where, indices, offsets)
+    np.testing.assert_allclose(out, ref_bag_sum(expect, indices, offsets), rtol=1e-6)
+
+
+def test_lookup_many_matches_per_table_and_keeps_prepended_columns(rng):
+    sizes, fss, batch = [50, 7, 300], [16, 8, 33], 37
+    tables = [rng.standard_normal((n, f)).astype(np.float32) for n, f in zip(sizes, fss)]
+    bags = [make_bags(rng, batch, n, 10) for n in sizes]
+    out = np.full((batch, 5 + sum(fss)), -1.0, dtype=np.float32)
+    cols = [5, 5 + 16, 5 + 24]
+    K.lookup_many(tables, [b[0] for b in bags], [b[1] for b in bags], out, cols)
+    assert np.all(out[:, :5] == -1.0)
+    for t, (tab, (idx, off)) in enumerate(zip(tables, bags)):
+        np.testing.assert_allclose(out[:, cols[t]:cols[t] + fss[t]], ref_bag_sum(tab, idx, off),
+                                   rtol=1e-6, atol=1e-6)
+    packed = K.lookup_many(tables, [b[0] for b in bags], [b[1] for b in bags])
+    np.testing.assert_array_equal(packed, out[:, 5:])
+
+
+# --- gradients and the fused update ---------------------------------------------------------
+
+
+def test_reindex_golden_vector_first_seen_order():
+    # EmbeddingTables.jl test/misc.jl: keys in first-seen order, occurrences grouped per key.
+    a = np.array([10, 4, 10, 100, 4, 4, 4, 1, 9, 10, 5]) - 1
+    rows, bounds, occ, nu = K._reindexed(100, a, np.arange(11, dtype=np.int64), 11)
+    assert list(rows[:nu] + 1) == [10, 4, 100, 1, 9, 5]
+    assert list(occ + 1) == [1, 3, 10, 2, 5, 6, 7, 4, 8, 9, 11]
+    assert list(bounds[1:nu + 2]) == [0, 3, 7, 8, 9, 10, 11]
+
+
+def test_accumulate_grad_matches_dense_reference(rng):
+    indices, offsets = make_bags(rng, 50, 30, 12)
+    dout = rng.standard_normal((50, 10)).astype(np.float32)
+    rows, grads = K.accumulate_grad(indices, offsets, dout, 30)
+    assert sorted(rows) == sorted(set(indices.tolist()))
+    dense = ref_dense_grad(30, indices, offsets, dout)
+    np.testing.assert_allclose(grads, dense[rows], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype, nrows, nbags", [
+    (np.float32, 40, 64),  # many repeats of every row
+    (np.float64, 40, 64),
+    (np.float32, 3000, 301),  # several parallel work items, partial last item
+])
+def test_sgd_update_matches_reference_with_duplicates(rng, dtype, nrows, nbags):
+    table = rng.standard_normal((nrows, 20)).astype(dtype)
+    indices, offsets = make_bags(rng, nbags, nrows, 15)
+    dout = rng.standard_normal((nbags, 20)).astype(dtype)
+    expect = table - 0.25 * ref_dense_grad(nrows, indices, offsets, dout)
+    updated = table.copy()
+    rows = K.sgd_update(updated, indices, offsets, dout, 0.25)
+    np.testing.assert_allclose(updated, expect, rtol=1e-5, atol=1e-5)
+    assert sorted(rows) == sorted(set(indices.tolist()))
+    untouched = np.setdiff1d(np.arange(nrows), rows)
+    assert np.array_equal(updated[untouched], table[untouched])
+
+
+def test_sgd_update_is_deterministic(rng):
+    table = rng.standard_normal((1000, 32)).astype(np.float32)
+    indices, offsets = make_bags(rng, 700, 1000, 40)
+    dout = rng.standard_normal((700, 32)).astype(np.float32)
+    a, b = table.copy(), table.copy()
+    K.sgd_update(a, indices, offsets, dout, 0.1)
+    K.sgd_update(b, indices, offsets, dout, 0.1)
+    assert np.array_equal(a, b)
+
+
+def test_reindex_scratch_is_left_zeroed_for_the_next_call(rng):
+    big = rng.standard_normal((5000, 4)).astype(np.float32)
+    indices, offsets = make_bags(rng, 300, 5000, 9)
+    K.sgd_update(big, indices, offsets, rng.standard_normal((300, 4)).astype(np.float32), 0.1)
+    assert all(not buf.any() for buf in K._slots._free)
+    small_idx, small_off = make_bags(rng, 40, 30, 5)
+    dout = rng.standard_normal((40, 4)).astype(np.float32)
+    rows, grads = K.accumulate_grad(small_idx, small_off, dout, 30)
+    np.testing.assert_allclose(grads, ref_dense_grad(30, small_idx, small_off, dout)[rows],
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_sgd_update_reads_gradient_column_block(rng):
+    table = rng.standard_normal((30, 8)).astype(np.float32)
+    indices, offsets = make_bags(rng, 12, 30, 6)
+    dwide = rng.standard_normal((12, 30)).astype(np.float32)
+    a, b = table.copy(), table.copy()
+    K.sgd_update(a, indices, offsets, dwide[:, 10:18], 0.5)
+    K.sgd_update(b, indices, offsets, np.ascontiguousarray(dwide[:, 10:18]), 0.5)
+    assert np.array_equal(a, b)
+
+
+def test_sgd_update_without_offsets_is_one_index_per_bag(rng):
+    table = rng.standard_normal((10, 4)).astype(np.float32)
+    indices = np.array([3, 3, 7, 0])
+    dout = rng.standard_normal((4, 4)).astype(np.float32)
+    expect = table.copy()
+    np.add.at(expect, indices, -0.5 * dout)
+    K.sgd_update(table, indices, None, dout, 0.5)
+    np.testing.assert_allclose(table, expect, rtol=1e-6)
+
+
+def test_indirect_update_writes_rows_where_they_live(rng):
+    base = rng.standard_normal((50, 8)).astype(np.float32)
+    cache = np.zeros((5, 8), dtype=np.float32)
+    where = np.full(50, -1, dtype=np.int64)
+    where[[2, 11, 17]] = [4, 0, 2]
+    cache[[4, 0, 2]] = base[[2, 11, 17]]
+    indices, offsets = make_bags(rng, 30, 50, 6)
+    dout = rng.standard_normal((30, 8)).astype(np.float32)
+    expect = base - 0.1 * ref_dense_grad(50, indices, offsets, dout)
+    b2, c2 = base.copy(), cache.copy()
+    K.sgd_update_indirect(b2, c2, where, indices, offsets, dout, 0.1)
+    logical = b2.copy()
+    logical[[2, 11, 17]] = c2[[4, 0, 2]]
+    np.testing.assert_allclose(logical, expect, rtol=1e-5, atol=1e-6)
+    assert np.array_equal(b2[[2, 11, 17]], base[[2, 11, 17]])  # base copies stay stale
+
+
+def test_update_many_equals_per_table_updates(rng):
+    sizes, fss, batch = [40, 300, 9], [8, 16, 4], 25
+    tables = [rng.standard_normal((n, f)).astype(np.float32) for n, f in zip(sizes, fss)]
+    bags = [make_bags(rng, batch, n, 12) for n in sizes]
+    dout = rng.standard_normal((batch, 3 + sum(fss))).astype(np.float32)
+    cols = [3, 11, 27]
+    many = [t.copy() for t in tables]
+    K.update_many(many, [b[0] for b in bags], [b[1] for b in bags], dout, 0.2, cols)
+    for t in range(3):
+        single = tables[t].copy()
+        K.sgd_update(single, *bags[t], dout[:, cols[t]:cols[t] + fss[t]], 0.2)
+        assert np.array_equal(many[t], single)
+
+
+# --- argument errors ------------------------------------------------------------------------
+
+
+def test_out_of_range_index_names_table_position_value_and_range():
+    table = np.zeros((10, 4), dtype=np.float32)
+    with pytest.raises(IndexError) as err:
+        K.lookup_sum(table, np.array([1, 2, 10, 3]), np.array([0, 2]), name="users")
+    msg = str(err.value)
+    assert "'users'" in msg and "position 2" in msg and "10" in msg and "0..9" in msg
+
+
+def test_negative_index_raises():
+    table = np.zeros((10, 4), dtype=np.float32)
+    with pytest.raises(IndexError, match=r"index -1 at position 0"):
+        K.lookup(table, np.array([-1, 2]))
+    with pytest.raises(IndexError, match="position 1"):
+        K.sgd_update(table, np.array([0, -3]), np.array([0]), np.zeros((1, 4), np.float32), 0.1)
+
+
+def test_lookup_many_error_names_the_failing_table():
+    tables = [np.zeros((10, 4), np.float32), np.zeros((3, 4), np.float32)]
+    with pytest.raises(IndexError, match="'items'"):
+        K.lookup_many(tables, [np.array([1]), np.array([5])], [np.array([0]), np.array([0])],
+                      names=["users", "items"])
+
+
+@pytest.mark.parametrize("offsets, pattern", [
+    (np.array([0, 3, 2]), "non-decreasing"),
+    (np.array([1, 2, 3]), r"offsets\[0\] must be 0"),
+    (np.array([0, 2, 9]), "exceeds len"),
+    (np.array([0, 2]), "2 offsets for 3 bags"),
+    (np.array([0, 1, 2, 4]), "must equal len"),
+])
+def test_invalid_offsets_raise_value_error(offsets, pattern):
+    table = np.zeros((10, 4), dtype=np.float32)
+    out = np.empty((3, 4), dtype=np.float32)
+    with pytest.raises(ValueError, match=pattern):
+        K.lookup_sum(table, np.arange(5), offsets, out)
+
+
+def test_wrong_dtypes_raise_type_error():
+    table = np.zeros((10, 4), dtype=np.float32)
+    with pytest.raises(TypeError, match="integer"):
+        K.lookup_sum(table, np.array([1.0, 2.0]), np.array([0]))
+    with pytest.raises(TypeError, match="float32"):
+        K.lookup(np.zeros((10, 4), dtype=np.int32), np.array([1]))
+    with pytest.raises(TypeError, match="float16"):
+        K.lookup(np.zeros((10, 4), dtype=np.float16), np.array([1]))
+    with pytest.raises(TypeError, match="dtype float64 differs"):
+        K.lookup_sum(table, np.array([1]), np.array([0]), np.zeros((1, 4)))
+    with pytest.raises(ValueError, match="C-contiguous"):
+        K.lookup(np.zeros((4, 10), dtype=np.float32).T, np.array([1]))
+
+
+def test_read_only_inputs_work_for_lookups_and_are_refused_for_updates(rng):
+    tables = [rng.standard_normal((20, 4)).astype(np.float32) for _ in range(2)]
+    tables[0].flags.writeable = False  # mixed writeability must not break the typed lists
+    idx = [np.array([1, 2, 3]), np.array([0, 5, 19])]
+    idx[1].flags.writeable = False
+    off = [np.array([0, 2]), np.array([0, 1])]
+    out = K.lookup_many(tables, idx, off)
+    np.testing.assert_allclose(out[:, :4], ref_bag_sum(tables[0], idx[0], off[0]), rtol=1e-6)
+    with pytest.raises(ValueError, match="'table0' is read-only"):
+        K.update_many(tables, idx, off, np.zeros((2, 8), np.float32), 0.1)
+    with pytest.raises(ValueError, match="read-only"):
+        K.sgd_update(tables[0], idx[0], off[0], np.zeros((2, 4), np.float32), 0.1)
+
+
+def test_indirect_slot_out_of_range_raises():
+    base = np.zeros((10, 4), dtype=np.float32)
+    cache = np.zeros((2, 4), dtype=np.float32)
+    where = np.full(10, -1, dtype=np.int64)
+    where[3] = 2
+    with pytest.raises(IndexError, match="cache slot 2"):
+        K.lookup_sum_indirect(base, cache, where, np.array([3]), np.array([0]))
+
+
+# --- PyTorch as the reference implementation -----------------------------------------------
+
+
+def test_lookup_sum_matches_torch_embedding_bag(rng):
+    torch = pytest.importorskip("torch")
+    table = rng.standard_normal((500, 32)).astype(np.float32)
+    indices, offsets = make_bags(rng, 64, 500, 20)
+    expect = torch.nn.functional.embedding_bag(
+        torch.from_numpy(indices), torch.from_numpy(table), torch.from_numpy(offsets), mode="sum")
+    np.testing.assert_allclose(K.lookup_sum(table, indices, offsets), expect.numpy(),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_sgd_update_matches_torch_sparse_sgd(rng):
+    torch = pytest.importorskip("torch")
+    table = rng.standard_normal((200, 16)).astype(np.float32)
+    indices, offsets = make_bags(rng, 48, 200, 10)
+    dout = rng.standard_normal((48, 16)).astype(np.float32)
+    emb = torch.nn.EmbeddingBag(200, 16, mode="sum", sparse=True)
+    with torch.no_grad():
+        emb.weight.copy_(torch.from_numpy(table))
+    opt = torch.optim.SGD(emb.parameters(), lr=0.3)
+    emb(torch.from_numpy(indices), torch.from_numpy(offsets)).backward(torch.from_numpy(dout))
+    opt.step()
+    ours = table.copy()
+    K.sgd_update(ours, indices, offsets, dout, 0.3)
+    np.testing.assert_allclose(ours, emb.weight.detach().numpy(), rtol=1e-5, atol=1e-6)
