@@ -3,6 +3,12 @@ distribution; ``--peer torch`` trains the same model in PyTorch from the same we
 
     .venv/bin/python benchmarks/dlrm.py --config small --scale 0.05 --iterations 20 --peer torch
     .venv/bin/python benchmarks/dlrm.py --config table56 --policies simple static dynamic --plot out.png
+
+Two OpenMP runtimes share this process (torch's bundled libgomp, and the system libgomp that
+numba and oneDNN use). With the default active waiting, the idle runtime's threads spin on the
+two cores while the other one works, slowing both (worst on a loaded machine), so the script
+sets ``OMP_WAIT_POLICY=PASSIVE`` before either loads unless the caller set it: both sides then
+run under the same, reproducible rule. The report prints the policy and the load average.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import os
 import sys
 import time
 
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 _HERE = os.path.dirname(os.path.abspath(__file__))
 if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
@@ -221,7 +228,8 @@ def main(argv=None):
     cfg = configs.get_config(args.config, **d)
     if args.lr is not None:
         cfg = cfg.with_(lr=args.lr)
-    print(machine())
+    print(machine() + f", OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}, load average "
+          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print(f"threads: {args.threads} (numba, oneDNN{', torch' if args.peer else ''}); "
           f"backend {args.backend}; config {cfg.name} scale {d['scale']} width_scale "
           f"{d['width_scale']}: {cfg.ntables} tables, {sum(cfg.table_sizes):,} rows, fs "

@@ -9,6 +9,12 @@ Every repetition draws a fresh batch and times each implementation in turn (inte
 figures are medians. Cached tables run the dissertation's protocol: a lookup caches the rows
 it touches (dynamic), ``flush_clean`` after each lookup in the lookup test; in the update test
 the lookup that caches the rows is untimed and ``maintain()`` (flush_dirty when full) follows.
+
+Two OpenMP runtimes share this process (torch's bundled libgomp, and the system libgomp that
+numba and oneDNN use). With the default active waiting, the idle runtime's threads spin on the
+two cores while the other one works, slowing both (worst on a loaded machine), so the script
+sets ``OMP_WAIT_POLICY=PASSIVE`` before either loads unless the caller set it: both sides then
+run under the same, reproducible rule. The report prints the policy and the load average.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import statistics
 import sys
 import time
 
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 _HERE = os.path.dirname(os.path.abspath(__file__))
 if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
@@ -174,7 +181,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
 
     _set_threads(args.threads)
-    print(machine())
+    print(machine() + f", OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}, load average "
+          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print(f"threads: {args.threads} (numba and torch); table {args.rows:,} x {args.fs} float32 "
           f"({args.rows * args.fs * 4 / 2**20:.0f} MiB), batch {args.batch}, {args.bag} per bag; "
           f"medians of {args.repeats} interleaved repetitions with fresh indices")

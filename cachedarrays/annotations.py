@@ -28,59 +28,56 @@ def onobjects(fn, *xs):
     """
     seen = set()
     found = {}
-
-    def visit(x):
+    stack = list(reversed(xs))
+    # An explicit stack rather than a recursive closure: a closure that refers to itself is a
+    # reference cycle, which would keep the arrays it saw alive until the cyclic collector ran.
+    while stack:
+        x = stack.pop()
         if isinstance(x, CachedArray):
             oid = id(x._obj)
             if oid not in found and not x._obj.freed:
                 found[oid] = x
-            return
+            continue
         if isinstance(x, _LEAVES) or getattr(type(x), "__ca_leaf__", False):
-            return
+            continue
         key = id(x)
         if key in seen:
-            return
+            continue
         seen.add(key)
-        if isinstance(x, (list, tuple, set, frozenset)):
-            for y in x:
-                visit(y)
+        if isinstance(x, (list, tuple)):
+            stack.extend(reversed(x))
+        elif isinstance(x, (set, frozenset)):
+            stack.extend(x)
         elif isinstance(x, dict):
-            for y in x.values():
-                visit(y)
+            stack.extend(reversed(list(x.values())))
         elif isinstance(x, types.MethodType):
-            visit(x.__self__)
-            visit(x.__func__)
+            stack.append(x.__func__)
+            stack.append(x.__self__)
         elif isinstance(x, functools.partial):
-            visit(x.func)
-            visit(x.args)
-            visit(x.keywords)
+            stack.extend((x.keywords, x.args, x.func))
         elif isinstance(x, types.FunctionType):
-            for cell in x.__closure__ or ():
+            if x.__defaults__:
+                stack.append(x.__defaults__)
+            for cell in reversed(x.__closure__ or ()):
                 try:
-                    visit(cell.cell_contents)
+                    stack.append(cell.cell_contents)
                 except ValueError:      # empty cell
                     pass
-            if x.__defaults__:
-                visit(x.__defaults__)
         elif isinstance(x, (types.BuiltinFunctionType, types.GeneratorType)):
-            return
+            continue
         else:
             if dataclasses.is_dataclass(x):
-                for f in dataclasses.fields(x):
-                    visit(getattr(x, f.name, None))
+                stack.extend(getattr(x, f.name, None) for f in dataclasses.fields(x))
             d = getattr(x, "__dict__", None)
             if isinstance(d, dict):
-                visit(d)
+                stack.append(d)
             for cls in type(x).__mro__:
                 for name in getattr(cls, "__slots__", ()):
                     if name not in ("__dict__", "__weakref__"):
                         try:
-                            visit(getattr(x, name))
+                            stack.append(getattr(x, name))
                         except AttributeError:
                             pass
-
-    for x in xs:
-        visit(x)
     for arr in found.values():
         fn(arr)
     return len(found)

@@ -299,7 +299,7 @@ class CachedArray(NDArrayOperatorsMixin):
         m, obj = self._m, self._obj
         m.acquire((obj,))
         try:
-            v = self._view(readonly=True)
+            v = self._view()
             r = v[key]
             if isinstance(r, np.ndarray):
                 if not r.flags.owndata and np.may_share_memory(r, v):
@@ -399,7 +399,7 @@ class CachedArray(NDArrayOperatorsMixin):
         m, obj = self._m, self._obj
         m.acquire((obj,))
         try:
-            v = self._view(readonly=True)
+            v = self._view()
             r = fn(v)
             if isinstance(r, np.ndarray) and not r.flags.owndata and np.may_share_memory(r, v):
                 return self._derive(v, r)
@@ -547,7 +547,7 @@ def _objects_in(x):
             yield from _objects_in(y)
 
 
-def _to_views(x, readonly=True):
+def _to_views(x, readonly=False):
     """Replace CachedArrays in x by ndarray views (the objects must be pinned)."""
     if isinstance(x, CachedArray):
         return x._view(readonly)
@@ -555,6 +555,24 @@ def _to_views(x, readonly=True):
         return [_to_views(y, readonly) for y in x]
     if isinstance(x, tuple):
         return tuple(_to_views(y, readonly) for y in x)
+    return x
+
+
+def _to_views_recording(x, views):
+    """Replace CachedArrays in x by ndarray views (pinned by the caller), noting each pair.
+
+    Views are writable: NumPy runs some kernels (argmax, ...) several times slower on read-only
+    arrays. Functions that write an input are the known in-place ones and out= targets, which
+    the caller reports as writes.
+    """
+    if isinstance(x, CachedArray):
+        v = x._view()
+        views.append((x, v))
+        return v
+    if isinstance(x, list):
+        return [_to_views_recording(y, views) for y in x]
+    if isinstance(x, tuple):
+        return tuple(_to_views_recording(y, views) for y in x)
     return x
 
 
@@ -635,22 +653,10 @@ def _call_on_views(func, args, kwargs):
         (like._m if isinstance(like, CachedArray) else None)
     done = _acquire_grouped(read, written)
     try:
-        wset = {id(o) for o in written}
         views = []
 
-        def conv(x):
-            if isinstance(x, CachedArray):
-                v = x._view(readonly=id(x._obj) not in wset)
-                views.append((x, v))
-                return v
-            if isinstance(x, list):
-                return [conv(y) for y in x]
-            if isinstance(x, tuple):
-                return tuple(conv(y) for y in x)
-            return x
-
-        nargs = [conv(a) for a in args]
-        nkwargs = {k: conv(v) for k, v in kwargs.items()}
+        nargs = [_to_views_recording(a, views) for a in args]
+        nkwargs = {k: _to_views_recording(v, views) for k, v in kwargs.items()}
         res = func(*nargs, **nkwargs)
         if out is not None:
             if isinstance(out, CachedArray):
@@ -753,7 +759,7 @@ def _fast_call(ufunc, inputs):
             for rec in scopes:
                 rec.append(ref)
         res = CachedArray._make(out, m, shape, dt, _c_strides(shape, dt.itemsize), 0)
-        ufunc(*[x._view(True) if type(x) is CachedArray else x for x in inputs],
+        ufunc(*[x._view() if type(x) is CachedArray else x for x in inputs],
               out=res._view())
         return res
     finally:
@@ -785,8 +791,7 @@ def _array_ufunc(ufunc, method, inputs, kwargs):
     else:
         done = _acquire_grouped(reads, writes)
     try:
-        wset = {id(o) for o in writes}
-        args = tuple(x._view(id(x._obj) not in wset) if isinstance(x, CachedArray) else x
+        args = tuple(x._view() if isinstance(x, CachedArray) else x
                      for x in inputs)
         if out is not None:
             outs = tuple(o._view() if isinstance(o, CachedArray) else o for o in out)

@@ -173,7 +173,7 @@ class DRAM(Device):
 
     kind = "dram"
 
-    def __init__(self, size, name="fast", populate=False, hugepages=False, numa_node=None,
+    def __init__(self, size, name="fast", populate=False, hugepages=True, numa_node=None,
                  granularity=0):
         super().__init__(name, size, granularity)
         if self.size == 0:

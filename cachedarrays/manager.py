@@ -118,7 +118,7 @@ class Manager:
     __ca_leaf__ = True
 
     def __init__(self, fast="256MiB", slow="4GiB", slow_path=None, policy="lru", *,
-                 granularity=0, populate=False, hugepages=False, numa_node=None,
+                 granularity=0, populate=False, hugepages=True, numa_node=None,
                  event_log=None, policy_options=None):
         self.closed = True
         self._lock = threading.RLock()

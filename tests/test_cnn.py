@@ -1,7 +1,10 @@
 """CNN layers and models on CachedArrays: gradients, training, placement-independent numerics,
 the 2LM tracer, error messages and the benchmark script (all at tiny shapes)."""
 
+import json
+import math
 import os
+import subprocess
 import sys
 
 import numpy as np
@@ -184,6 +187,89 @@ def test_onednn_weights_are_bitwise_equal_across_budgets():
             assert np.array_equal(ref[k], w[k]), (mode, k)
 
 
+def _train_fused(name, depth, fused, mode="LM", fast="48KiB", steps=2, backend="numpy", **shape):
+    model = cnn.build(name, depth, **(shape or TINY))
+    m, s = cnn.make_session(mode, fast, "256MiB", backend)
+    with m:
+        model.init(s, seed=3)
+        m.reset_stats()
+        losses = []
+        for i in range(steps):
+            x, y = cnn.synthetic_batch(model, seed=i)
+            losses.append(cnn.train_step(s, model, x, y, cnn.SGD(0.05), fused=fused))
+        return model.weights(), losses, m.stats()
+
+
+@pytest.mark.parametrize("name,depth,shape", [("vgg", 11, TINY), ("resnet", 50, TINY),
+                                              ("densenet", 121, dict(TINY, image=8))])
+@pytest.mark.parametrize("mode,fast", [("fast-only", "64MiB"), ("LM", "48KiB"), ("2lm", "16KiB")])
+def test_fused_sgd_gives_bitwise_the_weights_of_the_unfused_step(name, depth, shape, mode, fast):
+    w0, l0, _ = _train_fused(name, depth, False, mode, fast, **shape)
+    w1, l1, _ = _train_fused(name, depth, True, mode, fast, **shape)
+    assert l0 == l1
+    for k in w0:
+        assert np.array_equal(w0[k], w1[k]), (mode, k)
+
+
+@ONEDNN
+def test_onednn_fused_sgd_is_bitwise_the_unfused_step():
+    w0, _, _ = _train_fused("resnet", 18, False, "LM", "32KiB", backend="onednn")
+    w1, _, _ = _train_fused("resnet", 18, True, "LM", "32KiB", backend="onednn")
+    for k in w0:
+        assert np.array_equal(w0[k], w1[k]), k
+
+
+def test_fused_sgd_frees_each_gradient_inside_its_pullback():
+    model = cnn.build("resnet", 18, **TINY)
+    m, s = cnn.make_session("fast-only", "64MiB", "1MiB", "numpy")
+    with m:
+        model.init(s)
+        params = model.params()
+        weights = ca.preserve([p.value for p in params])
+        seen = []
+        orig = cnn.SGD.update
+
+        def update(self, s_, p):
+            live_grads = [q.name for q in params if q.grad is not None and q is not p]
+            seen.append(live_grads)
+            orig(self, s_, p)
+            assert p.grad is None               # freed at once
+        cnn.SGD.update = update
+        try:
+            x, y = cnn.synthetic_batch(model)
+            cnn.train_step(s, model, x, y, cnn.SGD(0.01))
+        finally:
+            cnn.SGD.update = orig
+        assert len(seen) == len(params)
+        assert max(len(g) for g in seen) <= 1   # at most the layer's other gradient (its bias)
+        assert {o.id for o in m.objects()} == weights
+    fused, unfused = (_train_fused("resnet", 18, f, "fast-only", "64MiB", steps=1)[2]
+                      for f in (True, False))
+    assert fused["devices"]["fast"]["peak_bytes"] < unfused["devices"]["fast"]["peak_bytes"]
+
+
+def test_a_pullback_frees_the_output_and_state_its_layer_saved():
+    shape = (2, 3, 6, 6)
+    for mode, frees in (("LM", True), ("L", False)):
+        m, s = cnn.make_session(mode, "8MiB", "8MiB", "numpy")
+        with m:
+            conv = cnn.Conv2d("conv", shape, 4, 3, pad=1)
+            chain = cnn.Chain("c", [conv, cnn.BatchNorm2d("bn", conv.out_shape),
+                                    cnn.ReLU("relu", conv.out_shape),
+                                    cnn.MaxPool2d("pool", conv.out_shape, 2)])
+            chain.init(s, np.random.default_rng(0))
+            x = ca.asarray(np.ones(shape, np.float32), manager=m)
+            y, pb = chain.forward(s, x)
+            dy = ca.ones(y.shape, dtype=np.float32, manager=m)
+            dx = pb(dy)
+            needed = ca.preserve(x, dy, dx, [(p.value, p.grad) for p in chain.params()])
+            left = {o.id for o in m.objects()}
+            if frees:    # outputs, BN mean/var, pooling state and inner gradients are gone
+                assert left == needed
+            else:        # without the cleanup switch they wait for the end of the iteration
+                assert left > needed and y.object.id in left
+
+
 def test_loss_falls_on_a_learnable_task():
     model = cnn.build("resnet", 18, batch=16, image=8, classes=2, width=16)
     rng = np.random.default_rng(0)
@@ -228,8 +314,30 @@ def test_memory_mode_tracer_counts_traffic():
     fo = recs["fast-only"][-1]
     assert fo["trace"]["slow_read_bytes"] == fo["trace"]["slow_write_bytes"] == 0
     assert fo["modelled"] == pytest.approx(fo["wall"] - fo["trace"]["overhead_seconds"])  # no penalty
-    assert lm["modelled"] > lm["wall"]
-    assert recs["2lm"][-1]["modelled"] > recs["2lm"][-1]["wall"]
+    for r in (lm, recs["2lm"][-1]):                      # a positive penalty on T_wall'
+        assert r["modelled"] > r["wall"] - r["trace"]["overhead_seconds"]
+        assert r["modelled_sum"] >= r["modelled"]
+
+
+def test_modelled_time_charges_each_slow_output_kernel_once():
+    from types import SimpleNamespace
+    from cachedarrays.policies.memorymode import get_profile
+    p = get_profile("optane")
+    gb = 1e9
+    rpen = 1 / (p.slow_read_gbps * gb) - 1 / (p.dram_read_gbps * gb)
+    wpen = 1 / (p.slow_write_gbps * gb) - 1 / (p.dram_write_gbps * gb)
+    # two slow-output kernels: one bandwidth-bound (many bytes, short), one factor-bound
+    tr = SimpleNamespace(cache=None, overhead_seconds=0.25, slow_read_bytes=3 * 10**9,
+                         slow_write_bytes=2 * 10**9,
+                         slow_output=[(10**9, 2 * 10**9, 0.001), (0, 0, 0.5)])
+    stats = {"moved": {"slow->fast": {"bytes": 10**9}, "fast->slow": {"bytes": 10**9}}}
+    base = 1.25 - 0.25 + 1e9 * rpen + 1e9 * wpen + 2e9 * rpen      # reads outside slow-output kernels
+    k1 = 1e9 * rpen + 2e9 * wpen
+    got = cnn.modelled_time(1.25, stats, tr, "optane", slow_output_factor=2.0)
+    assert got == pytest.approx(base + max(k1, 0.001) + max(0, 0.5))
+    summed = cnn.modelled_time(1.25, stats, tr, "optane", slow_output_factor=2.0, combine="sum")
+    assert summed == pytest.approx(base + k1 + 0.001 + 0.5)
+    assert "max(" in cnn.FORMULA and "T_wall'" in cnn.FORMULA
 
 
 def test_demo_runs_quickly_and_returns_stats():
@@ -296,6 +404,20 @@ def test_benchmark_runs_every_mode_end_to_end(tmp_path, capsys):
     assert "Modelled time" in out and "target: LM slow-memory writes" in out
     for f in ("resnet18_occupancy.png", "resnet18_traffic.png", "resnet18_sweep.png"):
         assert (tmp_path / f).stat().st_size > 1000
+
+
+def test_torch_peer_runs_in_its_own_process_and_reports_step_times():
+    pytest.importorskip("torch")
+    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "_torch_cnn.py")
+    cfg = dict(model="resnet", depth=18, batch=2, image=16, classes=5, width=16, threads=1, warmup=1)
+    p = subprocess.run([sys.executable, script, json.dumps(cfg)], input="2\nquit\n", text=True,
+                       capture_output=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    ready, result = (json.loads(line) for line in p.stdout.splitlines())
+    assert ready["params"] == ready["expected_params"] == cnn.build("resnet", 18, **TINY).param_count()
+    assert ready["threads"] == 1
+    assert len(result["times"]) == 2 and all(t > 0 for t in result["times"])
+    assert np.isfinite(result["loss"])
 
 
 def test_benchmark_bad_input_lists_valid_names():

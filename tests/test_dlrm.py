@@ -236,3 +236,18 @@ def test_demo_returns_losses_hit_rate_and_stats():
     r = demo(iterations=3)
     assert len(r["losses"]) == 3 and 0 <= r["hit_rate"] <= 1
     assert "moved" in r["manager"] and set(r["phases"]) == {"lookup", "interaction", "mlp", "update"}
+
+
+@pytest.mark.parametrize("nfeat,fs", [(27, 16), (4, 3), (9, 17)])
+def test_specialised_interaction_forward_is_bit_identical_to_generic(nfeat, fs):
+    from cachedarrays.models.dlrm import model as M
+    rng = np.random.default_rng(nfeat * fs)
+    t = rng.standard_normal((70, nfeat * fs)).astype(np.float32)
+    assert M._specialised(nfeat, fs, t) is not None
+    a = dot_interaction(t, nfeat, fs)
+    old = M.set_specialised(False)
+    try:
+        b = dot_interaction(t, nfeat, fs)
+    finally:
+        M.set_specialised(old)
+    assert np.array_equal(a, b)

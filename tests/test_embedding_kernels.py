@@ -358,3 +358,71 @@ def test_sgd_update_matches_torch_sparse_sgd(rng):
     ours = table.copy()
     K.sgd_update(ours, indices, offsets, dout, 0.3)
     np.testing.assert_allclose(ours, emb.weight.detach().numpy(), rtol=1e-5, atol=1e-6)
+
+
+# ---- feature-size specialised kernels ----------------------------------------------------
+
+@pytest.fixture
+def generic_kernels():
+    """Run the body with the generic (runtime feature size) kernels; restore afterwards."""
+    old = K.set_specialised(False)
+    yield
+    K.set_specialised(old)
+
+
+def _both(fn):
+    """fn() with specialised kernels, then with the generic ones."""
+    old = K.set_specialised(True)
+    try:
+        a = fn()
+        K.set_specialised(False)
+        b = fn()
+    finally:
+        K.set_specialised(old)
+    return a, b
+
+
+@pytest.mark.parametrize("fs", [3, 17, 64, 100, 128])
+def test_specialised_kernels_are_bit_identical_to_generic(fs):
+    rng = np.random.default_rng(fs)
+    n, nbags = 300, 40
+    table = rng.standard_normal((n, fs)).astype(np.float32)
+    lens = rng.integers(0, 23, nbags)  # empty bags, 1..3-row tails and 8-row groups
+    indices = rng.integers(0, n, int(lens.sum()))
+    offsets = np.concatenate([[0], np.cumsum(lens)[:-1]])
+    assert K.specialised_kernel("bag_sum", fs) is not None
+    a, b = _both(lambda: K.lookup_sum(table, indices, offsets))
+    assert np.array_equal(a, b)
+    a, b = _both(lambda: K.lookup(table, indices))
+    assert np.array_equal(a, b)
+    # indirect: a mix of cached and base rows, column block of a wider output
+    cache = rng.standard_normal((64, fs)).astype(np.float32)
+    where = np.full(n, -1, dtype=np.int64)
+    cached = rng.choice(n, 64, replace=False)
+    where[cached] = np.arange(64)
+
+    def indirect():
+        out = np.zeros((nbags, fs + 5), dtype=np.float32)
+        K.lookup_sum_indirect(table, cache, where, indices, offsets, out[:, 2:2 + fs])
+        return out
+    a, b = _both(indirect)
+    assert np.array_equal(a, b)
+    dout = rng.standard_normal((nbags, fs)).astype(np.float32)
+
+    def update():
+        t, c = table.copy(), cache.copy()
+        K.sgd_update(t, indices, offsets, dout, 0.1)
+        K.sgd_update_indirect(t, c, where, indices, offsets, dout, 0.1)
+        return np.concatenate([t, c])
+    a, b = _both(update)
+    assert np.array_equal(a, b)
+
+
+def test_unchecked_paths_skip_validation_but_give_the_same_sums():
+    rng = np.random.default_rng(5)
+    table = rng.standard_normal((50, 8)).astype(np.float32)
+    idx = rng.integers(0, 50, 30)
+    off = np.arange(0, 30, 3)
+    assert np.array_equal(K.lookup_sum(table, idx, off, check=False), K.lookup_sum(table, idx, off))
+    with pytest.raises(IndexError):
+        K.lookup_sum(table, np.array([50]), np.array([0]))

@@ -325,12 +325,14 @@ def _free_all(things, keep):
 def train_step(s, model, x, labels, optimizer, defrag=True, fused=True):
     """One annotated SGD step on (x, labels); returns the loss.
 
-    fused: apply each parameter's update inside the backward pass, right after its gradient (and
-    the data gradient that needs the old weights) is computed, and free the gradient at once;
-    bitwise the same weights as ``fused=False``, which applies every update after the backward.
     After the step every temporary (gradients included) is freed and the fast heap defragmented
     (§4.6), leaving only the weights. Without the cleanup switch nothing is freed before that point, as with
     a garbage collector that runs once per iteration.
+
+    fused: apply each parameter's update inside the backward pass, right after its gradient (and
+    the data gradient that needs the old weights) is computed, and free the gradient at once, so
+    gradients never outlive their layer; bitwise the same weights as ``fused=False``, which
+    applies every update after the backward pass (as the optimizer step usually is).
     """
     m = s.m
     own = []

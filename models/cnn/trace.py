@@ -69,6 +69,7 @@ class KernelTracer:
     def record(self, name, reads, writes, read_views, write_views, seconds):
         """Called once per kernel with its arrays and their pinned ndarray views."""
         t0 = _perf()
+        k_read, k_write = self.slow_read_bytes, self.slow_write_bytes
         slow = self._mref().slow
         base = slow.address
         ranges = [] if self.cache is not None else None
@@ -87,7 +88,6 @@ class KernelTracer:
                 if ranges is not None:
                     ranges.append((v.__array_interface__["data"][0] - base, n, False))
         out_slow = False
-        k_read, k_write = self.slow_read_bytes, self.slow_write_bytes
         for a, v in zip(writes, write_views):
             if a is None:
                 continue

@@ -259,9 +259,12 @@ class SimpleTable(EmbeddingTable):
                              f"got {placement!r}")
         self.manager = manager if manager is not None else ca.default_manager()
         self.placement = placement
-        self.data = ca.empty(self.shape, dtype=self.dtype, manager=self.manager)
+        # "slow" goes straight to slow memory (the policy's alloc_slow): filling it there
+        # evicts nothing else from fast memory on the way.
+        hint = {"slow": "slow"}.get(placement)
+        self.data = ca.empty(self.shape, dtype=self.dtype, manager=self.manager, placement=hint)
         _fill(self.data, self.nvectors, self.featuresize, self.dtype, init, seed, self.name)
-        if placement == "slow":
+        if placement == "slow" and ca.in_fast(self.data):
             ca.evict(self.data)
         elif placement == "fast":
             ca.prefetch(self.data, force=True)
@@ -297,7 +300,7 @@ class SimpleTable(EmbeddingTable):
             out = self._new_output(nbags)
         with ca.readable(self.data) as t, _scope(out, True) as o:
             if offsets is None:
-                kernels.lookup(t, idx, o, name=self.name)
+                kernels.lookup(t, idx, o, name=self.name, check=False)
             else:
                 kernels.lookup_sum(t, idx, offsets, o, name=self.name)
         self._account_lookup(idx.shape[0])
@@ -343,8 +346,8 @@ class CachedEmbeddingTable(EmbeddingTable):
     "64MiB"). The page pool is one fast CachedArray of ``ceil((lower + slack) / page)`` pages,
     reserved up front; flushing frees whole pages, oldest first, until at most ``cachelower``
     bytes of pages remain. ``mode`` is "dynamic" (cache on every FORWARD access) or "static"
-    (``prepopulate`` once, then never cache more). The base is created, filled and then moved
-    to slow memory with ``ca.evict``.
+    (``prepopulate`` once, then never cache more). The base is created and filled directly
+    in slow memory (a ``placement="slow"`` allocation), so building a table evicts nothing.
     """
 
     def __init__(self, nvectors, featuresize, dtype=np.float32, *, manager=None,
@@ -364,9 +367,10 @@ class CachedEmbeddingTable(EmbeddingTable):
         self.mode = mode
         self.frozen = False
         self._page_rows_wanted = int(page_rows)
-        self.base = ca.empty(self.shape, dtype=self.dtype, manager=self.manager)
+        self.base = ca.empty(self.shape, dtype=self.dtype, manager=self.manager, placement="slow")
         _fill(self.base, self.nvectors, self.featuresize, self.dtype, init, seed, self.name)
-        ca.evict(self.base)
+        if ca.in_fast(self.base):  # a policy that cached it on the write
+            ca.evict(self.base)
         self.where = np.full(self.nvectors, -1, dtype=np.int64)
         self.cache = None
         self._stats = dict(lookups=0, hits=0, misses=0, rows_cached=0, uncached=0, updates=0,
@@ -525,14 +529,18 @@ class CachedEmbeddingTable(EmbeddingTable):
                 cache_view = stack.enter_context(ca.readable(self.cache))
                 hits = self._count_hits(idx)
             o = stack.enter_context(_scope(out, True))
-            kernels.lookup_sum_indirect(base_view, cache_view, self.where, idx, off, o, name=self.name)
+            kernels.lookup_sum_indirect(base_view, cache_view, self.where, idx, off, o,
+                                        name=self.name, check=False)
         self._account_lookup(idx.shape[0], hits)
         return out
 
     def update(self, indices, offsets, dout, lr):
+        nbags = np.shape(dout)[0]
+        idx, off = self._prepare(indices, offsets, nbags)
         with _scope(dout) as g, ca.writable(self.base) as b, ca.writable(self.cache) as c:
-            rows = kernels.sgd_update_indirect(b, c, self.where, indices, offsets, g, lr,
-                                               name=self.name)
+            # where is the table's own, always valid: only indices and offsets needed checking
+            rows = kernels.sgd_update_indirect(b, c, self.where, idx, off, g, lr,
+                                               name=self.name, check=False)
         slots = self.where[rows]
         slots = slots[slots >= 0]
         self.dirty[slots] = 1

@@ -20,6 +20,7 @@ import cachedarrays as ca
 from cachedarrays.models.backend import get_backend
 
 from . import embedding as emb
+from . import kernels
 from .configs import DLRMConfig, get_config
 from .data import Batch, SyntheticDataset
 
@@ -76,12 +77,47 @@ def _dot_backward(t, dr, nfeat, fs, dt):
                 p += 1
 
 
+#: Shapes up to these sizes get interaction kernels specialised per (nfeat, fs).
+MAX_SPECIALISED_NFEAT = 128
+MAX_SPECIALISED_FS = 512
+_use_specialised = True
+
+
+def set_specialised(enabled: bool) -> bool:
+    """Use (or not) the shape-specialised interaction kernels; returns the old setting."""
+    global _use_specialised
+    old, _use_specialised = _use_specialised, bool(enabled)
+    return old
+
+
+def _specialised(nfeat, fs, t, *arrays):
+    """The interaction kernels for this shape, or None (generic kernels) when the shape is
+    large, the arrays are not C-contiguous (B, width) float arrays or specialisation is off."""
+    if not (_use_specialised and 1 <= nfeat <= MAX_SPECIALISED_NFEAT
+            and 1 <= fs <= MAX_SPECIALISED_FS):
+        return None
+    for a in (t,) + arrays:
+        if not (isinstance(a, np.ndarray) and a.ndim == 2 and a.flags.c_contiguous
+                and a.dtype == t.dtype and a.shape[0] == t.shape[0]):
+            return None
+    if t.shape[1] != nfeat * fs or t.dtype not in (np.float32, np.float64):
+        return None
+    width = fs + nfeat * (nfeat - 1) // 2
+    if any(a.shape[1] != (width if k == 0 else nfeat * fs) for k, a in enumerate(arrays)):
+        return None
+    return kernels.generated_module("_interaction_kernels", {"NF": nfeat, "FS": fs})
+
+
 def dot_interaction(t, nfeat, fs, out=None):
     """Dot interaction of (B, nfeat*fs) features: the first block and the strictly lower
     triangle of each sample's Gram matrix (PyTorch DLRM order)."""
     if out is None:
         out = np.empty((t.shape[0], fs + nfeat * (nfeat - 1) // 2), dtype=t.dtype)
-    _dot_forward(t, nfeat, fs, out)
+    k = _specialised(nfeat, fs, t, out)
+    if k is not None:
+        k.forward(t, out)
+    else:
+        _dot_forward(t, nfeat, fs, out)
     return out
 
 
@@ -89,6 +125,8 @@ def dot_interaction_backward(t, dr, nfeat, fs, dt=None):
     """Gradient of :func:`dot_interaction` with respect to ``t``."""
     if dt is None:
         dt = np.empty_like(t)
+    # The generic backward stays: a shape-specialised one (per-feature gradient sums) measured
+    # 2.5x slower than this pair loop (21.5 vs 8.5 ms at B 8192, 27 x 16).
     _dot_backward(t, dr, nfeat, fs, dt)
     return dt
 
