@@ -26,8 +26,15 @@ def onobjects(fn, *xs):
     visited once. Globals of functions are never walked, nor classes that set
     ``__ca_leaf__ = True`` (managers, devices, policies: they hold no arrays of their own).
     """
-    seen = set()
     found = {}
+    if all(type(x) is CachedArray for x in xs):          # the common case: just arrays
+        for x in xs:
+            if id(x._obj) not in found and not x._obj.freed:
+                found[id(x._obj)] = x
+        for arr in found.values():
+            fn(arr)
+        return len(found)
+    seen = set()
     stack = list(reversed(xs))
     # An explicit stack rather than a recursive closure: a closure that refers to itself is a
     # reference cycle, which would keep the arrays it saw alive until the cyclic collector ran.
@@ -98,9 +105,22 @@ def _policy_call(name, arr, *args):
         return getattr(m.policy, name)(arr._obj, *args)
 
 
+def _prefetch_one(arr, force):
+    m = arr._m
+    obj = arr._obj
+    with m._lock:
+        if obj.freed:
+            return None
+        r = obj.primary
+        if r is not None and r.device is m.fast:       # already there: only a use
+            m.policy.read_use(obj)
+            return True
+        return m.policy.prefetch(obj, force)
+
+
 def prefetch(*xs, force=False):
     """Ask the policy to move every array in xs into fast memory (force: evict to make room)."""
-    onobjects(lambda a: _policy_call("prefetch", a, force), *xs)
+    onobjects(lambda a: _prefetch_one(a, force), *xs)
 
 
 def evict(*xs):

@@ -96,7 +96,8 @@ class Policy:
     def prefetch(self, obj, force=False):
         """Move obj into fast memory, keeping its slow copy linked (Listing 4.2).
 
-        Returns True if obj is in fast memory afterwards.
+        Returns True if obj is in fast memory afterwards. (``ca.prefetch`` on an array already
+        in fast memory only reports a ``read_use``; it does not call this method.)
         """
         m = self.manager
         with m._lock:
