@@ -733,25 +733,16 @@ def _fast_call(ufunc, inputs):
     for d in shape:
         n *= d
     with m._lock:
-        if m._deferred:
-            m._drain()
-        pol = m.policy
-        pinned = []
+        m.acquire(objs)
+        pinned = objs
         try:
-            for o in objs:
-                if o.freed:
-                    m._live(o)
-                o.pins += 1
-                pinned.append(o)
-                pol.read_use(o)
-            out = pol.allocate(n)
-            out.pins += 1
-            pinned.append(out)
-            pol.write_use(out)
+            out = m.policy.allocate(n)
         except BaseException:
-            for o in pinned:
-                o.pins -= 1
+            m.release(objs)
             raise
+        out.pins += 1
+        m.policy.write_use(out)
+        pinned.append(out)
     try:
         scopes = getattr(_tls, "scopes", None)
         if scopes:
@@ -763,9 +754,7 @@ def _fast_call(ufunc, inputs):
               out=res._view())
         return res
     finally:
-        with m._lock:
-            for o in pinned:
-                o.pins -= 1
+        m.release(pinned)
 
 
 def _array_ufunc(ufunc, method, inputs, kwargs):

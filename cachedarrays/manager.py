@@ -364,23 +364,20 @@ class Manager:
                 self._drain()
             done = []
             try:
-                pol = self.policy
-                for o in reads:
-                    if o.freed:
-                        self._live(o)
-                    o.pins += 1
-                    done.append(o)
-                    pol.read_use(o)
-                for o in writes:
-                    if o.freed:
-                        self._live(o)
-                    o.pins += 1
-                    done.append(o)
-                    pol.write_use(o)
+                self._pin_all(reads, self.policy.read_use, done)
+                self._pin_all(writes, self.policy.write_use, done)
             except BaseException:
                 for o in done:
                     o.pins -= 1
                 raise
+
+    def _pin_all(self, objs, use, done):
+        for o in objs:
+            if o.freed:
+                self._live(o)
+            o.pins += 1
+            done.append(o)
+            use(o)
 
     def release(self, objs):
         """Unpin objects pinned by acquire."""

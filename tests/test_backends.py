@@ -289,8 +289,31 @@ def test_onednn_maxpool_writes_into_a_caller_provided_state(dnnl):
         dnnl.maxpool_forward(x, 2, 2, 0, np.empty(shape, F32), state=np.empty(shape, np.int64))
 
 
+@pytest.mark.parametrize("impl", ["numba", "onednn"])
 @pytest.mark.parametrize("shape", [(4, 3, 5, 6), (8, 16, 7, 7), (3, 1, 1, 9), (2, 24, 5, 3)])
-def test_onednn_batchnorm_matches_reference(dnnl, layouts, shape):
+def test_onednn_batchnorm_matches_reference(dnnl, layouts, shape, impl):
+    old = dnnl.set_numba_batchnorm(impl == "numba")
+    try:
+        _check_batchnorm(dnnl, shape)
+    finally:
+        dnnl.set_numba_batchnorm(old)
+
+
+def test_onednn_sgd_update_is_bitwise_numpys(dnnl):
+    """The threaded numba update equals NumPy's float32 ``param -= float32(lr) * grad`` bitwise."""
+    rng = np.random.default_rng(21)
+    for n in (1, 5, 4099, (1 << 16) - 1, 1 << 16, 300_001):
+        for lr in (0.01, 0.1, 1 / 3, 2.5e-4):
+            p = rng.standard_normal(n, dtype=F32) * F32(10)
+            g = rng.standard_normal(n, dtype=F32) * F32(rng.uniform(0, 1e3))
+            want = p.copy()
+            want -= F32(lr) * g
+            got = p.copy().reshape(-1, 1)
+            assert dnnl.sgd_update(got, g.reshape(-1, 1), lr) is got
+            assert np.array_equal(got.reshape(-1).view(np.int32), want.view(np.int32)), (n, lr)
+
+
+def _check_batchnorm(dnnl, shape):
     rng = np.random.default_rng(13)
     x = rand(rng, *shape) * 2 + 1
     c = shape[1]

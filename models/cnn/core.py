@@ -21,6 +21,29 @@ F32 = np.dtype(np.float32)
 _perf = time.perf_counter
 
 
+def _overrides(policy, name, *defaults):
+    """True unless policy's method ``name`` is one of the given (no-op) implementations."""
+    fn = getattr(type(policy), name, None)
+    return fn is None or all(fn is not d for d in defaults)
+
+
+def _prefetch_matters(policy):
+    """False when ca.prefetch can have no effect under policy (so Session.kernel skips it)."""
+    if not getattr(policy, "allows_prefetch", True):
+        return False
+    from cachedarrays.policies.base import Policy
+    from cachedarrays.policies.simple import FastOnly, FirstTouch, SlowOnly
+    # ca.prefetch calls read_use for arrays already in fast memory, else policy.prefetch.
+    return (_overrides(policy, "read_use", Policy.read_use)
+            or _overrides(policy, "prefetch", FastOnly.prefetch, FirstTouch.prefetch, SlowOnly.prefetch))
+
+
+def _softevict_matters(policy):
+    """False when ca.softevict is a no-op under policy (the base policy ignores it)."""
+    from cachedarrays.policies.base import Policy
+    return _overrides(policy, "softevict", Policy.softevict)
+
+
 class Param:
     """A trainable tensor (a CachedArray) and its gradient of the current step (or None).
 
@@ -67,8 +90,13 @@ class Session:
         self.tracer = tracer
         self.dtype = np.dtype(dtype)
         self.fused = None
-        # LRU in modes L/LM (prefetch switch off) never moves an array on prefetch: skip the walk.
-        self._prefetches = bool(getattr(manager.policy, "allows_prefetch", True))
+        # Skip annotation walks that cannot do anything under this policy (the results are the
+        # same: the calls would be no-ops). LRU in modes L/LM (prefetch switch off) never moves
+        # an array on prefetch; the policies that never move data (FastOnly, SlowOnly,
+        # FirstTouch) only report a read use on prefetch, and ignore softevict, unless a
+        # subclass overrides those hooks.
+        self._prefetches = _prefetch_matters(manager.policy)
+        self._softevicts = _softevict_matters(manager.policy)
 
     # ---- allocation ----------------------------------------------------------------------
 
@@ -145,7 +173,7 @@ class Session:
         finally:
             for s in reversed(scopes):
                 s.__exit__(None, None, None)
-        if ann:
+        if ann and self._softevicts:
             ca.softevict(reads)
         return result
 
@@ -251,7 +279,7 @@ class SGD:
         s.kernel("sgd_update", lambda g, w: be.sgd_update(w, g, lr), (p.grad,), (p.value,))
         if s.frees_early:
             p.drop_grad()
-        if s.annotations and s._prefetches:
+        if s.annotations and s._prefetches and s._softevicts:
             # Not needed again until this layer's next forward (which prefetches it back): let
             # saved activations, which the rest of the backward pass reads sooner, stay in fast
             # memory before it. Without prefetching, an evicted weight never returns to fast

@@ -1,9 +1,21 @@
-"""Embedding kernels specialised for one feature size (a template; see ``kernels._specialised``).
+"""The embedding kernels' feature loops: the one source of every kernel body (a template).
 
-``kernels`` writes a copy of this file per feature size with ``FS`` replaced, imports it and
-so gets kernels whose feature loops have constant trip counts (unrolled, vectorised, no
-aliasing re-checks) and that numba caches on disk like any module's functions.  Additions
-happen in the order of the generic kernels in ``kernels``, so results are bit-identical.
+``kernels.generated_module`` imports a copy of this file per feature size with ``FS`` replaced,
+so the feature loops have constant trip counts (unrolled, vectorised, no aliasing re-checks)
+and numba caches the copy's kernels on disk like any module's.  The copy with ``FS = 0`` is
+the generic variant: it reads the feature size from the arrays at run time (rows wider than
+``kernels.MAX_SPECIALISED_FS``, ensembles of mixed sizes, ``kernels.set_specialised(False)``).
+
+Outputs and gradients are flat 1-D buffers with a row stride, so that a column block of a
+wider array (``big[:, 64:128]``) is written in place and the inner loop over features is a
+unit-stride loop LLVM can vectorise.  Flat buffers are indexed with uint64 so numba emits no
+negative-index wraparound in the inner loops (the wraparound branch keeps LLVM from
+vectorising them; ~4x slower).  Every sum is added in index (or occurrence) order whatever
+the grouping, so all variants give bit-identical results.
+
+``where`` arguments: ``None`` for a plain table, else the cache map of an indirect table
+(row r lives at ``cache[where[r]]`` if ``where[r] >= 0``, else at ``base[r]``); a plain table
+is passed as its own cache, so one kernel serves both.
 """
 
 import numpy as np
@@ -13,239 +25,269 @@ from cachedarrays.models.dlrm.kernels import (
     _BAGS_PER_ITEM, _PARALLEL, _PREFETCH_AHEAD, _ROW_PREFETCH, _ROWS_PER_ITEM, _SERIAL,
     _bag_bounds, _prefetch_read, _prefetch_write, _reindex)
 
-FS = 16  # @const: replaced per feature size
-FSU = np.uint64(FS)
+FS = 0  # @const: the feature size; 0 = read it from the arrays at run time (generic)
 BPI = _BAGS_PER_ITEM
 RPI = _ROWS_PER_ITEM
 AHEAD = _PREFETCH_AHEAD
 RAHEAD = _ROW_PREFETCH
 
-@njit(**_SERIAL)
-def prefetch_row(flat, p):
-    step = max(1, 64 // flat.itemsize)
-    for f in range(0, FS, step):
-        _prefetch_read(flat, p + np.uint64(f))
+# Helpers take the run-time feature size ``fs`` and use ``FS or fs``: a constant in a
+# specialised copy whether or not LLVM inlines the call.
+
 
 @njit(**_SERIAL)
-def prefetch_row_write(flat, p):
-    step = max(1, 64 // flat.itemsize)
-    for f in range(0, FS, step):
-        _prefetch_write(flat, p + np.uint64(f))
+def span(it, per, n):
+    """Bounds of parallel work item ``it`` of ``per`` consecutive items out of ``n``."""
+    lo = it * per
+    return lo, min(n, lo + per)
+
 
 @njit(**_SERIAL)
-def add8(acc, t, p0, p1, p2, p3, p4, p5, p6, p7):
-    for f in range(FS):
+def at(r, fs):
+    """Flat start of row r."""
+    return np.uint64(r) * np.uint64(FS or fs)
+
+
+@njit(**_SERIAL)
+def addr(where, r, fs):
+    """(0 = base / 1 = cache, flat start) of logical row r."""
+    if where is None:
+        return 0, at(r, fs)
+    w = where[r]
+    if w >= 0:
+        return 1, at(w, fs)
+    return 0, at(r, fs)
+
+
+@njit(**_SERIAL)
+def prefetch_row(flat, p, fs, write):
+    step = max(1, 64 // flat.itemsize)
+    for f in range(0, FS or fs, step):
+        if write:
+            _prefetch_write(flat, p + np.uint64(f))
+        else:
+            _prefetch_read(flat, p + np.uint64(f))
+
+
+@njit(**_SERIAL)
+def add8(acc, t, p0, p1, p2, p3, p4, p5, p6, p7, fs):
+    for f in range(FS or fs):
         uf = np.uint64(f)
         acc[uf] = (acc[uf] + t[p0 + uf] + t[p1 + uf] + t[p2 + uf] + t[p3 + uf]
                    + t[p4 + uf] + t[p5 + uf] + t[p6 + uf] + t[p7 + uf])
 
+
 @njit(**_SERIAL)
-def add4(acc, t, p0, p1, p2, p3):
-    for f in range(FS):
+def add4(acc, t, p0, p1, p2, p3, fs):
+    for f in range(FS or fs):
         uf = np.uint64(f)
         acc[uf] = acc[uf] + t[p0 + uf] + t[p1 + uf] + t[p2 + uf] + t[p3 + uf]
 
+
 @njit(**_SERIAL)
-def add1(acc, t, p0):
-    for f in range(FS):
+def add1(acc, t, p0, fs):
+    for f in range(FS or fs):
         uf = np.uint64(f)
         acc[uf] += t[p0 + uf]
 
+
 @njit(**_SERIAL)
-def zero(acc):
-    for f in range(FS):
+def zero(acc, fs):
+    for f in range(FS or fs):
         acc[np.uint64(f)] = 0
 
+
 @njit(**_SERIAL)
-def store(acc, out, o):
-    for f in range(FS):
+def copy_row(src, p, dst, o, fs):
+    """dst[o:o+fs] = src[p:p+fs]."""
+    for f in range(FS or fs):
         uf = np.uint64(f)
-        out[o + uf] = acc[uf]
+        dst[o + uf] = src[p + uf]
+
 
 @njit(**_SERIAL)
-def sum_bag(t, indices, start, end, acc):
-    """acc = rows indices[start:end] summed in index order (8, then 4, then 1 at a time)."""
+def sum_bag(t, indices, start, end, acc, fs):
+    """acc = rows indices[start:end] summed in index order.
+
+    Rows are taken 8 (then 4, then 1) at a time: the element-wise order of additions is
+    unchanged, but acc is loaded and stored once per group and 8 rows are in flight."""
     nidx = indices.shape[0]
-    zero(acc)
+    zero(acc, fs)
     j = start
-    while j + 8 <= end:
-        for q in range(j + RAHEAD, min(j + RAHEAD + 8, nidx)):
-            prefetch_row(t, np.uint64(indices[q]) * FSU)
-        add8(acc, t, np.uint64(indices[j]) * FSU, np.uint64(indices[j + 1]) * FSU,
-             np.uint64(indices[j + 2]) * FSU, np.uint64(indices[j + 3]) * FSU,
-             np.uint64(indices[j + 4]) * FSU, np.uint64(indices[j + 5]) * FSU,
-             np.uint64(indices[j + 6]) * FSU, np.uint64(indices[j + 7]) * FSU)
-        j += 8
-    while j + 4 <= end:
-        for q in range(j + RAHEAD, min(j + RAHEAD + 4, nidx)):
-            prefetch_row(t, np.uint64(indices[q]) * FSU)
-        add4(acc, t, np.uint64(indices[j]) * FSU, np.uint64(indices[j + 1]) * FSU,
-             np.uint64(indices[j + 2]) * FSU, np.uint64(indices[j + 3]) * FSU)
-        j += 4
     while j < end:
-        if j + RAHEAD < nidx:
-            prefetch_row(t, np.uint64(indices[j + RAHEAD]) * FSU)
-        add1(acc, t, np.uint64(indices[j]) * FSU)
-        j += 1
+        n = 8 if j + 8 <= end else (4 if j + 4 <= end else 1)
+        for q in range(j + RAHEAD, min(j + RAHEAD + n, nidx)):
+            prefetch_row(t, at(indices[q], fs), fs, False)
+        if n == 8:
+            add8(acc, t, at(indices[j], fs), at(indices[j + 1], fs), at(indices[j + 2], fs),
+                 at(indices[j + 3], fs), at(indices[j + 4], fs), at(indices[j + 5], fs),
+                 at(indices[j + 6], fs), at(indices[j + 7], fs), fs)
+        elif n == 4:
+            add4(acc, t, at(indices[j], fs), at(indices[j + 1], fs), at(indices[j + 2], fs),
+                 at(indices[j + 3], fs), fs)
+        else:
+            add1(acc, t, at(indices[j], fs), fs)
+        j += n
+
 
 @njit(**_SERIAL)
-def addr(where, r):
-    """(0 = base / 1 = cache, flat start) of logical row r."""
-    w = where[r]
-    if w >= 0:
-        return 1, np.uint64(w) * FSU
-    return 0, np.uint64(r) * FSU
-
-@njit(**_SERIAL)
-def sum_bag_indirect(bflat, cflat, where, indices, start, end, acc):
+def sum_bag_indirect(bflat, cflat, where, indices, start, end, acc, fs):
     """Like sum_bag, row r read from cache[where[r]] when where[r] >= 0, 8 rows at a time."""
     nidx = indices.shape[0]
-    zero(acc)
+    zero(acc, fs)
     j = start
     while j < end:
         n = min(8, end - j)
         for q in range(j + 2 * RAHEAD, min(j + 2 * RAHEAD + n, nidx)):
             _prefetch_read(where, np.uint64(indices[q]))
         for q in range(j + RAHEAD, min(j + RAHEAD + n, nidx)):
-            c, p = addr(where, indices[q])
-            prefetch_row(cflat if c else bflat, p)
+            c, p = addr(where, indices[q], fs)
+            prefetch_row(cflat if c else bflat, p, fs, False)
         if n == 8:
-            c0, p0 = addr(where, indices[j])
-            c1, p1 = addr(where, indices[j + 1])
-            c2, p2 = addr(where, indices[j + 2])
-            c3, p3 = addr(where, indices[j + 3])
-            c4, p4 = addr(where, indices[j + 4])
-            c5, p5 = addr(where, indices[j + 5])
-            c6, p6 = addr(where, indices[j + 6])
-            c7, p7 = addr(where, indices[j + 7])
-            if c0 + c1 + c2 + c3 + c4 + c5 + c6 + c7 == 8:
-                add8(acc, cflat, p0, p1, p2, p3, p4, p5, p6, p7)
-            elif c0 + c1 + c2 + c3 + c4 + c5 + c6 + c7 == 0:
-                add8(acc, bflat, p0, p1, p2, p3, p4, p5, p6, p7)
-            else:
-                for q in range(j, j + 8):
-                    c, p = addr(where, indices[q])
-                    add1(acc, cflat if c else bflat, p)
-        else:
-            for q in range(j, j + n):
-                c, p = addr(where, indices[q])
-                add1(acc, cflat if c else bflat, p)
+            c0, p0 = addr(where, indices[j], fs)
+            c1, p1 = addr(where, indices[j + 1], fs)
+            c2, p2 = addr(where, indices[j + 2], fs)
+            c3, p3 = addr(where, indices[j + 3], fs)
+            c4, p4 = addr(where, indices[j + 4], fs)
+            c5, p5 = addr(where, indices[j + 5], fs)
+            c6, p6 = addr(where, indices[j + 6], fs)
+            c7, p7 = addr(where, indices[j + 7], fs)
+            ncached = c0 + c1 + c2 + c3 + c4 + c5 + c6 + c7
+            if ncached == 8 or ncached == 0:
+                add8(acc, cflat if ncached else bflat, p0, p1, p2, p3, p4, p5, p6, p7, fs)
+                j += 8
+                continue
+        for q in range(j, j + n):
+            c, p = addr(where, indices[q], fs)
+            add1(acc, cflat if c else bflat, p, fs)
         j += n
+
+
+@njit(**_SERIAL)
+def bag_sums(bflat, cflat, where, indices, offsets, lo, hi, out, ostride, ocol, acc, fs):
+    """out rows lo..hi (at column ocol of a row-strided flat buffer) = those bags' sums."""
+    nidx = indices.shape[0]
+    for b in range(lo, hi):
+        start, end = _bag_bounds(offsets, b, nidx)
+        if where is None:
+            sum_bag(bflat, indices, start, end, acc, fs)
+        else:
+            sum_bag_indirect(bflat, cflat, where, indices, start, end, acc, fs)
+        copy_row(acc, np.uint64(0), out, np.uint64(b * ostride + ocol), fs)
+
+
+@njit(**_SERIAL)
+def sum_grad(dout, gstride, gcol, occ, lo, hi, acc, fs):
+    """acc = sum of gradient rows occ[lo:hi] (a row-strided flat buffer), in order."""
+    zero(acc, fs)
+    for k in range(lo, hi):
+        add1(acc, dout, np.uint64(occ[k] * gstride + gcol), fs)
+
+
+@njit(**_SERIAL)
+def sgd_row(flat, p, lr, dout, gstride, gcol, occ, lo, hi, acc, fs):
+    """flat[p:p+fs] -= lr * (sum of gradient rows occ[lo:hi]): one read-modify-write of a row.
+
+    A row used once (the common case for large tables) skips the accumulator; the result is
+    identical because 0 + g == g."""
+    if hi - lo == 1:
+        g = np.uint64(occ[lo] * gstride + gcol)
+        for f in range(FS or fs):
+            uf = np.uint64(f)
+            flat[p + uf] -= lr * dout[g + uf]
+    else:
+        sum_grad(dout, gstride, gcol, occ, lo, hi, acc, fs)
+        for f in range(FS or fs):
+            uf = np.uint64(f)
+            flat[p + uf] -= lr * acc[uf]
+
+
+@njit(**_SERIAL)
+def sgd_rows(bflat, cflat, where, rows, bounds, occ, lo, hi, dout, gstride, gcol, lr, acc, fs):
+    """SGD of unique rows lo..hi (group u's occurrences are occ[bounds[u+1]:bounds[u+2]]),
+    prefetching (with write intent) the row AHEAD positions on."""
+    for u in range(lo, hi):
+        if u + AHEAD < hi:
+            c, q = addr(where, rows[u + AHEAD], fs)
+            prefetch_row(cflat if c else bflat, q, fs, True)
+        c, p = addr(where, rows[u], fs)
+        sgd_row(cflat if c else bflat, p, lr, dout, gstride, gcol, occ, bounds[u + 1],
+                bounds[u + 2], acc, fs)
+
+
+# ---- parallel kernels --------------------------------------------------------------------
+
 
 @njit(**_PARALLEL)
 def gather(table, indices, out, ostride, ocol):
     n = indices.shape[0]
+    fs = FS or table.shape[1]
     tflat = table.reshape(-1)
-    nitems = (n + BPI - 1) // BPI
-    for it in prange(nitems):
-        lo = it * BPI
-        hi = min(n, lo + BPI)
+    for it in prange((n + BPI - 1) // BPI):
+        lo, hi = span(it, BPI, n)
         for i in range(lo, hi):
             if i + RAHEAD < n:
-                prefetch_row(tflat, np.uint64(indices[i + RAHEAD]) * FSU)
-            p = np.uint64(indices[i]) * FSU
-            o = np.uint64(i * ostride + ocol)
-            for f in range(FS):
-                uf = np.uint64(f)
-                out[o + uf] = tflat[p + uf]
+                prefetch_row(tflat, at(indices[i + RAHEAD], fs), fs, False)
+            copy_row(tflat, at(indices[i], fs), out, np.uint64(i * ostride + ocol), fs)
+
 
 @njit(**_PARALLEL)
-def bag_sum(table, indices, offsets, nbags, out, ostride, ocol):
-    nidx = indices.shape[0]
-    tflat = table.reshape(-1)
-    nitems = (nbags + BPI - 1) // BPI
-    for it in prange(nitems):
-        acc = np.empty(FS, dtype=table.dtype)
-        lo = it * BPI
-        hi = min(nbags, lo + BPI)
-        for b in range(lo, hi):
-            start, end = _bag_bounds(offsets, b, nidx)
-            sum_bag(tflat, indices, start, end, acc)
-            store(acc, out, np.uint64(b * ostride + ocol))
-
-@njit(**_PARALLEL)
-def bag_sum_indirect(base, cache, where, indices, offsets, nbags, out, ostride, ocol):
-    nidx = indices.shape[0]
+def bag_sum(base, cache, where, indices, offsets, nbags, out, ostride, ocol):
+    """Bag sums into a row-strided flat ``out``; pass ``(table, table, None)`` for a plain table."""
+    fs = FS or base.shape[1]
     bflat = base.reshape(-1)
     cflat = cache.reshape(-1)
-    nitems = (nbags + BPI - 1) // BPI
-    for it in prange(nitems):
-        acc = np.empty(FS, dtype=base.dtype)
-        lo = it * BPI
-        hi = min(nbags, lo + BPI)
-        for b in range(lo, hi):
-            start, end = _bag_bounds(offsets, b, nidx)
-            sum_bag_indirect(bflat, cflat, where, indices, start, end, acc)
-            store(acc, out, np.uint64(b * ostride + ocol))
+    for it in prange((nbags + BPI - 1) // BPI):
+        acc = np.empty(fs, dtype=base.dtype)
+        lo, hi = span(it, BPI, nbags)
+        bag_sums(bflat, cflat, where, indices, offsets, lo, hi, out, ostride, ocol, acc, fs)
+
 
 @njit(**_PARALLEL)
 def bag_sum_many(tables, indices, offsets, nbags, out, ostride, cols, chunk):
+    """All tables into one concatenated output; work items are (bag chunk, table) pairs."""
     ntables = len(tables)
     nchunks = (nbags + chunk - 1) // chunk
     for it in prange(nchunks * ntables):
         c = it // ntables
-        t = it - c * ntables
+        t = it - c * ntables  # tables vary fastest so each thread gets a mix of tables
+        fs = FS or tables[t].shape[1]
         tflat = tables[t].reshape(-1)
-        acc = np.empty(FS, dtype=tflat.dtype)
-        idx = indices[t]
-        off = offsets[t]
-        nidx = idx.shape[0]
-        lo = c * chunk
-        hi = min(nbags, lo + chunk)
-        for b in range(lo, hi):
-            start, end = _bag_bounds(off, b, nidx)
-            sum_bag(tflat, idx, start, end, acc)
-            store(acc, out, np.uint64(b * ostride + cols[t]))
+        acc = np.empty(fs, dtype=tflat.dtype)
+        lo, hi = span(c, chunk, nbags)
+        bag_sums(tflat, tflat, None, indices[t], offsets[t], lo, hi, out, ostride, cols[t],
+                 acc, fs)
 
-@njit(**_SERIAL)
-def sgd_row(flat, p, lr, dout, gstride, gcol, occ, lo, hi, acc):
-    if hi - lo == 1:
-        g = np.uint64(occ[lo] * gstride + gcol)
-        for f in range(FS):
-            uf = np.uint64(f)
-            flat[p + uf] -= lr * dout[g + uf]
-    else:
-        zero(acc)
-        for k in range(lo, hi):
-            add1(acc, dout, np.uint64(occ[k] * gstride + gcol))
-        for f in range(FS):
-            uf = np.uint64(f)
-            flat[p + uf] -= lr * acc[uf]
 
 @njit(**_PARALLEL)
-def apply_sgd(table, rows, bounds, occ, nu, dout, gstride, gcol, lr):
-    tflat = table.reshape(-1)
-    nitems = (nu + RPI - 1) // RPI
-    for it in prange(nitems):
-        acc = np.empty(FS, dtype=table.dtype)
-        lo = it * RPI
-        hi = min(nu, lo + RPI)
-        for u in range(lo, hi):
-            if u + AHEAD < hi:
-                prefetch_row_write(tflat, np.uint64(rows[u + AHEAD]) * FSU)
-            sgd_row(tflat, np.uint64(rows[u]) * FSU, lr, dout, gstride, gcol, occ,
-                    bounds[u + 1], bounds[u + 2], acc)
-
-@njit(**_PARALLEL)
-def apply_sgd_indirect(base, cache, where, rows, bounds, occ, nu, dout, gstride, gcol, lr):
+def apply_sgd(base, cache, where, rows, bounds, occ, nu, dout, gstride, gcol, lr):
+    """SGD of the re-indexed unique rows; pass ``(table, table, None)`` for a plain table."""
+    fs = FS or base.shape[1]
     bflat = base.reshape(-1)
     cflat = cache.reshape(-1)
-    nitems = (nu + RPI - 1) // RPI
-    for it in prange(nitems):
-        acc = np.empty(FS, dtype=base.dtype)
-        lo = it * RPI
-        hi = min(nu, lo + RPI)
+    for it in prange((nu + RPI - 1) // RPI):
+        acc = np.empty(fs, dtype=base.dtype)
+        lo, hi = span(it, RPI, nu)
+        sgd_rows(bflat, cflat, where, rows, bounds, occ, lo, hi, dout, gstride, gcol, lr, acc,
+                 fs)
+
+
+@njit(**_PARALLEL)
+def grad(rows, bounds, occ, nu, dout, gstride, gcol, grads):
+    """grads[u] = the summed gradient of unique row u."""
+    fs = FS or grads.shape[1]
+    for it in prange((nu + RPI - 1) // RPI):
+        lo, hi = span(it, RPI, nu)
         for u in range(lo, hi):
-            if u + AHEAD < hi:
-                c, q = addr(where, rows[u + AHEAD])
-                prefetch_row_write(cflat if c else bflat, q)
-            c, p = addr(where, rows[u])
-            sgd_row(cflat if c else bflat, p, lr, dout, gstride, gcol, occ,
-                    bounds[u + 1], bounds[u + 2], acc)
+            sum_grad(dout, gstride, gcol, occ, bounds[u + 1], bounds[u + 2], grads[u], fs)
+
 
 @njit(**_PARALLEL)
 def update_many(tables, indices, offsets, nbags, dout, gstride, cols, lr, slots,
                 nworkers, idx_base):
+    """Re-index every table (worker w takes tables w, w + nworkers, ...; one scratch row of
+    ``slots`` each), then apply SGD over flattened (row chunk, table) items.
+    Returns the unique-row counts and the concatenated unique rows."""
     ntables = len(tables)
     total = idx_base[ntables]
     rows = np.empty(total, dtype=np.int64)
@@ -265,22 +307,17 @@ def update_many(tables, indices, offsets, nbags, dout, gstride, cols, lr, slots,
         c = it // ntables
         t = it - c * ntables
         nu = nus[t]
-        lo = c * RPI
-        if lo < nu:
-            hi = min(nu, lo + RPI)
+        if c * RPI < nu:
+            fs = FS or tables[t].shape[1]
             tflat = tables[t].reshape(-1)
-            acc = np.empty(FS, dtype=tflat.dtype)
+            acc = np.empty(fs, dtype=tflat.dtype)
+            lo, hi = span(c, RPI, nu)
             base = idx_base[t]
-            trows = rows[base:base + nu]
-            tocc = occ[base:idx_base[t + 1]]
-            tb = bounds[base + 2 * t:idx_base[t + 1] + 2 * t + 2]
-            for u in range(lo, hi):
-                if u + AHEAD < hi:
-                    prefetch_row_write(tflat, np.uint64(trows[u + AHEAD]) * FSU)
-                sgd_row(tflat, np.uint64(trows[u]) * FSU, lr, dout, gstride, cols[t], tocc,
-                        tb[u + 1], tb[u + 2], acc)
+            end = idx_base[t + 1]
+            sgd_rows(tflat, tflat, None, rows[base:base + nu], bounds[base + 2 * t:end + 2 * t + 2],
+                     occ[base:end], lo, hi, dout, gstride, cols[t], lr, acc, fs)
     return nus, rows
 
-KERNELS = dict(gather=gather, bag_sum=bag_sum, bag_sum_indirect=bag_sum_indirect,
-               bag_sum_many=bag_sum_many, apply_sgd=apply_sgd,
-               apply_sgd_indirect=apply_sgd_indirect, update_many=update_many)
+
+KERNELS = dict(gather=gather, bag_sum=bag_sum, bag_sum_many=bag_sum_many, apply_sgd=apply_sgd,
+               grad=grad, update_many=update_many)

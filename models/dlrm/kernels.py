@@ -21,7 +21,7 @@ import threading
 import numba
 import numpy as np
 from llvmlite import ir
-from numba import njit, prange, types
+from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 from numba.typed import List as TypedList
@@ -53,9 +53,8 @@ _PREFETCH_AHEAD = 16
 
 
 # ----------------------------------------------------------------------------------------
-# numba kernels.  Outputs and gradients are passed as flat 1-D buffers with a row stride so
-# that a column block of a wider array (``big[:, 64:128]``) is written in place and the
-# inner loop over features is a unit-stride loop LLVM can vectorise.
+# numba building blocks without a feature loop.  The kernels themselves live once, in the
+# template ``_fs_kernels.py`` (see "Kernels per feature size" below).
 # ----------------------------------------------------------------------------------------
 
 
@@ -91,149 +90,6 @@ def _bag_bounds(offsets, b, nidx):
     start = offsets[b]
     end = offsets[b + 1] if b + 1 < offsets.shape[0] else nidx
     return start, end
-
-
-# Flat buffers are indexed with uint64 so numba emits no negative-index wraparound in the
-# inner loops (the wraparound branch keeps LLVM from vectorising them; ~4x slower).
-
-
-@njit(**_SERIAL)
-def _sum_bag(tflat, fs, indices, start, end, acc):
-    """acc[:] = sum of rows indices[start:end] of the flat table, added in index order.
-
-    Rows are taken 8 (then 4, then 1) at a time: the element-wise order of additions is
-    unchanged, but acc is loaded and stored once per group and 8 rows are in flight."""
-    for f in range(fs):
-        acc[f] = 0
-    j = start
-    while j + 8 <= end:
-        p0 = np.uint64(indices[j] * fs)
-        p1 = np.uint64(indices[j + 1] * fs)
-        p2 = np.uint64(indices[j + 2] * fs)
-        p3 = np.uint64(indices[j + 3] * fs)
-        p4 = np.uint64(indices[j + 4] * fs)
-        p5 = np.uint64(indices[j + 5] * fs)
-        p6 = np.uint64(indices[j + 6] * fs)
-        p7 = np.uint64(indices[j + 7] * fs)
-        for f in range(fs):
-            uf = np.uint64(f)
-            acc[uf] = (acc[uf] + tflat[p0 + uf] + tflat[p1 + uf] + tflat[p2 + uf] + tflat[p3 + uf]
-                       + tflat[p4 + uf] + tflat[p5 + uf] + tflat[p6 + uf] + tflat[p7 + uf])
-        j += 8
-    while j + 4 <= end:
-        p0 = np.uint64(indices[j] * fs)
-        p1 = np.uint64(indices[j + 1] * fs)
-        p2 = np.uint64(indices[j + 2] * fs)
-        p3 = np.uint64(indices[j + 3] * fs)
-        for f in range(fs):
-            uf = np.uint64(f)
-            acc[uf] = acc[uf] + tflat[p0 + uf] + tflat[p1 + uf] + tflat[p2 + uf] + tflat[p3 + uf]
-        j += 4
-    while j < end:
-        p0 = np.uint64(indices[j] * fs)
-        for f in range(fs):
-            uf = np.uint64(f)
-            acc[uf] += tflat[p0 + uf]
-        j += 1
-
-
-@njit(**_SERIAL)
-def _sum_bag_indirect(bflat, cflat, where, fs, indices, start, end, acc):
-    """Like ``_sum_bag`` but row r is read from cache[where[r]] when where[r] >= 0."""
-    for f in range(fs):
-        acc[f] = 0
-    for j in range(start, end):
-        r = indices[j]
-        w = where[r]
-        if w >= 0:
-            p = np.uint64(w * fs)
-            for f in range(fs):
-                uf = np.uint64(f)
-                acc[uf] += cflat[p + uf]
-        else:
-            p = np.uint64(r * fs)
-            for f in range(fs):
-                uf = np.uint64(f)
-                acc[uf] += bflat[p + uf]
-
-
-@njit(**_SERIAL)
-def _store(acc, out, o):
-    for f in range(acc.shape[0]):
-        out[np.uint64(o + f)] = acc[f]
-
-
-@njit(**_PARALLEL)
-def _gather_kernel(table, indices, out, ostride, ocol):
-    n = indices.shape[0]
-    fs = table.shape[1]
-    tflat = table.reshape(-1)
-    nitems = (n + _BAGS_PER_ITEM - 1) // _BAGS_PER_ITEM
-    for it in prange(nitems):
-        lo = it * _BAGS_PER_ITEM
-        hi = min(n, lo + _BAGS_PER_ITEM)
-        for i in range(lo, hi):
-            p = np.uint64(indices[i] * fs)
-            o = np.uint64(i * ostride + ocol)
-            for f in range(fs):
-                uf = np.uint64(f)
-                out[o + uf] = tflat[p + uf]
-
-
-@njit(**_PARALLEL)
-def _bag_sum_kernel(table, indices, offsets, nbags, out, ostride, ocol):
-    nidx = indices.shape[0]
-    fs = table.shape[1]
-    tflat = table.reshape(-1)
-    nitems = (nbags + _BAGS_PER_ITEM - 1) // _BAGS_PER_ITEM
-    for it in prange(nitems):
-        acc = np.empty(fs, dtype=table.dtype)
-        lo = it * _BAGS_PER_ITEM
-        hi = min(nbags, lo + _BAGS_PER_ITEM)
-        for b in range(lo, hi):
-            start, end = _bag_bounds(offsets, b, nidx)
-            _sum_bag(tflat, fs, indices, start, end, acc)
-            _store(acc, out, b * ostride + ocol)
-
-
-@njit(**_PARALLEL)
-def _bag_sum_indirect_kernel(base, cache, where, indices, offsets, nbags, out, ostride, ocol):
-    nidx = indices.shape[0]
-    fs = base.shape[1]
-    bflat = base.reshape(-1)
-    cflat = cache.reshape(-1)
-    nitems = (nbags + _BAGS_PER_ITEM - 1) // _BAGS_PER_ITEM
-    for it in prange(nitems):
-        acc = np.empty(fs, dtype=base.dtype)
-        lo = it * _BAGS_PER_ITEM
-        hi = min(nbags, lo + _BAGS_PER_ITEM)
-        for b in range(lo, hi):
-            start, end = _bag_bounds(offsets, b, nidx)
-            _sum_bag_indirect(bflat, cflat, where, fs, indices, start, end, acc)
-            _store(acc, out, b * ostride + ocol)
-
-
-@njit(**_PARALLEL)
-def _bag_sum_many_kernel(tables, indices, offsets, nbags, out, ostride, cols, chunk):
-    """All tables into one concatenated output; work items are (bag chunk, table) pairs."""
-    ntables = len(tables)
-    nchunks = (nbags + chunk - 1) // chunk
-    for it in prange(nchunks * ntables):
-        c = it // ntables
-        t = it - c * ntables  # tables vary fastest so each thread gets a mix of tables
-        table = tables[t]
-        fs = table.shape[1]
-        tflat = table.reshape(-1)
-        acc = np.empty(fs, dtype=table.dtype)
-        idx = indices[t]
-        off = offsets[t]
-        nidx = idx.shape[0]
-        lo = c * chunk
-        hi = min(nbags, lo + chunk)
-        for b in range(lo, hi):
-            start, end = _bag_bounds(off, b, nidx)
-            _sum_bag(tflat, fs, idx, start, end, acc)
-            _store(acc, out, b * ostride + cols[t])
 
 
 @njit(**_SERIAL)
@@ -282,152 +138,17 @@ def _reindex(indices, offsets, nbags, slot, rows, bounds, occ):
 
 
 @njit(**_SERIAL)
-def _sum_grad(dout, gstride, gcol, occ, lo, hi, acc):
-    """acc[:] = sum of gradient rows occ[lo:hi] (a row-strided flat buffer), in order."""
-    fs = acc.shape[0]
-    for f in range(fs):
-        acc[f] = 0
-    for k in range(lo, hi):
-        g = np.uint64(occ[k] * gstride + gcol)
-        for f in range(fs):
-            uf = np.uint64(f)
-            acc[uf] += dout[g + uf]
-
-
-@njit(**_SERIAL)
-def _sgd_row(flat, p, fs, lr, dout, gstride, gcol, occ, lo, hi, acc):
-    """flat[p:p+fs] -= lr * (sum of gradient rows occ[lo:hi]): one read-modify-write of a row.
-
-    A row used once (the common case for large tables) skips the accumulator; the result is
-    identical because 0 + g == g."""
-    if hi - lo == 1:
-        g = np.uint64(occ[lo] * gstride + gcol)
-        for f in range(fs):
-            uf = np.uint64(f)
-            flat[p + uf] -= lr * dout[g + uf]
-    else:
-        _sum_grad(dout, gstride, gcol, occ, lo, hi, acc)
-        for f in range(fs):
-            uf = np.uint64(f)
-            flat[p + uf] -= lr * acc[uf]
-
-
-@njit(**_SERIAL)
-def _prefetch_row_write(flat, p, fs):
-    step = max(1, 64 // flat.itemsize)
-    for f in range(0, fs, step):
-        _prefetch_write(flat, p + np.uint64(f))
-
-
-@njit(**_SERIAL)
 def _reindex_kernel(indices, offsets, nbags, slot, rows, bounds, occ):
     return _reindex(indices, offsets, nbags, slot, rows, bounds, occ)
 
 
-@njit(**_PARALLEL)
-def _apply_sgd_kernel(table, rows, bounds, occ, nu, dout, gstride, gcol, lr):
-    fs = table.shape[1]
-    tflat = table.reshape(-1)
-    nitems = (nu + _ROWS_PER_ITEM - 1) // _ROWS_PER_ITEM
-    for it in prange(nitems):
-        acc = np.empty(fs, dtype=table.dtype)
-        lo = it * _ROWS_PER_ITEM
-        hi = min(nu, lo + _ROWS_PER_ITEM)
-        for u in range(lo, hi):
-            if u + _PREFETCH_AHEAD < hi:
-                _prefetch_row_write(tflat, np.uint64(rows[u + _PREFETCH_AHEAD] * fs), fs)
-            _sgd_row(tflat, np.uint64(rows[u] * fs), fs, lr, dout, gstride, gcol, occ,
-                     bounds[u + 1], bounds[u + 2], acc)
-
-
-@njit(**_SERIAL)
-def _where_address(where, r, fs):
-    """(in cache?, flat start) of logical row r."""
-    w = where[r]
-    if w >= 0:
-        return True, np.uint64(w * fs)
-    return False, np.uint64(r * fs)
-
-
-@njit(**_PARALLEL)
-def _apply_sgd_indirect_kernel(base, cache, where, rows, bounds, occ, nu, dout, gstride, gcol, lr):
-    fs = base.shape[1]
-    bflat = base.reshape(-1)
-    cflat = cache.reshape(-1)
-    nitems = (nu + _ROWS_PER_ITEM - 1) // _ROWS_PER_ITEM
-    for it in prange(nitems):
-        acc = np.empty(fs, dtype=base.dtype)
-        lo = it * _ROWS_PER_ITEM
-        hi = min(nu, lo + _ROWS_PER_ITEM)
-        for u in range(lo, hi):
-            if u + _PREFETCH_AHEAD < hi:
-                cached, q = _where_address(where, rows[u + _PREFETCH_AHEAD], fs)
-                _prefetch_row_write(cflat if cached else bflat, q, fs)
-            cached, p = _where_address(where, rows[u], fs)
-            _sgd_row(cflat if cached else bflat, p, fs, lr, dout, gstride, gcol, occ,
-                     bounds[u + 1], bounds[u + 2], acc)
-
-
-@njit(**_PARALLEL)
-def _grad_kernel(rows, bounds, occ, nu, dout, gstride, gcol, grads):
-    nitems = (nu + _ROWS_PER_ITEM - 1) // _ROWS_PER_ITEM
-    for it in prange(nitems):
-        lo = it * _ROWS_PER_ITEM
-        hi = min(nu, lo + _ROWS_PER_ITEM)
-        for u in range(lo, hi):
-            _sum_grad(dout, gstride, gcol, occ, bounds[u + 1], bounds[u + 2], grads[u])
-
-
-@njit(**_PARALLEL)
-def _update_many_kernel(tables, indices, offsets, nbags, dout, gstride, cols, lr, slots,
-                        nworkers, idx_base):
-    """Re-index every table (worker w takes tables w, w + nworkers, ...; one scratch row of
-    ``slots`` each), then apply SGD over flattened (row chunk, table) items.
-    Returns the unique-row counts and the concatenated unique rows."""
-    ntables = len(tables)
-    total = idx_base[ntables]
-    rows = np.empty(total, dtype=np.int64)
-    occ = np.empty(total, dtype=np.int64)
-    bounds = np.empty(total + 2 * ntables, dtype=np.int64)
-    nus = np.zeros(ntables, dtype=np.int64)
-    for w in prange(nworkers):
-        for t in range(w, ntables, nworkers):
-            lo = idx_base[t]
-            hi = idx_base[t + 1]
-            nus[t] = _reindex(indices[t], offsets[t], nbags, slots[w], rows[lo:hi],
-                              bounds[lo + 2 * t:hi + 2 * t + 2], occ[lo:hi])
-    maxitems = 0
-    for t in range(ntables):
-        maxitems = max(maxitems, (nus[t] + _ROWS_PER_ITEM - 1) // _ROWS_PER_ITEM)
-    for it in prange(maxitems * ntables):
-        c = it // ntables
-        t = it - c * ntables  # tables vary fastest
-        nu = nus[t]
-        lo = c * _ROWS_PER_ITEM
-        if lo < nu:
-            hi = min(nu, lo + _ROWS_PER_ITEM)
-            table = tables[t]
-            fs = table.shape[1]
-            tflat = table.reshape(-1)
-            acc = np.empty(fs, dtype=table.dtype)
-            base = idx_base[t]
-            trows = rows[base:base + nu]
-            tocc = occ[base:idx_base[t + 1]]
-            tb = bounds[base + 2 * t:idx_base[t + 1] + 2 * t + 2]
-            for u in range(lo, hi):
-                if u + _PREFETCH_AHEAD < hi:
-                    _prefetch_row_write(tflat, np.uint64(trows[u + _PREFETCH_AHEAD] * fs), fs)
-                _sgd_row(tflat, np.uint64(trows[u] * fs), fs, lr, dout, gstride, cols[t], tocc,
-                         tb[u + 1], tb[u + 2], acc)
-    return nus, rows
-
-
 # ----------------------------------------------------------------------------------------
-# Kernels specialised per feature size.  ``specialised_kernel(name, fs)`` imports, once per
-# process and size, a copy of ``_fs_kernels.py`` with the feature size as a module constant:
-# numba then sees constant trip counts, unrolls and vectorises the feature loops without
-# aliasing re-checks, and the bag loops prefetch rows a few indices ahead.  Additions keep
-# the order of the generic kernels above, so results are bit-identical.  numba cannot cache
+# Kernels per feature size.  ``_kernels(fs)`` imports, once per process and size, a copy of
+# the template ``_fs_kernels.py`` with the feature size as a module constant: numba then sees
+# constant trip counts, unrolls and vectorises the feature loops without aliasing re-checks.
+# The copy with ``FS = 0`` is the generic variant (feature size read at run time) for rows
+# wider than MAX_SPECIALISED_FS, ensembles and ``set_specialised(False)``.  Both come from
+# the same source and add in the same order, so results are bit-identical.  numba cannot cache
 # closures on disk, hence a generated file (compiled once, then loaded from numba's cache).
 # ----------------------------------------------------------------------------------------
 
@@ -507,30 +228,31 @@ def generated_module(template, consts):
         return mod
 
 
-def _make_specialised(fs):
-    return generated_module("_fs_kernels", {"FS": fs}).KERNELS
+def _kernels_for(fs):
+    """The template's kernels with ``FS = fs`` (0: generic), built once per process and size."""
+    ks = _specialised_cache.get(fs)
+    if ks is None:
+        ks = generated_module("_fs_kernels", {"FS": fs}).KERNELS
+        _specialised_cache[fs] = ks
+    return ks
 
 
-def _pick(name, fs, generic):
-    k = specialised_kernel(name, fs)
-    return generic if k is None else k
+def _pick(name, fs):
+    """The kernel ``name`` for feature size ``fs`` (0: any size): specialised if it may be."""
+    fs = int(fs)
+    if not _USE_SPECIALISED or fs < 1 or fs > MAX_SPECIALISED_FS:
+        fs = 0
+    return _kernels_for(fs)[name]
 
 
 def specialised_kernel(name, fs):
-    """The kernel ``name`` for feature size ``fs``: specialised (built once per process and
-    size) when ``fs <= MAX_SPECIALISED_FS``, otherwise the generic one.  Specialised kernels
-    take the same arguments as the generic ones (including the ``fs``-free signatures)."""
+    """The kernel ``name`` specialised for feature size ``fs`` (built once per process and
+    size), or None where the generic one is used (``fs > MAX_SPECIALISED_FS``, or
+    specialisation turned off).  Both variants take the same arguments."""
     fs = int(fs)
     if not _USE_SPECIALISED or fs < 1 or fs > MAX_SPECIALISED_FS:
         return None
-    ks = _specialised_cache.get(fs)
-    if ks is None:
-        with _specialised_lock:
-            ks = _specialised_cache.get(fs)
-            if ks is None:
-                ks = _make_specialised(fs)
-                _specialised_cache[fs] = ks
-    return ks[name]
+    return _kernels_for(fs)[name]
 
 
 def set_specialised(enabled: bool) -> bool:
@@ -731,7 +453,7 @@ def lookup(table, indices, out=None, *, name="table", check=True):
     idx = _indices(indices, table.shape[0], name, check)
     out, flat, stride, scratch = _output(out, idx.shape[0], table.shape[1], table.dtype, name)
     if idx.size and table.shape[1]:
-        _pick("gather", table.shape[1], _gather_kernel)(table, idx, flat, stride, 0)
+        _pick("gather", table.shape[1])(table, idx, flat, stride, 0)
     if scratch is not None:
         out[...] = scratch
     return out
@@ -748,7 +470,7 @@ def lookup_sum(table, indices, offsets, out=None, *, name="table", check=True):
     off = _offsets(offsets, idx.shape[0], nbags, name, check)
     out, flat, stride, scratch = _output(out, nbags, table.shape[1], table.dtype, name)
     if nbags and table.shape[1]:
-        _pick("bag_sum", table.shape[1], _bag_sum_kernel)(table, idx, off, nbags, flat, stride, 0)
+        _pick("bag_sum", table.shape[1])(table, table, None, idx, off, nbags, flat, stride, 0)
     if scratch is not None:
         out[...] = scratch
     return out
@@ -767,8 +489,7 @@ def lookup_sum_indirect(base, cache, where, indices, offsets, out=None, *, name=
     where = _check_where(where, base, cache, idx, name, check)
     out, flat, stride, scratch = _output(out, nbags, base.shape[1], base.dtype, name)
     if nbags and base.shape[1]:
-        _pick("bag_sum_indirect", base.shape[1], _bag_sum_indirect_kernel)(
-            base, cache, where, idx, off, nbags, flat, stride, 0)
+        _pick("bag_sum", base.shape[1])(base, cache, where, idx, off, nbags, flat, stride, 0)
     if scratch is not None:
         out[...] = scratch
     return out
@@ -811,8 +532,8 @@ def sgd_update(table, indices, offsets, dout, lr, *, name="table", check=True):
                                                       table.dtype, table.shape[1], name, check)
     rows, bounds, occ, nu = _reindexed(table.shape[0], idx, off, nbags)
     if nu and table.shape[1]:
-        _pick("apply_sgd", table.shape[1], _apply_sgd_kernel)(
-            table, rows, bounds, occ, nu, gflat, gstride, 0, table.dtype.type(lr))
+        _pick("apply_sgd", table.shape[1])(table, table, None, rows, bounds, occ, nu, gflat,
+                                           gstride, 0, table.dtype.type(lr))
     return rows[:nu]
 
 
@@ -828,8 +549,8 @@ def sgd_update_indirect(base, cache, where, indices, offsets, dout, lr, *, name=
     where = _check_where(where, base, cache, idx, name, check)
     rows, bounds, occ, nu = _reindexed(base.shape[0], idx, off, nbags)
     if nu and base.shape[1]:
-        _pick("apply_sgd_indirect", base.shape[1], _apply_sgd_indirect_kernel)(
-            base, cache, where, rows, bounds, occ, nu, gflat, gstride, 0, base.dtype.type(lr))
+        _pick("apply_sgd", base.shape[1])(base, cache, where, rows, bounds, occ, nu, gflat,
+                                          gstride, 0, base.dtype.type(lr))
     return rows[:nu]
 
 
@@ -844,7 +565,7 @@ def accumulate_grad(indices, offsets, dout, nrows, *, name="table"):
     rows, bounds, occ, nu = _reindexed(int(nrows), idx, off, nbags)
     grads = np.empty((nu, dout.shape[1]), dtype=dout.dtype)
     if nu and dout.shape[1]:
-        _grad_kernel(rows, bounds, occ, nu, gflat, gstride, 0, grads)
+        _pick("grad", dout.shape[1])(rows, bounds, occ, nu, gflat, gstride, 0, grads)
     return rows[:nu].copy(), grads
 
 
@@ -941,8 +662,8 @@ def lookup_many(tables, indices_list, offsets_list, out=None, column_offsets=Non
         chunk = max(1, min(_BAGS_PER_ITEM, -(-nbags * len(tables) // (8 * nthreads))))
         # The generic ensemble kernel: for DLRM's one-row bags of 16 features the specialised
         # one measured slower (11.8 vs 6.2 ms for 26 tables, batch 8192), so it is opt-in.
-        _pick("bag_sum_many", _common_fs(tables) if _SPECIALISE_ENSEMBLES else 0,
-              _bag_sum_many_kernel)(tl, il, ol, nbags, flat, stride, cols, chunk)
+        _pick("bag_sum_many", _common_fs(tables) if _SPECIALISE_ENSEMBLES else 0)(
+            tl, il, ol, nbags, flat, stride, cols, chunk)
     if scratch is not None:
         out[...] = scratch
     return out
@@ -970,8 +691,8 @@ def update_many(tables, indices_list, offsets_list, dout, lr, column_offsets=Non
     maxrows = max(t.shape[0] for t in tables)
     nworkers = max(1, min(numba.get_num_threads(), len(tables)))
     slots = _slots.take(nworkers, maxrows)
-    kernel = _pick("update_many", _common_fs(tables) if _SPECIALISE_ENSEMBLES else 0,
-                   _update_many_kernel)  # generic by default, as in lookup_many
+    kernel = _pick("update_many", _common_fs(tables) if _SPECIALISE_ENSEMBLES else 0)
+    # generic by default, as in lookup_many
     nus, rows = kernel(tl, il, ol, nbags, gflat, gstride, cols, dtype.type(lr), slots, nworkers,
                        idx_base)
     _slots.give(slots)
