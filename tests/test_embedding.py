@@ -36,7 +36,7 @@ def _tables(m, n, fs, init):
     }
 
 
-@pytest.mark.parametrize("fs", [1, 16, 37])
+@pytest.mark.parametrize("fs", [1, 16, 17])
 def test_lookup_equals_torch_embedding_bag(m, fs):
     torch = pytest.importorskip("torch")
     n, rng = 300, np.random.default_rng(fs)

@@ -465,15 +465,7 @@ def lookup_sum(table, indices, offsets, out=None, *, name="table", check=True):
     Without ``out`` there are ``len(offsets)`` bags, so pass ``out`` when ``offsets`` ends with
     ``len(indices)``."""
     _check_table(table, name)
-    nbags = _nbags_of(out, offsets)
-    idx = _indices(indices, table.shape[0], name, check)
-    off = _offsets(offsets, idx.shape[0], nbags, name, check)
-    out, flat, stride, scratch = _output(out, nbags, table.shape[1], table.dtype, name)
-    if nbags and table.shape[1]:
-        _pick("bag_sum", table.shape[1])(table, table, None, idx, off, nbags, flat, stride, 0)
-    if scratch is not None:
-        out[...] = scratch
-    return out
+    return _lookup_bags(table, table, None, indices, offsets, out, name, check)
 
 
 def lookup_sum_indirect(base, cache, where, indices, offsets, out=None, *, name="table",
@@ -483,10 +475,16 @@ def lookup_sum_indirect(base, cache, where, indices, offsets, out=None, *, name=
     ``check=False`` trusts indices, offsets and ``where`` (a table that keeps them valid)."""
     _check_table(base, name, "base")
     _check_table(cache, name, "cache")
+    return _lookup_bags(base, cache, where, indices, offsets, out, name, check)
+
+
+def _lookup_bags(base, cache, where, indices, offsets, out, name, check):
+    """The bag sums of ``lookup_sum`` (``where=None``, ``cache=base``) and ``lookup_sum_indirect``."""
     nbags = _nbags_of(out, offsets)
     idx = _indices(indices, base.shape[0], name, check)
     off = _offsets(offsets, idx.shape[0], nbags, name, check)
-    where = _check_where(where, base, cache, idx, name, check)
+    if where is not None:
+        where = _check_where(where, base, cache, idx, name, check)
     out, flat, stride, scratch = _output(out, nbags, base.shape[1], base.dtype, name)
     if nbags and base.shape[1]:
         _pick("bag_sum", base.shape[1])(base, cache, where, idx, off, nbags, flat, stride, 0)
