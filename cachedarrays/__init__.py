@@ -5,7 +5,7 @@ memory or a file-backed mapping); a pluggable policy decides where, and moves wh
 """
 
 from . import errors
-from .array import CachedArray, check_dtype, implements, readable, writable
+from .array import CachedArray, access, check_dtype, implements, readable, writable
 from .annotations import (annotate, arrays_in, cleanup, evict, in_fast, noescape, onobjects,
                           prefetch, preserve, softevict, unsafe_free)
 from .creation import (array, asarray, empty, empty_like, full, full_like, ones, ones_like,
@@ -24,7 +24,7 @@ __all__ = [
     "CachedArray", "Manager", "Object", "Region", "Device", "DRAM", "SlowDevice",
     "asarray", "array", "empty", "zeros", "ones", "full",
     "empty_like", "zeros_like", "ones_like", "full_like",
-    "readable", "writable", "prefetch", "evict", "softevict", "in_fast", "unsafe_free",
+    "readable", "writable", "access", "prefetch", "evict", "softevict", "in_fast", "unsafe_free",
     "onobjects", "arrays_in", "preserve", "cleanup", "noescape", "annotate",
     "default_manager", "set_default_manager", "policies", "policy_names", "register_policy",
     "check_dtype", "implements", "parse_size", "format_size", "errors",

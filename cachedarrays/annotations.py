@@ -52,7 +52,7 @@ def onobjects(fn, *xs):
             continue
         seen.add(key)
         if isinstance(x, (list, tuple)):
-            stack.extend(reversed(x))
+            stack.extend([y for y in reversed(x) if not isinstance(y, _LEAVES)])
         elif isinstance(x, (set, frozenset)):
             stack.extend(x)
         elif isinstance(x, dict):
@@ -185,7 +185,8 @@ def noescape(fn):
             result = fn(*args, **kwargs)
         finally:
             pop_scope(rec)
-        if rec:
+        # Only a temporary still alive after the call needs the reachability walk.
+        if any((o := ref()) is not None and not o.freed for ref in rec):
             keep = preserve(result, args, kwargs)
             for ref in rec:
                 obj = ref()

@@ -599,6 +599,13 @@ def _first_manager(seq):
 
 def _acquire_grouped(reads, writes):
     """Pin objects that may belong to several managers; returns the release list."""
+    objs = reads + writes if isinstance(reads, list) and isinstance(writes, list) else \
+        list(reads) + list(writes)
+    if objs:
+        m = objs[0]._manager()
+        if all(o._manager() is m for o in objs):
+            m.acquire(reads, writes)
+            return [(m, objs)]
     groups = {}
     for o in reads:
         groups.setdefault(o._manager(), ([], []))[0].append(o)
@@ -894,3 +901,36 @@ def readable(x):
 def writable(x):
     """``with writable(x) as a``: a writable ndarray view of x, pinned; marks x dirty."""
     return _Scope(x, True)
+
+
+class access:
+    """``with ca.access(reads, writes) as views``: pinned ndarray views of several arrays.
+
+    One pin and one use report per array (reads as ``read_use``, writes as ``write_use``, which
+    marks them dirty), taken together; ``views`` lists the read views then the write views,
+    with None passed through for None entries. Read views are read-only. Arrays may belong to
+    different managers; an array may appear in both lists.
+    """
+
+    __slots__ = ("reads", "writes", "done")
+
+    def __init__(self, reads=(), writes=()):
+        for a in (*reads, *writes):
+            if a is not None and not isinstance(a, CachedArray):
+                raise TypeError(f"ca.access takes CachedArrays (or None), got {type(a).__name__}")
+        self.reads, self.writes = reads, writes
+        self.done = None
+
+    def __enter__(self):
+        r = [a._obj for a in self.reads if a is not None]
+        w = [a._obj for a in self.writes if a is not None]
+        self.done = _acquire_grouped(r, w)
+        try:
+            return [None if a is None else a._view(readonly=True) for a in self.reads] + \
+                [None if a is None else a._view() for a in self.writes]
+        except BaseException:
+            _release_grouped(self.done)
+            raise
+
+    def __exit__(self, *exc):
+        _release_grouped(self.done)

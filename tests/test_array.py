@@ -448,3 +448,21 @@ def test_matmul_shapes_write_into_a_new_array(m, sa, sb):
     same(np.matmul(x, b), np.matmul(a, b))
     with pytest.raises(ValueError):
         x @ ca.asarray(RNG.random((7, 2)), manager=m)
+
+
+def test_access_pins_several_arrays_and_reports_uses(m):
+    x = ca.ones(4, manager=m)
+    y = ca.zeros(4, manager=m)
+    other = ca.Manager(fast="1MiB", slow="4MiB")
+    z = ca.ones(4, manager=other)
+    y.object.primary.dirty = False
+    with ca.access((x, None, z), (y,)) as (xv, none, zv, yv):
+        assert none is None and not xv.flags.writeable and yv.flags.writeable
+        assert x.object.pins == y.object.pins == z.object.pins == 1
+        yv[:] = xv + zv
+    assert x.object.pins == y.object.pins == z.object.pins == 0
+    assert y.object.primary.dirty
+    same(y, np.full(4, 2.0))
+    with pytest.raises(TypeError, match="CachedArrays"):
+        ca.access((np.ones(3),), ())
+    other.close()

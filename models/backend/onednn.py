@@ -7,7 +7,10 @@ C-contiguous, in plain layouts (nchw / oihw / nc / oi / x). Convolutions (oneDNN
 batch norm with >= 16 channels (nChw16c) by default run in blocked layouts, reordering to and
 from them around each call, which is faster despite the copies; those internal tensors and
 all scratchpads live in library-owned grow-only buffers (see ``buffer_bytes``), guarded by the
-module's execution lock, so nothing of the caller's is retained.
+module's execution lock, so nothing of the caller's is retained. Exceptions: 1x1
+convolutions with >= 64 output pixels run in plain layouts (``PLAIN_1X1_MIN_PIXELS``); training batch
+norm runs as numba kernels on NCHW directly (``set_numba_batchnorm``; inference batch norm stays
+oneDNN's); ``sgd_update`` is a threaded numba pass, bitwise NumPy's float32 result (``_sgd``).
 """
 
 from __future__ import annotations
@@ -36,6 +39,12 @@ _lib = api.load_library()
 _F32 = {"dtypes": (np.dtype(np.float32),), "contiguous": True}
 _NULL = ffi.NULL
 _CACHE_LIMIT = 2048
+
+_set_handle = _lib.dnnl_memory_set_data_handle
+_primitive_execute = _lib.dnnl_primitive_execute
+_stream_wait = _lib.dnnl_stream_wait
+_from_buffer = ffi.from_buffer
+_SUCCESS = api.SUCCESS
 
 _lock = threading.RLock()
 _cache: "collections.OrderedDict[tuple, _Primitive]" = collections.OrderedDict()
@@ -254,18 +263,24 @@ class _Primitive:
 
     def _execute(self, arrays):
         """Bind each array (in arg_ids order) to its memory object and execute synchronously."""
+        # The hot path of every kernel: bound C functions and ffi.from_buffer (the address of a
+        # C-contiguous array's first byte; ~7x cheaper than going through __array_interface__).
         with _lock:
             for mem, a, nbytes, arg in zip(self.mems, arrays, self.nbytes, self.arg_ids):
                 if a.nbytes != nbytes:
                     raise ValueError(f"{self.label}: argument {arg} has {a.nbytes} bytes (shape {a.shape}), "
                                      f"the primitive expects {nbytes}")
-                api.check(_lib, "dnnl_memory_set_data_handle", mem,
-                          ffi.cast("void *", a.__array_interface__["data"][0]))
+                status = _set_handle(mem, _from_buffer(a))
+                if status != _SUCCESS:
+                    raise OneDNNError("dnnl_memory_set_data_handle", status, self.label)
             if self.scratch_mem is not None:
                 api.check(_lib, "dnnl_memory_set_data_handle", self.scratch_mem, _scratchpad(self.scratch_bytes))
-            api.check(_lib, "dnnl_primitive_execute", self.prim, _stream, len(self.exec_args), self.exec_args,
-                      detail=self.label)
-            api.check(_lib, "dnnl_stream_wait", _stream)
+            status = _primitive_execute(self.prim, _stream, len(self.exec_args), self.exec_args)
+            if status != _SUCCESS:
+                raise OneDNNError("dnnl_primitive_execute", status, self.label)
+            status = _stream_wait(_stream)
+            if status != _SUCCESS:
+                raise OneDNNError("dnnl_stream_wait", status, self.label)
 
 
 def impl_info_of(pd) -> str:
@@ -322,18 +337,38 @@ def _conv_geometry(stride, pad, op):
     return st, pd
 
 
-def _conv_mds(*shapes):
-    """(primitive mds, user mds): `any` layouts when blocked convolution layouts are enabled."""
-    user = [_md(s) for s in shapes]
-    return ([_md(s, api.TAG_ANY) for s in shapes] if _blocked else user), user
+# 1x1 convolutions with at least this many output pixels (P*Q) run in plain layouts even when
+# blocked layouts are on: there oneDNN's GEMM-based plain kernels beat the blocked ones plus the
+# reorders of src, weights and dst (measured on ResNet-50's 16x16 and 8x8 bottleneck 1x1
+# convolutions, 2 threads, AVX-512: ~11 ms of a 260 ms step). 0 disables the rule.
+PLAIN_1X1_MIN_PIXELS = 64
+
+
+def _conv_blocked(xs, ws, st):
+    """True when this convolution runs in oneDNN-chosen (`any`, usually blocked) layouts."""
+    if not _blocked:
+        return False
+    if PLAIN_1X1_MIN_PIXELS and tuple(ws[2:]) == (1, 1):
+        p, q = (xs[2] - 1) // st[0] + 1, (xs[3] - 1) // st[1] + 1      # output pixels
+        if p * q >= PLAIN_1X1_MIN_PIXELS:
+            return False
+    return True
+
+
+def _conv_mds(xs, ws, ys, st):
+    """(primitive mds, user mds): `any` layouts when this convolution runs blocked."""
+    user = [_md(s) for s in (xs, ws, ys)]
+    if not _conv_blocked(xs, ws, st):
+        return user, user
+    return [_md(s, api.TAG_ANY) for s in (xs, ws, ys)], user
 
 
 def _conv_fwd(xs, ws, has_bias, st, pd):
-    key = ("conv_fwd", xs, ws, has_bias, st, pd, _blocked)
+    key = ("conv_fwd", xs, ws, has_bias, st, pd, _blocked, PLAIN_1X1_MIN_PIXELS)
 
     def build():
         os_ = ck.conv2d_output_shape(xs, ws, st, pd)
-        (src, wei, dst), user = _conv_mds(xs, ws, os_)
+        (src, wei, dst), user = _conv_mds(xs, ws, os_, st)
         bias = _md((ws[0],)) if has_bias else _NULL
         desc = _create_pd("dnnl_convolution_forward_primitive_desc_create", _engine, api.FORWARD_TRAINING,
                           api.CONVOLUTION_DIRECT, src, wei, bias, dst,
@@ -364,11 +399,11 @@ def conv2d_backward_data(dy, w, stride, pad, dx):
     ck.check_conv_backward_data(op, dy, w, stride, pad, dx, **_F32)
     st, pd = _conv_geometry(stride, pad, op)
     xs, ws = dx.shape, w.shape
-    key = ("conv_bwd_data", xs, ws, st, pd, _blocked)
+    key = ("conv_bwd_data", xs, ws, st, pd, _blocked, PLAIN_1X1_MIN_PIXELS)
 
     def build():
         hint = _conv_fwd(xs, ws, False, st, pd).pd
-        (dsrc, wei, ddst), user = _conv_mds(xs, ws, dy.shape)
+        (dsrc, wei, ddst), user = _conv_mds(xs, ws, dy.shape, st)
         desc = _create_pd("dnnl_convolution_backward_data_primitive_desc_create", _engine,
                           api.CONVOLUTION_DIRECT, dsrc, wei, ddst,
                           _dims(st), _dims((0, 0)), _dims(pd), _dims(pd), hint, _attr,
@@ -387,11 +422,11 @@ def conv2d_backward_weights(x, dy, stride, pad, dw, db):
     ck.check_conv_backward_weights(op, x, dy, stride, pad, dw, db, **_F32)
     st, pd = _conv_geometry(stride, pad, op)
     xs, ws, has_bias = x.shape, dw.shape, db is not None
-    key = ("conv_bwd_weights", xs, ws, has_bias, st, pd, _blocked)
+    key = ("conv_bwd_weights", xs, ws, has_bias, st, pd, _blocked, PLAIN_1X1_MIN_PIXELS)
 
     def build():
         hint = _conv_fwd(xs, ws, has_bias, st, pd).pd
-        (src, dwei, ddst), user = _conv_mds(xs, ws, dy.shape)
+        (src, dwei, ddst), user = _conv_mds(xs, ws, dy.shape, st)
         bias = _md((ws[0],)) if has_bias else _NULL
         desc = _create_pd("dnnl_convolution_backward_weights_primitive_desc_create", _engine,
                           api.CONVOLUTION_DIRECT, src, dwei, bias, ddst,

@@ -81,6 +81,10 @@ class Session:
     gradient is computed (``train_step`` sets it for the duration of a fused step).
     """
 
+    # Holds no arrays of its own: the annotation walkers (which meet the session in every
+    # pullback closure) need not look inside it.
+    __ca_leaf__ = True
+
     def __init__(self, manager, backend="numpy", annotations=True, tracer=None, dtype=F32):
         # The annotation walkers visit closures that capture the session; they stop at the
         # manager (it declares itself a leaf), so holding it here costs nothing.
@@ -145,34 +149,15 @@ class Session:
         ann = self.annotations
         if ann and self._prefetches:
             ca.prefetch(reads, writes, force=True)
-        scopes = []
-        views = []
-        try:
-            for a in reads:
-                if a is None:
-                    views.append(None)
-                    continue
-                s = ca.readable(a)
-                views.append(s.__enter__())
-                scopes.append(s)
-            nr = len(views)
-            for a in writes:
-                if a is None:
-                    views.append(None)
-                    continue
-                s = ca.writable(a)
-                views.append(s.__enter__())
-                scopes.append(s)
+        with ca.access(reads, writes) as views:
             tr = self.tracer
             if tr is None:
                 result = fn(*views)
             else:
+                nr = len(reads)
                 t0 = _perf()
                 result = fn(*views)
                 tr.record(name, reads, writes, views[:nr], views[nr:], _perf() - t0)
-        finally:
-            for s in reversed(scopes):
-                s.__exit__(None, None, None)
         if ann and self._softevicts:
             ca.softevict(reads)
         return result
