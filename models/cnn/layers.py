@@ -43,18 +43,9 @@ def _window_shape(name, in_shape, channels, kernel, stride, pad):
     return (n, channels, (h + 2 * ph - kh) // sh + 1, (w + 2 * pw - kw) // sw + 1)
 
 
-class Conv2d(Unit):
-    """2-d convolution (NCHW, KCRS weights), optional fused bias; He-normal initialisation."""
-
-    def __init__(self, name, in_shape, out_channels, kernel, stride=1, pad=0, bias=False,
-                 need_dx=True):
-        self.name, self.in_shape = name, tuple(in_shape)
-        self.stride, self.pad = _pair(stride), _pair(pad)
-        kh, kw = _pair(kernel)
-        self.w_shape = (int(out_channels), self.in_shape[1], kh, kw)
-        self.out_shape = _window_shape(name, self.in_shape, int(out_channels), kernel, stride, pad)
-        self.has_bias, self.need_dx = bool(bias), bool(need_dx)
-        self.w = self.b = None
+class _Weighted(Unit):
+    """A unit with a weight ``w`` (He-initialised, fan-in = the product of w's trailing dims)
+    and an optional bias ``b``."""
 
     def init(self, s, rng):
         fan_in = math.prod(self.w_shape[1:])
@@ -68,6 +59,21 @@ class Conv2d(Unit):
 
     def activation_bytes(self):
         return _nbytes(self.out_shape)
+
+
+class Conv2d(_Weighted):
+    """2-d convolution (NCHW, KCRS weights), optional fused bias; He-normal initialisation."""
+
+    def __init__(self, name, in_shape, out_channels, kernel, stride=1, pad=0, bias=False,
+                 need_dx=True):
+        self.name, self.in_shape = name, tuple(in_shape)
+        self.stride, self.pad = _pair(stride), _pair(pad)
+        kh, kw = _pair(kernel)
+        self.w_shape = (int(out_channels), self.in_shape[1], kh, kw)
+        self.out_shape = _window_shape(name, self.in_shape, int(out_channels), kernel, stride, pad)
+        self.has_bias, self.need_dx = bool(bias), bool(need_dx)
+        self.w = self.b = None
+
 
     def forward(self, s, x):
         self.check_input(x)
@@ -263,7 +269,7 @@ class Flatten(Unit):
         return x.reshape(self.out_shape), pullback
 
 
-class Dense(Unit):
+class Dense(_Weighted):
     """Fully connected layer y = x @ w.T + b with w (out, in)."""
 
     def __init__(self, name, in_shape, out_features, bias=True, need_dx=True):
@@ -275,17 +281,6 @@ class Dense(Unit):
         self.has_bias, self.need_dx = bool(bias), bool(need_dx)
         self.w = self.b = None
 
-    def init(self, s, rng):
-        w = rng.standard_normal(self.w_shape, dtype=F32) * np.float32(math.sqrt(2.0 / self.w_shape[1]))
-        self.w = s.param(f"{self.name}.w", w)
-        if self.has_bias:
-            self.b = s.param(f"{self.name}.b", np.zeros(self.w_shape[0], F32))
-
-    def param_count(self):
-        return math.prod(self.w_shape) + (self.w_shape[0] if self.has_bias else 0)
-
-    def activation_bytes(self):
-        return _nbytes(self.out_shape)
 
     def forward(self, s, x):
         self.check_input(x)
