@@ -771,21 +771,16 @@ def _array_ufunc(ufunc, method, inputs, kwargs):
             return res
     out = kwargs.pop("out", None)
     for x in inputs + (out or ()):
-        if not isinstance(x, _HANDLED_TYPES) and x is not None:
-            if getattr(type(x), "__array_ufunc__", None) is not None or \
-                    hasattr(type(x), "__array_ufunc__"):
-                return NotImplemented
+        if x is not None and not isinstance(x, _HANDLED_TYPES) and \
+                hasattr(type(x), "__array_ufunc__"):
+            return NotImplemented                # a foreign array type NumPy should try next
     reads = [x._obj for x in inputs if isinstance(x, CachedArray)]
     writes = [o._obj for o in (out or ()) if isinstance(o, CachedArray)]
     if method == "at" and isinstance(inputs[0], CachedArray):
         reads.remove(inputs[0]._obj)
         writes.append(inputs[0]._obj)
     m = _first_manager(inputs) or _first_manager(out or ())
-    if len(reads) + len(writes) <= 1 or (not writes and all(o._manager() is m for o in reads)):
-        m.acquire(reads, writes)
-        done = [(m, reads + writes)]
-    else:
-        done = _acquire_grouped(reads, writes)
+    done = _acquire_grouped(reads, writes)
     try:
         args = tuple(x._view() if isinstance(x, CachedArray) else x
                      for x in inputs)
