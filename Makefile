@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install clean bench
+.PHONY: demo test stress install clean bench
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +21,12 @@ demo: install
 
 test: install
 	$(PY) -m pytest tests
+
+# Long randomized runs (not part of `make test`): STRESS_STEPS steps and STRESS_MINUTES at least.
+STRESS_STEPS ?= 100000
+STRESS_MINUTES ?= 5
+stress: install
+	$(PY) tests/stress.py --steps $(STRESS_STEPS) --minutes $(STRESS_MINUTES)
 
 clean:
 	rm -rf build *.egg-info cachedarrays/_native*.so native/_native.c

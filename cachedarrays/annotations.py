@@ -1,182 +1,344 @@
 """Annotations: tell the policy what the application knows (dissertation §4.5, Listings 4.6–4.8).
 
 ``prefetch``, ``evict``, ``softevict`` and ``unsafe_free`` accept arrays or anything holding
-arrays (containers, dataclasses, objects, closures); ``preserve``/``cleanup`` free what a
-backward pass no longer needs; ``noescape`` frees temporaries that do not escape a call; and
-``annotate`` wraps a layer's call method with all of these.
+arrays (containers, dataclasses, objects, closures) and raise ``UseAfterFreeError`` for a freed
+array among them; ``preserve``/``cleanup`` free what a backward pass no longer needs;
+``noescape`` frees temporaries that do not escape a call; and ``annotate`` wraps a layer's call
+method with all of these. ``cleanup`` and ``noescape`` never free an array that something
+outside what they walk still refers to: CPython's reference counts tell.
 """
 
-import dataclasses
 import functools
+import gc
+import sys
 import types
 
 import numpy as np
 
 from .array import CachedArray, pop_scope, push_scope
+from .errors import UseAfterFreeError
+from .sizes import format_size
 
 _LEAVES = (str, bytes, bytearray, int, float, complex, bool, type(None), np.ndarray, np.generic,
            type, types.ModuleType, range, slice)
 
 
-def onobjects(fn, *xs):
-    """Call fn(array) once per distinct object reachable from xs; returns how many were found.
+def _walk(xs, found, containers=None):
+    """Walk everything reachable from xs (see onobjects), each container once.
 
-    Walks tuples, lists, sets, dicts, dataclasses, objects' attributes (``__dict__`` and
-    ``__slots__``), bound methods, functools.partial and closures' captured cells. Cycles are
-    visited once. Globals of functions are never walked, nor classes that set
-    ``__ca_leaf__ = True`` (managers, devices, policies: they hold no arrays of their own).
+    Without ``containers``: ``found[id(obj)]`` = the first CachedArray found on each object.
+    With it (for cleanup): ``found[id(a)] = [a, n]`` for every CachedArray found, n the
+    references to it the walk met: slots of xs and of the walked containers (list items, dict
+    values, closure cells, attributes); ``containers`` gets the same for every container that
+    holds anything to walk. Each reference is counted at most once (cells are containers of
+    their own, as closures may share them), so n never exceeds the references that exist.
     """
-    found = {}
-    if all(type(x) is CachedArray for x in xs):          # the common case: just arrays
-        for x in xs:
-            if id(x._obj) not in found and not x._obj.freed:
-                found[id(x._obj)] = x
-        for arr in found.values():
-            fn(arr)
-        return len(found)
     seen = set()
+    bare = []                   # containers holding nothing to walk: their counts do not matter
     stack = list(reversed(xs))
     # An explicit stack rather than a recursive closure: a closure that refers to itself is a
     # reference cycle, which would keep the arrays it saw alive until the cyclic collector ran.
     while stack:
         x = stack.pop()
-        if isinstance(x, CachedArray):
-            oid = id(x._obj)
-            if oid not in found and not x._obj.freed:
-                found[oid] = x
-            continue
-        if isinstance(x, _LEAVES) or getattr(type(x), "__ca_leaf__", False):
-            continue
+        t = type(x)
+        if t not in _PLAIN:             # the common containers need none of these checks
+            if isinstance(x, CachedArray):
+                if containers is None:
+                    if id(x._obj) not in found:
+                        found[id(x._obj)] = x
+                else:
+                    e = found.get(id(x))
+                    if e is None:
+                        found[id(x)] = [x, 1]
+                    else:
+                        e[1] += 1
+                continue
+            if isinstance(x, _LEAVES) or getattr(t, "__ca_leaf__", False):
+                continue
         key = id(x)
+        if containers is not None:
+            e = containers.get(key)
+            if e is None:
+                containers[key] = [x, 1]
+            else:
+                e[1] += 1
         if key in seen:
             continue
         seen.add(key)
-        if isinstance(x, (list, tuple)):
-            stack.extend([y for y in reversed(x) if not isinstance(y, _LEAVES)])
+        if t is types.FunctionType:
+            if x.__kwdefaults__:
+                stack.append(x.__kwdefaults__)
+            if x.__defaults__:
+                stack.append(x.__defaults__)
+            for cell in reversed(x.__closure__ or ()):
+                # A cell is a container of its own (closures may share one): count it, and
+                # follow it once, here as when met on the stack.
+                key = id(cell)
+                if containers is not None:
+                    e = containers.get(key)
+                    if e is None:
+                        containers[key] = [cell, 1]
+                    else:
+                        e[1] += 1
+                if key in seen:
+                    continue
+                seen.add(key)
+                try:
+                    stack.append(cell.cell_contents)
+                except ValueError:      # empty cell
+                    pass
+        elif isinstance(x, (list, tuple, dict)):
+            items = [y for y in reversed(x.values() if isinstance(x, dict) else x)
+                     if not isinstance(y, _LEAVES)]
+            if items:
+                stack.extend(items)
+            elif containers is not None:
+                bare.append(key)
+        elif t is types.CellType:
+            try:
+                stack.append(x.cell_contents)
+            except ValueError:      # empty cell
+                pass
         elif isinstance(x, (set, frozenset)):
             stack.extend(x)
-        elif isinstance(x, dict):
-            stack.extend(reversed(list(x.values())))
         elif isinstance(x, types.MethodType):
             stack.append(x.__func__)
             stack.append(x.__self__)
         elif isinstance(x, functools.partial):
             stack.extend((x.keywords, x.args, x.func))
-        elif isinstance(x, types.FunctionType):
-            if x.__defaults__:
-                stack.append(x.__defaults__)
-            for cell in reversed(x.__closure__ or ()):
-                try:
-                    stack.append(cell.cell_contents)
-                except ValueError:      # empty cell
-                    pass
         elif isinstance(x, (types.BuiltinFunctionType, types.GeneratorType)):
             continue
         else:
-            if dataclasses.is_dataclass(x):
-                stack.extend(getattr(x, f.name, None) for f in dataclasses.fields(x))
-            d = getattr(x, "__dict__", None)
-            if isinstance(d, dict):
-                stack.append(d)
-            for cls in type(x).__mro__:
-                for name in getattr(cls, "__slots__", ()):
-                    if name not in ("__dict__", "__weakref__"):
-                        try:
-                            stack.append(getattr(x, name))
-                        except AttributeError:
-                            pass
-    for arr in found.values():
-        fn(arr)
-    return len(found)
+            # Instance attributes live in __dict__ or in slots (dataclasses included); a slot
+            # is read through its own descriptor, so a property of the same name is not
+            # mistaken for it.
+            if t.__dictoffset__:
+                d = getattr(x, "__dict__", None)
+                if type(d) is dict:
+                    stack.append(d)
+            for descr in _slots(t):
+                try:
+                    stack.append(descr.__get__(x, t))
+                except AttributeError:      # an unset slot
+                    pass
+    for key in bare:
+        del containers[key]
 
 
-def arrays_in(*xs):
-    """One CachedArray per distinct object reachable from xs."""
+_PLAIN = frozenset((list, tuple, dict, types.FunctionType, types.CellType))
+
+
+@functools.lru_cache(maxsize=512)
+def _slots(cls):
+    """The slot descriptors of cls and its bases, cached per class (a subclass may hide a base's
+    slot of the same name: each is a slot of its own)."""
     out = []
-    onobjects(out.append, *xs)
+    for c in cls.__mro__:
+        slots = c.__dict__.get("__slots__", ())
+        for name in (slots,) if isinstance(slots, str) else slots:
+            if name.startswith("__") and not name.endswith("__"):
+                name = f"_{c.__name__.lstrip('_')}{name}"      # name mangling
+            descr = c.__dict__.get(name)
+            if type(descr) is types.MemberDescriptorType:
+                out.append(descr)
+    return tuple(out)
+
+
+def _freed_error(op, a):
+    obj = a._obj
+    fix = ("cannot be freed twice" if op == "unsafe_free" else
+           "has no data left to move or locate")
+    return UseAfterFreeError(
+        f"ca.{op}: CachedArray of shape {a._shape} and dtype {a._dtype} (object {obj.id}, "
+        f"{format_size(obj.nbytes)}) was already freed and {fix}; drop references to an "
+        "array (and its views) once it is freed")
+
+
+def _live_arrays(xs, op=None):
+    """One CachedArray per distinct object reachable from xs, in the order found.
+
+    Freed arrays are skipped, or raise UseAfterFreeError naming the annotation ``op`` if given.
+    """
+    found = {}
+    if all(type(x) is CachedArray for x in xs):          # the common case: just arrays
+        for x in xs:
+            if id(x._obj) not in found:
+                found[id(x._obj)] = x
+    else:
+        _walk(xs, found)
+    out = []
+    for x in found.values():
+        if x._obj.freed:
+            if op is not None:
+                raise _freed_error(op, x)
+            continue
+        out.append(x)
     return out
 
 
-def _policy_call(name, arr, *args):
-    m = arr.manager
-    with m._lock:
-        if arr._obj.freed:
-            return None
-        return getattr(m.policy, name)(arr._obj, *args)
+def onobjects(fn, *xs):
+    """Call fn(array) once per distinct live object reachable from xs; returns how many were found.
+
+    Walks tuples, lists, sets, dicts, objects' attributes (``__dict__`` and ``__slots__``, so
+    dataclasses too), bound methods, functools.partial and closures' captured cells. Cycles are
+    visited once; freed arrays are skipped. Globals of functions are never walked, nor classes
+    that set ``__ca_leaf__ = True`` (managers, devices, policies: they hold no arrays of their own).
+    """
+    arrays = _live_arrays(xs)
+    for arr in arrays:
+        fn(arr)
+    return len(arrays)
 
 
-def _prefetch_one(arr, force):
+def arrays_in(*xs):
+    """One CachedArray per distinct live object reachable from xs."""
+    return _live_arrays(xs)
+
+
+def _policy_call(op, arr, strict, *args):
     m = arr._m
     obj = arr._obj
     with m._lock:
-        if obj.freed:
+        if obj.freed:                    # freed by another thread since the walk
+            if strict:
+                raise _freed_error(op, arr)
             return None
-        r = obj.primary
-        if r is not None and r.device is m.fast:       # already there: only a use
-            m.policy.read_use(obj)
-            return True
-        return m.policy.prefetch(obj, force)
+        if op == "prefetch":
+            r = obj.primary
+            if r is not None and r.device is m.fast:       # already there: only a use
+                m.policy.read_use(obj)
+                return True
+        return getattr(m.policy, op)(obj, *args)
+
+
+def _each(op, xs, strict, *args):
+    """Call the policy's ``op`` on every live object reachable from xs. strict: a freed array
+    raises UseAfterFreeError (the user calls); else freed arrays are skipped (annotate's own)."""
+    for a in _live_arrays(xs, op if strict else None):
+        _policy_call(op, a, strict, *args)
 
 
 def prefetch(*xs, force=False):
-    """Ask the policy to move every array in xs into fast memory (force: evict to make room)."""
-    onobjects(lambda a: _prefetch_one(a, force), *xs)
+    """Ask the policy to move every array in xs into fast memory (force: evict to make room).
+
+    A freed array in xs, passed directly or found inside a container, raises UseAfterFreeError;
+    so do evict, softevict and unsafe_free.
+    """
+    _each("prefetch", xs, True, force)
 
 
 def evict(*xs):
     """Ask the policy to move every array in xs to slow memory now."""
-    onobjects(lambda a: _policy_call("evict", a), *xs)
+    _each("evict", xs, True)
 
 
 def softevict(*xs):
     """Mark every array in xs as the first to evict when fast memory runs short."""
-    onobjects(lambda a: _policy_call("softevict", a), *xs)
+    _each("softevict", xs, True)
 
 
 def in_fast(x):
-    """True if x's newest data is in fast memory."""
+    """True if x's newest data is in fast memory (UseAfterFreeError if x was freed)."""
+    if x._obj.freed:
+        raise _freed_error("in_fast", x)
     return x.manager.policy.in_fast(x._obj)
 
 
 def unsafe_free(*xs):
-    """Free every array in xs now; later use of them (or their views) raises."""
-    onobjects(lambda a: _policy_call("unsafe_free", a), *xs)
+    """Free every array in xs now; later use of them (or their views) raises, and so does
+    freeing one again."""
+    _each("unsafe_free", xs, True)
 
 
 def preserve(*xs):
     """The set of objects reachable from xs, to pass as ``keep`` to cleanup."""
-    keep = set()
-    onobjects(lambda a: keep.add(a._obj.id), *xs)
-    return keep
+    return {a._obj.id for a in _live_arrays(xs)}
+
+
+# References to ``e[0]`` that ``sys.getrefcount(e[0]) - e[1]`` counts beyond the e[1] known
+# ones when only the list e holds it (the list's slot and the call's argument); measured once,
+# so that the accounting holds whatever the interpreter's calling convention.
+_probe = [object(), 0]
+_OWN_REFS = sys.getrefcount(_probe[0]) - _probe[1]
+del _probe
 
 
 def cleanup(x, keep=()):
-    """Free every array reachable from x except those in keep (a preserve() set or arrays).
+    """Free every array reachable from x, except those in keep (a preserve() set or arrays), that
+    nothing outside x refers to.
 
-    Does nothing when the policy's cleanup switch is off. Pinned arrays are left alone.
-    Returns the number of arrays freed.
+    x is what the caller is done with, e.g. ``(y, dy, pullback)`` once the pullback has run: x
+    and, when x is a tuple, list or dict, its items may be held elsewhere. An array stays when
+    anything else refers to it or to its memory: a variable, a global, a live object, a view,
+    or a container deeper inside x (a closure's cell, a captured list, an object) that something
+    outside x also holds (an array passed as x itself is the caller's, so it stays: free that
+    with unsafe_free). Already freed and pinned arrays are left alone; nothing is freed when
+    the policy's cleanup switch is off. Returns the number of arrays freed.
     """
     keep_ids = keep if isinstance(keep, set) else preserve(keep)
-    freed = [0]
+    return _free_unreferenced(x, keep_ids)
 
-    def maybe_free(a):
-        obj = a._obj
-        m = a.manager
-        if obj.id in keep_ids or not getattr(m.policy, "allows_cleanup", True):
-            return
+
+def _free_unreferenced(x, keep_ids):
+    roots = (x,)                        # alive until the counts are checked, as they include it
+    arrays, containers = {}, {}
+    _walk(roots, arrays, containers)
+    base = _OWN_REFS
+    # An object may go only if every CachedArray on it (views included) was found, and no
+    # reference to any of them, or to the object itself, comes from outside the walk.
+    blocked = set(keep_ids)
+    objects = {}
+    for e in arrays.values():
+        oid = e[0]._obj.id
+        if sys.getrefcount(e[0]) - e[1] != base:
+            blocked.add(oid)
+        o = objects.get(oid)
+        if o is None:
+            objects[oid] = [e[0]._obj, 1]
+        else:
+            o[1] += 1
+    arrays.clear()
+    candidates = [o for oid, o in objects.items()
+                  if oid not in blocked and sys.getrefcount(o[0]) - o[1] == base]
+    objects.clear()
+    reached = set()
+    if candidates:
+        # A container deeper inside x that something else also refers to exposes all it
+        # reaches; x and, for a tuple, list or dict, its items are what the caller is done with.
+        named = {id(x)}
+        if isinstance(x, (tuple, list)):
+            named.update(id(i) for i in x)
+        elif isinstance(x, dict):
+            named.update(id(i) for i in x.values())
+        exposed = [e[0] for k, e in containers.items()
+                   if k not in named and sys.getrefcount(e[0]) - e[1] != base]
+        containers.clear()
+        if exposed:
+            reached = preserve(*exposed)
+        del exposed
+    freed = 0
+    for o in candidates:
+        obj = o[0]
+        if obj.id in reached:
+            continue
+        m = obj._manager()
+        if m is None or not getattr(m.policy, "allows_cleanup", True):
+            continue
         with m._lock:
             if not obj.freed and not obj.pins:
                 m.policy.unsafe_free(obj)
-                freed[0] += 1
-
-    onobjects(maybe_free, x)
-    return freed[0]
+                freed += 1
+    return freed
 
 
 def noescape(fn):
-    """Decorator: free arrays allocated during the call that neither result nor args reach.
+    """Decorator: free what the call allocated that neither its result nor its arguments reach.
 
-    Only allocations made by the calling thread count, so other threads are never affected.
+    CPython frees such a temporary as soon as nothing refers to it. One that outlives the call
+    stays if something still refers to it (a global, a cache, an object the caller holds); one
+    that only a reference cycle keeps alive goes in a collection of the young generations
+    (``gc.collect(1)``), run only when such a survivor exists. Only allocations made by the
+    calling thread count, so other threads are never affected.
     """
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -185,21 +347,23 @@ def noescape(fn):
             result = fn(*args, **kwargs)
         finally:
             pop_scope(rec)
-        # Only a temporary still alive after the call needs the reachability walk.
-        if any((o := ref()) is not None and not o.freed for ref in rec):
-            keep = preserve(result, args, kwargs)
-            for ref in rec:
-                obj = ref()
-                if obj is None or obj.freed or obj.id in keep or obj.pins:
-                    continue
-                m = obj._manager()
-                if m is None or not getattr(m.policy, "allows_cleanup", True):
-                    continue
-                with m._lock:
-                    if not obj.freed and not obj.pins:
-                        m.policy.unsafe_free(obj)
+        if rec and _unexplained_survivor(rec, result, args, kwargs):
+            gc.collect(1)
         return result
     return wrapper
+
+
+def _unexplained_survivor(rec, *xs):
+    """True if an object recorded in rec is alive, under a policy that allows cleanup, and not
+    reachable from xs."""
+    alive = set()
+    for ref in rec:
+        obj = ref()
+        if obj is not None and not obj.freed:
+            m = obj._manager()
+            if m is not None and getattr(m.policy, "allows_cleanup", True):
+                alive.add(obj.id)
+    return bool(alive) and not alive <= preserve(*xs)
 
 
 def annotate(prefetch=True, softevict=True, cleanup=False, noescape=False):
@@ -209,8 +373,10 @@ def annotate(prefetch=True, softevict=True, cleanup=False, noescape=False):
     softevict: soft-evict them after the call.
     noescape: free temporaries that do not escape the call.
     cleanup: for rrule-style functions returning ``(y, pullback)``, wrap the pullback so that it
-    prefetches what it captured, and after it runs frees everything it captured except the
-    call's arguments and the pullback's results.
+    prefetches what it captured, and after it runs frees what it captured, ``y`` and the
+    incoming gradient, except the call's arguments, the pullback's results and whatever anything
+    else still refers to (so the caller's own ``y`` and ``dy`` stay usable).
+    These implicit prefetches and soft evictions skip freed arrays.
     """
     do_prefetch, do_softevict, do_cleanup, do_noescape = prefetch, softevict, cleanup, noescape
 
@@ -220,27 +386,36 @@ def annotate(prefetch=True, softevict=True, cleanup=False, noescape=False):
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
             if do_prefetch:
-                globals()["prefetch"](args, kwargs, force=True)
+                _each("prefetch", (args, kwargs), False, True)
             result = inner(*args, **kwargs)
             if do_softevict:
-                globals()["softevict"](args, kwargs)
+                _each("softevict", (args, kwargs), False)
             if do_cleanup and isinstance(result, tuple) and len(result) == 2 and \
                     callable(result[1]):
-                y, pullback = result
-                return y, _wrap_pullback(y, pullback, args, kwargs, do_prefetch, do_softevict)
+                return result[0], _wrap_pullback(list(result), args, kwargs, do_prefetch,
+                                                 do_softevict)
             return result
         return wrapper
     return decorator
 
 
-def _wrap_pullback(y, pullback, args, kwargs, do_prefetch, do_softevict):
-    @functools.wraps(pullback)
+def _wrap_pullback(captured, args, kwargs, do_prefetch, do_softevict):
+    """Wrap captured = [y, pullback]; the list is the wrapper's only reference to either, and dy
+    joins it for the cleanup, so cleanup sees exactly who else refers to them."""
     def pullback_wrapper(dy):
         if do_prefetch:
-            prefetch(pullback, dy, force=True)
-        grads = pullback(dy)
-        cleanup((y, dy, pullback), keep=preserve(args, kwargs, grads))
+            _each("prefetch", (captured[1], dy), False, True)
+        grads = captured[1](dy)
+        captured.append(dy)
+        del dy
+        try:
+            cleanup(captured, keep=preserve(args, kwargs, grads))
+        finally:
+            del captured[2:]
         if do_softevict:
-            softevict(args, kwargs)
+            _each("softevict", (args, kwargs), False)
         return grads
+
+    functools.update_wrapper(pullback_wrapper, captured[1])
+    del pullback_wrapper.__wrapped__    # a second reference to the pullback would pin its captures
     return pullback_wrapper

@@ -6,8 +6,13 @@ current bytes, runs, and unpins. So views stay correct across evict/prefetch, an
 an array while a kernel reads or writes it.
 """
 
+import builtins
+import inspect
 import numbers
 import operator
+import os
+import pickle
+import sys
 import threading
 import weakref
 
@@ -20,8 +25,14 @@ from .sizes import format_size
 
 HANDLED_FUNCTIONS = {}
 _tls = threading.local()
+# NumPy functions that write their first argument, always or when a flag has the given truth:
+# nan_to_num(x, copy=False) replaces in x, and overwrite_input=True lets the median family
+# reorder its input.
 _INPLACE_FIRST = {np.copyto, np.put, np.place, np.putmask, np.fill_diagonal,
                   np.put_along_axis}
+_INPLACE_WHEN = {np.nan_to_num: ("copy", False),
+                 **dict.fromkeys((np.median, np.nanmedian, np.percentile, np.nanpercentile,
+                                  np.quantile, np.nanquantile), ("overwrite_input", True))}
 _SCALARS = (numbers.Number, np.generic, str, bytes, type(None))
 
 
@@ -34,25 +45,50 @@ def implements(*numpy_functions):
     return decorator
 
 
-_OK_DTYPES = {}
+_OK_DTYPES = {}                # hashable dtype spelling ("f8", float, ...) -> checked np.dtype
 
 
 def check_dtype(dtype):
-    """Return np.dtype(dtype) if a CachedArray can hold it; refuse types holding references."""
-    dt = _OK_DTYPES.get(dtype)
-    if dt is not None:
+    """Return np.dtype(dtype) if a CachedArray can hold it; refuse types holding references.
+
+    Takes every spelling np.dtype takes (lists of fields, dicts, "i4,f8", types, subarray
+    tuples); only hashable spellings are cached, and np.dtype instances are returned as given.
+    """
+    if isinstance(dtype, np.dtype):
+        dt = dtype
+    else:
+        try:
+            dt = _OK_DTYPES.get(dtype)
+        except TypeError:      # unhashable spelling: a list of fields, a dict, ...
+            return _checked(np.dtype(dtype))
+        if dt is not None:
+            return dt
+        dt = np.dtype(dtype)
+        _checked(dt)
+        if len(_OK_DTYPES) < 256:
+            _OK_DTYPES[dtype] = dt
         return dt
-    dt = np.dtype(dtype)
+    return _checked(dt)
+
+
+def _checked(dt):
     if dt.hasobject or dt.kind == "T":
         raise TypeError(f"CachedArray cannot hold dtype {dt}: its elements are Python objects "
                         "or references; use a fixed-size dtype (numbers, bool, fixed-width "
                         "strings, structured types of those)")
-    try:
-        if len(_OK_DTYPES) < 256:
-            _OK_DTYPES[dtype] = dt
-    except TypeError:          # unhashable dtype specification
-        pass
     return dt
+
+
+def _caller_is_pandas():
+    """True when the code converting a CachedArray (the caller of __array__) is in pandas.
+
+    pandas' DataFrame and Series constructors look for a structured dtype's fields only on a
+    numpy.ndarray; any other array is converted with np.asarray and its records land in a
+    single column, silently.
+    """
+    frame = sys._getframe(2)
+    name = frame.f_globals.get("__name__", "")
+    return name == "pandas" or name.startswith("pandas.")
 
 
 def _shape_tuple(shape):
@@ -126,6 +162,9 @@ def new_pinned(manager, shape, dtype, order="C", placement=None):
     """
     dt = check_dtype(dtype)
     shape = _shape_tuple(shape)
+    if dt.subdtype is not None:          # (np.float64, (2,)): as NumPy, (*shape, 2) of float64
+        dt, sub = dt.subdtype
+        shape = shape + sub
     if order not in ("C", "F"):
         order = "C"
     n = 1
@@ -188,20 +227,36 @@ class CachedArray(NDArrayOperatorsMixin):
     # ---- resolution (call only while pinned) ---------------------------------------------
 
     def _view(self, readonly=False):
+        """An ndarray over the current bytes (valid while pinned; read-only ones stay so)."""
         obj = self._obj
         r = obj.primary
         if r is None:
-            raise UseAfterFreeError(
-                f"CachedArray of shape {self._shape} (object {obj.id}, "
-                f"{format_size(obj.nbytes)}) was freed; it cannot be used any more")
+            raise self._gone()
         if r.nbytes == 0:
-            a = np.empty(self._shape, self._dtype)
-        else:
-            a = np.ndarray(self._shape, self._dtype, r.device._mm,
-                           r.offset + HEADER + self._offset, self._strides)
+            # Nothing to read or write; a read-only one sits on an immutable (empty) buffer.
+            return np.ndarray(self._shape, self._dtype, b"" if readonly else None)
         if readonly:
-            a.flags.writeable = False
-        return a
+            # Built on the device's read-only buffer: NumPy refuses `flags.writeable = True`
+            # (writes there would bypass the dirty bit and be lost at eviction).
+            dev = r.device
+            buf = dev._ro
+            if buf is None:
+                buf = dev.readonly_buffer
+            return np.ndarray(self._shape, self._dtype, buf, r.offset + HEADER + self._offset,
+                              self._strides)
+        return np.ndarray(self._shape, self._dtype, r.device._mm,
+                          r.offset + HEADER + self._offset, self._strides)
+
+    def _gone(self):
+        """The error for using an array whose object has no memory (freed, or manager closed)."""
+        obj = self._obj
+        what = (f"CachedArray of shape {self._shape} (object {obj.id}, "
+                f"{format_size(obj.nbytes)})")
+        if self._m.closed:
+            return UseAfterFreeError(f"{what} belongs to a closed manager: this manager is "
+                                     "closed, so its arrays cannot be used any more; create a "
+                                     "new Manager, and close it only after its arrays are done")
+        return UseAfterFreeError(f"{what} was freed; it cannot be used any more")
 
     def _derive(self, base, view):
         """A CachedArray view for ndarray `view`, which shares memory with `base` (self's view)."""
@@ -211,8 +266,22 @@ class CachedArray(NDArrayOperatorsMixin):
 
     # ---- properties ----------------------------------------------------------------------
 
-    shape = property(lambda self: self._shape)
-    dtype = property(lambda self: self._dtype)
+    def _become(self, view):
+        """Describe `view` (a view of the same object) from now on: in-place shape/dtype."""
+        self._shape, self._dtype = view._shape, view._dtype
+        self._strides, self._offset = view._strides, view._offset
+
+    def _set_shape(self, shape):
+        try:
+            self._become(self.reshape(shape, copy=False))
+        except ValueError:
+            raise AttributeError(f"cannot give shape {shape} to this array of shape "
+                                 f"{self._shape} without a copy; use x.reshape(...)") from None
+
+    shape = property(lambda self: self._shape, _set_shape,
+                     doc="The dimensions; setting it reshapes in place (never copies).")
+    dtype = property(lambda self: self._dtype, lambda self, dt: self._become(self.view(dt)),
+                     doc="The element type; setting it views the same bytes as another type.")
     strides = property(lambda self: self._strides)
     ndim = property(lambda self: len(self._shape))
     itemsize = property(lambda self: self._dtype.itemsize)
@@ -260,14 +329,25 @@ class CachedArray(NDArrayOperatorsMixin):
     def real(self):
         return self._viewop(lambda v: v.real)
 
+    @real.setter
+    def real(self, value):
+        self.real[...] = value
+
     @property
     def imag(self):
         return self._viewop(lambda v: v.imag)
 
+    @imag.setter
+    def imag(self, value):
+        if self._dtype.kind != "c":
+            raise TypeError("array does not have imaginary part to set")
+        self.imag[...] = value
+
     @property
     def flags(self):
+        """A snapshot of the layout flags (they cannot be set; see setflags)."""
         with readable(self) as v:
-            return v.flags
+            return _Flags(v.flags, self.base is None)
 
     # ---- NumPy protocols -----------------------------------------------------------------
 
@@ -276,6 +356,12 @@ class CachedArray(NDArrayOperatorsMixin):
             raise ValueError(
                 "a CachedArray cannot be viewed without a copy: its data can move between "
                 "devices; use `with ca.readable(x) as a:` for a zero-copy view inside a scope")
+        if self._dtype.names is not None and _caller_is_pandas():
+            raise TypeError(
+                f"pandas cannot read the fields of a structured CachedArray (dtype "
+                f"{self._dtype}, shape {self._shape}): it looks for fields only on a "
+                "numpy.ndarray and would build one column of records; pass it a copy, e.g. "
+                "pd.DataFrame(np.asarray(x))")
         with readable(self) as v:
             self._m.count("asarray", self.nbytes, id=self._obj.id)
             return np.array(v, dtype=dtype, copy=True)
@@ -409,10 +495,10 @@ class CachedArray(NDArrayOperatorsMixin):
         finally:
             m.release((obj,))
 
-    def reshape(self, *shape, order="C"):
+    def reshape(self, *shape, order="C", copy=None):
         if len(shape) == 1 and not isinstance(shape[0], (int, np.integer)):
             shape = shape[0]
-        return self._viewop(lambda v: v.reshape(shape, order=order))
+        return self._viewop(lambda v: v.reshape(shape, order=order, copy=copy))
 
     def ravel(self, order="C"):
         return self._viewop(lambda v: v.ravel(order))
@@ -431,7 +517,16 @@ class CachedArray(NDArrayOperatorsMixin):
     def squeeze(self, axis=None):
         return self._viewop(lambda v: v.squeeze(axis))
 
-    def view(self, dtype=None):
+    def view(self, dtype=None, type=None):
+        """A view with another dtype; the type stays CachedArray (an ndarray view would keep a
+        raw pointer that a migration can leave stale: use ca.readable for one)."""
+        if isinstance(dtype, builtins.type) and issubclass(dtype, (np.ndarray, CachedArray)):
+            dtype, type = None, dtype
+        if type is not None and not issubclass(type, CachedArray):
+            raise TypeError(
+                f"a CachedArray cannot be viewed as {type.__name__}: that view would keep a raw "
+                "pointer that an evict or prefetch can leave stale; use `with ca.readable(x) as "
+                "a:` for an ndarray view inside a pinned scope, or np.asarray(x) for a copy")
         if dtype is None:
             return CachedArray._make(self._obj, self._m, self._shape, self._dtype,
                                      self._strides, self._offset)
@@ -446,7 +541,7 @@ class CachedArray(NDArrayOperatorsMixin):
     def copy(self, order="C"):
         return self.astype(self._dtype, order=order)
 
-    def astype(self, dtype, order="K", casting="unsafe", copy=True):
+    def astype(self, dtype, order="K", casting="unsafe", subok=True, copy=True):
         dt = check_dtype(dtype)
         if not copy and dt == self._dtype:
             return self
@@ -456,18 +551,136 @@ class CachedArray(NDArrayOperatorsMixin):
         out = new_pinned(self._m, self._shape, dt, order)
         try:
             with readable(self) as v:
+                if out.ndim > v.ndim:        # a subarray dtype: each element fills a block
+                    v = v[(...,) + (None,) * (out.ndim - v.ndim)]
                 np.copyto(out._view(), v, casting=casting)
         finally:
             _unpin(out)
         return out
 
-    def fill(self, value):
-        with writable(self) as v:
-            v.fill(value)
+    def _write(self, fn, *args):
+        """fn(view, *args) with self pinned as written (marked dirty, so no eviction drops the
+        change) and CachedArrays among args pinned as read; returns fn's result."""
+        done = _acquire_grouped(list(_objects_in(args)), [self._obj])
+        try:
+            return fn(self._view(), *_to_views(args, readonly=True))
+        finally:
+            _release_grouped(done)
 
-    def sort(self, axis=-1, kind=None, order=None):
-        with writable(self) as v:
-            v.sort(axis=axis, kind=kind, order=order)
+    def fill(self, value):
+        self._write(np.ndarray.fill, value)
+
+    def sort(self, axis=-1, kind=None, order=None, *, stable=None):
+        self._write(lambda v: v.sort(axis=axis, kind=kind, order=order, stable=stable))
+
+    def partition(self, kth, axis=-1, kind="introselect", order=None):
+        self._write(lambda v, k: v.partition(k, axis=axis, kind=kind, order=order), kth)
+
+    def put(self, indices, values, mode="raise"):
+        self._write(lambda v, i, x: v.put(i, x, mode=mode), indices, values)
+
+    def setfield(self, val, dtype, offset=0):
+        check_dtype(dtype)
+        self._write(lambda v, x: v.setfield(x, dtype, offset), val)
+
+    def byteswap(self, inplace=False):
+        if inplace:
+            self._write(lambda v: v.byteswap(True))
+            return self
+        return self._viewop(lambda v: v.byteswap(False))
+
+    def compress(self, condition, axis=None, out=None):
+        """Same as numpy.compress(condition, self, ...) (the array is its second argument)."""
+        return np.compress(condition, self, axis=axis, out=out)
+
+    def getfield(self, dtype, offset=0):
+        check_dtype(dtype)
+        return self._viewop(lambda v: v.getfield(dtype, offset))
+
+    def resize(self, *new_shape, refcheck=True):
+        """Change the shape and size in place, as ndarray.resize (new elements are zero).
+
+        The array moves to a new object; other CachedArrays viewing the old one keep the old
+        data (there is no reference check: no view is ever left pointing at freed memory).
+        """
+        if len(new_shape) == 1 and not isinstance(new_shape[0], (int, np.integer)):
+            new_shape = new_shape[0]
+        shape = _shape_tuple(new_shape)
+        if self.base is not None or self._strides != _c_strides(self._shape, self.itemsize):
+            raise ValueError(
+                f"cannot resize this array of shape {self._shape}: it is a view of object "
+                f"{self._obj.id} or not C-contiguous; resize the array it was taken from, or "
+                "use np.resize(x, shape) for a new array")
+        if self._obj.pins:
+            raise ValueError(
+                f"cannot resize this array of shape {self._shape}: object {self._obj.id} is in "
+                "use (pinned by an access scope or a running kernel); resize it afterwards")
+        out = new_pinned(self._m, shape, self._dtype)
+        try:
+            with readable(self) as v:
+                old = v.reshape(-1)
+                new = out._view().reshape(-1)
+                k = min(old.size, new.size)
+                new[:k] = old[:k]
+                new[k:].view(np.uint8).fill(0)
+        finally:
+            _unpin(out)
+        self._obj, self._shape, self._strides, self._offset = \
+            out._obj, out._shape, out._strides, 0
+
+    def setflags(self, write=None, align=None, uic=None):
+        """Accepted when it changes nothing; a CachedArray's flags cannot be set."""
+        if write in (None, True) and align in (None, True) and not uic:
+            return
+        raise TypeError(
+            "a CachedArray's flags cannot be set: each use builds a fresh view of wherever the "
+            "data lives now; for read-only access use `with ca.readable(x) as a:`")
+
+    def tofile(self, fid, sep="", format="%s"):
+        with readable(self) as v:
+            v.tofile(fid, sep=sep, format=format)
+
+    def dumps(self):
+        """The pickle of the array (pickle.loads gives a CachedArray on the default manager)."""
+        return pickle.dumps(self, protocol=2)
+
+    def dump(self, file):
+        if isinstance(file, (str, bytes, os.PathLike)):
+            with open(file, "wb") as f:
+                pickle.dump(self, f, protocol=2)
+        else:
+            pickle.dump(self, file, protocol=2)
+
+    def to_device(self, device, /, *, stream=None):
+        """The array itself for device "cpu" (fast and slow memory are both host memory)."""
+        if stream is not None:
+            raise ValueError("the stream argument of to_device must be None")
+        if device != "cpu":
+            raise ValueError(f"device {device!r} not understood: only 'cpu' is allowed; move "
+                             "data between fast and slow memory with ca.prefetch / ca.evict")
+        return self
+
+    @property
+    def base(self):
+        """None when this array spans its whole object, else the Object it views."""
+        if self._offset == 0 and self.nbytes == self._obj.nbytes and \
+                self._strides in (_c_strides(self._shape, self.itemsize),
+                                  _contiguous_strides(self._shape, self.itemsize, "F")):
+            return None
+        return self._obj
+
+    @property
+    def flat(self):
+        """A flat iterator over the array in C order; indexing it reads, assigning writes."""
+        return _FlatIter(self)
+
+    @property
+    def ctypes(self):
+        raise TypeError(_RAW_POINTER.format(name="ctypes"))
+
+    @property
+    def data(self):
+        raise TypeError(_RAW_POINTER.format(name="data"))
 
     def __copy__(self):
         return self.copy()
@@ -525,9 +738,116 @@ def _method(name):
 
 for _name in ("sum", "mean", "std", "var", "min", "max", "argmin", "argmax", "prod",
               "cumsum", "cumprod", "all", "any", "clip", "round", "trace", "nonzero", "dot",
-              "searchsorted", "repeat", "take", "compress", "conj", "conjugate", "argsort",
-              "ptp" if hasattr(np, "ptp") else "sum"):
+              "searchsorted", "repeat", "take", "conj", "conjugate", "argsort",
+              "argpartition", "choose", "ptp" if hasattr(np, "ptp") else "sum"):
     setattr(CachedArray, _name, _method(_name))
+
+_RAW_POINTER = (
+    "CachedArray.{name} is not available: it would hand out a raw pointer to wherever the data "
+    "lives now, and an evict or prefetch can move the data and leave the pointer stale; use "
+    "`with ca.readable(x) as a:` (or ca.writable) and a.{name} inside the scope, where x is "
+    "pinned")
+
+
+class _FlatIter:
+    """x.flat for a CachedArray: reads and writes go through x, so they survive migration."""
+
+    __slots__ = ("base", "_chunk")
+
+    def __init__(self, base):
+        self.base = base
+        self._chunk = 1 << 14
+
+    def __len__(self):
+        return self.base.size
+
+    def __getitem__(self, key):
+        key = _plain_key(key)
+        m, obj = self.base._m, self.base._obj
+        m.acquire((obj,))
+        try:
+            r = self.base._view().flat[key]
+            return _from_ndarray(m, r) if isinstance(r, np.ndarray) else r
+        finally:
+            m.release((obj,))
+
+    def __setitem__(self, key, value):
+        key = _plain_key(key)
+
+        def put(v, x):
+            v.flat[key] = x
+        self.base._write(put, value)
+
+    def __iter__(self):
+        n = self.base.size
+        for start in range(0, n, self._chunk):
+            with readable(self.base) as v:
+                chunk = v.flat[start:start + self._chunk]      # a copy: nothing stays pinned
+            yield from chunk
+
+    def __array__(self, dtype=None, copy=None):
+        return self.base.ravel().__array__(dtype, copy)
+
+    def copy(self):
+        return self.base.flatten()
+
+    def __repr__(self):
+        return f"<flat iterator of {self.base!r}>"
+
+
+class _Flags:
+    """x.flags for a CachedArray: ndarray's layout flags, read once; none can be set."""
+
+    __slots__ = ("c_contiguous", "f_contiguous", "owndata", "writeable", "aligned",
+                 "writebackifcopy")
+    _KEYS = {"C": "c_contiguous", "C_CONTIGUOUS": "c_contiguous", "CONTIGUOUS": "c_contiguous",
+             "F": "f_contiguous", "F_CONTIGUOUS": "f_contiguous", "FORTRAN": "f_contiguous",
+             "O": "owndata", "OWNDATA": "owndata", "W": "writeable", "WRITEABLE": "writeable",
+             "A": "aligned", "ALIGNED": "aligned", "X": "writebackifcopy",
+             "WRITEBACKIFCOPY": "writebackifcopy", "FNC": "fnc", "FORC": "forc",
+             "B": "behaved", "BEHAVED": "behaved", "CA": "carray", "CARRAY": "carray",
+             "FA": "farray", "FARRAY": "farray"}
+
+    def __init__(self, flags, owndata):
+        set_ = object.__setattr__
+        set_(self, "c_contiguous", flags.c_contiguous)
+        set_(self, "f_contiguous", flags.f_contiguous)
+        set_(self, "owndata", owndata)
+        set_(self, "writeable", True)          # every CachedArray can be written
+        set_(self, "aligned", flags.aligned)
+        set_(self, "writebackifcopy", False)
+
+    fnc = property(lambda self: self.f_contiguous and not self.c_contiguous)
+    forc = property(lambda self: self.f_contiguous or self.c_contiguous)
+    behaved = property(lambda self: self.aligned and self.writeable)
+    carray = property(lambda self: self.behaved and self.c_contiguous)
+    farray = property(lambda self: self.behaved and self.fnc)
+
+    def __getitem__(self, key):
+        name = self._KEYS.get(key.upper() if isinstance(key, str) else key)
+        if name is None:
+            raise KeyError(f"unknown flag {key!r}")
+        return getattr(self, name)
+
+    def __setattr__(self, name, value):
+        if getattr(self, name) != value:
+            CachedArray.setflags(None, write=False)         # raises, saying why
+
+    def __setitem__(self, key, value):
+        if self[key] != value:
+            CachedArray.setflags(None, write=False)
+
+    def __eq__(self, other):
+        names = ("c_contiguous", "f_contiguous", "owndata", "writeable", "aligned",
+                 "writebackifcopy")
+        return all(getattr(self, n) == getattr(other, n) for n in names)
+
+    __hash__ = None
+
+    def __repr__(self):
+        return "\n".join(f"  {key} : {self[key]}" for key in
+                         ("C_CONTIGUOUS", "F_CONTIGUOUS", "OWNDATA", "WRITEABLE", "ALIGNED",
+                          "WRITEBACKIFCOPY"))
 
 
 def _unpickle(a):
@@ -648,13 +968,76 @@ def _wrap(m, res, views):
     return res
 
 
+_WRITES = {}      # NumPy function -> where its written arguments sit in a call (_writes_of)
+
+
+def _writes_of(func):
+    """Where func's written arguments sit in a call: (out, target, flag, flag truth).
+
+    out and target (what an in-place function writes) are (position, keyword) pairs read from
+    the signature of func or of its implementation, either part None when the argument cannot
+    be given that way; target is written when flag (a pair too) has the given truth, or
+    always when flag is None. Cached per function, as the signature is slow to read.
+    """
+    params = None
+    for f in (func, getattr(func, "_implementation", None), getattr(func, "__wrapped__", None)):
+        if f is not None:
+            try:
+                params = list(inspect.signature(f).parameters.values())
+                break
+            except (TypeError, ValueError):
+                pass
+
+    def slot(name, index=None):
+        for i, p in enumerate(params or ()):
+            if p.name == name or i == index:
+                positional = p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+                named = p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+                return (i if positional else None, p.name if named else None)
+        if params is None or any(p.kind is p.VAR_KEYWORD for p in params):
+            return (index, name)                   # unknown layout: as given
+        return None
+
+    out = slot("out")
+    target = flag = truth = None
+    if func in _INPLACE_FIRST or func in _INPLACE_WHEN:
+        target = slot(None, 0)
+    if func in _INPLACE_WHEN:
+        name, truth = _INPLACE_WHEN[func]
+        flag = slot(name)
+    spec = (out, target, flag, truth)
+    if len(_WRITES) < 4096:
+        _WRITES[func] = spec
+    return spec
+
+
+def _given(args, kwargs, at, missing=None):
+    """The argument at `at` (position, keyword) of a call, or `missing`."""
+    pos, name = at
+    if pos is not None and pos < len(args):
+        return args[pos]
+    return kwargs.get(name, missing) if name is not None else missing
+
+
 def _call_on_views(func, args, kwargs):
-    """Run a NumPy function on views of the current primary regions, then wrap the result."""
-    out = kwargs.get("out")
+    """Run a NumPy function on views of the current primary regions, then wrap the result.
+
+    What the function writes (its out, or the array an in-place function changes), given by
+    position or by keyword, is acquired as a write, which marks it dirty.
+    """
+    out_at, target_at, flag_at, truth = _WRITES.get(func) or _writes_of(func)
+    out = _given(args, kwargs, out_at) if out_at is not None else None
+    target = None
+    if target_at is not None and (flag_at is None or
+                                  bool(_given(args, kwargs, flag_at, not truth)) is truth):
+        target = _given(args, kwargs, target_at)       # an absent flag never writes
     written = list(_objects_in(out)) if out is not None else []
-    if func in _INPLACE_FIRST and args:
-        written += list(_objects_in(args[0]))
-    read = [o for o in _objects_in(list(args) + [v for k, v in kwargs.items() if k != "out"])]
+    if target is not None:
+        written += list(_objects_in(target))
+    rest = args
+    if out is not None and out_at[0] is not None and out_at[0] < len(args):
+        rest = args[:out_at[0]] + args[out_at[0] + 1:]
+    read = list(_objects_in(list(rest) + [v for k, v in kwargs.items() if k != "out"]))
     like = kwargs.pop("like", None)
     m = _first_manager(list(args) + list(kwargs.values())) or \
         (like._m if isinstance(like, CachedArray) else None)
@@ -666,11 +1049,13 @@ def _call_on_views(func, args, kwargs):
         nkwargs = {k: _to_views_recording(v, views) for k, v in kwargs.items()}
         res = func(*nargs, **nkwargs)
         if out is not None:
-            if isinstance(out, CachedArray):
-                return out
             if isinstance(out, tuple) and len(out) == 1:
                 return out[0]
             return out
+        if target is not None:
+            for arr, v in views:
+                if res is v:
+                    return arr                     # NumPy returned the written array itself
         if func in _INPLACE_FIRST:
             return res
         return _wrap(m, res, views) if m is not None else res
@@ -874,27 +1259,40 @@ class _Scope:
 
     def __enter__(self):
         a = self.arr
+        m = a._m
         if self.write:
-            a._m.acquire((), (a._obj,))
+            m.acquire((), (a._obj,))
         else:
-            a._m.acquire((a._obj,))
+            m.acquire((a._obj,))
         try:
-            return a._view(readonly=not self.write)
+            v = a._view(readonly=not self.write)
+            m.scope_opened(self, ((a._obj, a._shape),))
+            return v
         except BaseException:
-            a._m.release((a._obj,))
+            m.release((a._obj,))
             raise
 
     def __exit__(self, *exc):
-        self.arr._m.release((self.arr._obj,))
+        m = self.arr._m
+        m.scope_closed(self)
+        m.release((self.arr._obj,))
 
 
 def readable(x):
-    """``with readable(x) as a``: a read-only ndarray view of x; x is pinned meanwhile."""
+    """``with readable(x) as a``: a read-only ndarray view of x; x is pinned meanwhile.
+
+    The view is valid inside the with-block only: afterwards x may move and the view would
+    show another array's bytes.
+    """
     return _Scope(x, False)
 
 
 def writable(x):
-    """``with writable(x) as a``: a writable ndarray view of x, pinned; marks x dirty."""
+    """``with writable(x) as a``: a writable ndarray view of x, pinned; marks x dirty.
+
+    The view is valid inside the with-block only: once x moves, writes through it would land
+    in memory that belongs to another array (``Manager(debug=True)`` reports them).
+    """
     return _Scope(x, True)
 
 
@@ -904,7 +1302,8 @@ class access:
     One pin and one use report per array (reads as ``read_use``, writes as ``write_use``, which
     marks them dirty), taken together; ``views`` lists the read views then the write views,
     with None passed through for None entries. Read views are read-only. Arrays may belong to
-    different managers; an array may appear in both lists.
+    different managers; an array may appear in both lists. The views are valid inside the
+    with-block only.
     """
 
     __slots__ = ("reads", "writes", "done")
@@ -921,11 +1320,19 @@ class access:
         w = [a._obj for a in self.writes if a is not None]
         self.done = _acquire_grouped(r, w)
         try:
-            return [None if a is None else a._view(readonly=True) for a in self.reads] + \
+            views = [None if a is None else a._view(readonly=True) for a in self.reads] + \
                 [None if a is None else a._view() for a in self.writes]
+            arrays = [a for a in (*self.reads, *self.writes) if a is not None]
+            for m, _ in self.done:
+                m.scope_opened(self, tuple((a._obj, a._shape) for a in arrays if a._m is m))
+            return views
         except BaseException:
+            for m, _ in self.done:
+                m.scope_closed(self)
             _release_grouped(self.done)
             raise
 
     def __exit__(self, *exc):
+        for m, _ in self.done:
+            m.scope_closed(self)
         _release_grouped(self.done)

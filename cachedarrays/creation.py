@@ -68,11 +68,21 @@ def full(shape, fill_value, dtype=None, order="C", *, manager=None, placement=No
 
 
 def zeros(shape, dtype=float, order="C", *, manager=None, placement=None):
-    return full(shape, 0, dtype, order, manager=manager, placement=placement)
+    """A CachedArray of zeros (zero bytes, as np.zeros: '' for strings, 0 in every field)."""
+    out = new_pinned(_manager(manager), shape, dtype, order, placement)
+    try:
+        # All bytes zero, padding of aligned structs included; the new array is contiguous,
+        # so its K-order ravel is a view.
+        out._view().ravel(order="K").view(np.uint8).fill(0)
+    finally:
+        _unpin(out)
+    return out
 
 
 def ones(shape, dtype=float, order="C", *, manager=None, placement=None):
-    return full(shape, 1, dtype, order, manager=manager, placement=placement)
+    """A CachedArray of ones (dtype None means float64, as in np.ones)."""
+    return full(shape, 1, float if dtype is None else dtype, order, manager=manager,
+                placement=placement)
 
 
 def _like_args(a, dtype, order, shape):
@@ -113,7 +123,9 @@ implements(np.full_like)(full_like)
 
 
 def _like_creation(fn):
-    def impl(*args, like=None, **kwargs):
+    def impl(*args, like=None, device=None, **kwargs):
+        if device not in (None, "cpu"):        # NumPy passes device= from np.ones and np.full
+            raise ValueError(f"device must be None or 'cpu', not {device!r}")
         return fn(*args, manager=_manager(None, like), **kwargs)
     return impl
 

@@ -5,11 +5,14 @@ A device owns one mapping and the native heap over it. Data is reached through `
 """
 
 import errno
+import fcntl
 import logging
 import mmap
 import os
+import re
 import stat
 import tempfile
+import weakref
 
 from . import copyengine
 from .errors import DeviceError, OutOfMemoryError
@@ -20,6 +23,7 @@ log = logging.getLogger("cachedarrays.devices")
 
 MAP_SHARED_VALIDATE = 0x03
 MAP_SYNC = 0x80000
+_SYSFS = "/sys"
 _reported_not_dax = set()
 
 
@@ -34,7 +38,8 @@ def _mount_options(path):
                 fields = left.split()
                 if len(fields) < 6:
                     continue
-                mount_point = fields[4].replace("\\040", " ")
+                # mountinfo writes space, tab, newline and backslash in paths as octal escapes
+                mount_point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])
                 if (path == mount_point or path.startswith(mount_point.rstrip("/") + "/")) and len(
                     mount_point
                 ) >= len(best):
@@ -47,15 +52,47 @@ def _mount_options(path):
 
 
 def is_dax(path):
-    """True if path is a devdax character device or lies on a file system mounted with dax."""
+    """True if path is a devdax device or lies on a file system mounted with dax.
+
+    A character device counts only when the kernel lists it as DAX (``/dev/zero`` does not).
+    """
     try:
-        if stat.S_ISCHR(os.stat(path).st_mode):
-            return True
+        st = os.stat(path)
     except OSError:
-        pass
-    probe = path if os.path.exists(path) else os.path.dirname(os.path.abspath(path))
+        st = None
+    if st is not None and stat.S_ISCHR(st.st_mode):
+        return _is_devdax(st)
+    probe = path if st is not None else os.path.dirname(os.path.abspath(path))
     opts = _mount_options(probe)
     return any(o == "dax" or o.startswith("dax=") and o != "dax=never" for o in opts)
+
+
+def _sysfs_char(st):
+    """The sysfs node of the character device st describes."""
+    return os.path.join(_SYSFS, "dev", "char", f"{os.major(st.st_rdev)}:{os.minor(st.st_rdev)}")
+
+
+def _is_devdax(st):
+    """True if the kernel says the character device st describes is a DAX device (devdax)."""
+    if not stat.S_ISCHR(st.st_mode):
+        return False
+    node = _sysfs_char(st)
+    if not os.path.isdir(node):
+        return False
+    # the subsystem is bus/dax (or class/dax on kernels with the compatibility layout)
+    if os.path.basename(os.path.realpath(os.path.join(node, "subsystem"))) == "dax":
+        return True
+    name = os.path.basename(os.path.realpath(node))
+    return os.path.exists(os.path.join(_SYSFS, "bus", "dax", "devices", name))
+
+
+def _devdax_size(st):
+    """The capacity in bytes the kernel reports for a devdax device, or None if it is not known."""
+    try:
+        with open(os.path.join(_sysfs_char(st), "size")) as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 class Device:
@@ -64,6 +101,7 @@ class Device:
     __ca_leaf__ = True
 
     kind = "device"
+    _ro = None                        # read-only byte array over the mapping, built on first use
 
     def __init__(self, name, size, granularity=0):
         self.name = name
@@ -93,6 +131,20 @@ class Device:
         if self._mm is None:
             raise DeviceError(f"device {self.name!r} has no memory (size 0 or closed)")
         return self._mm
+
+    @property
+    def readonly_buffer(self):
+        """A read-only uint8 ndarray over the whole mapping, for read-only views.
+
+        An ndarray built on it cannot be made writable (NumPy checks its base), unlike one
+        built on the mapping and marked read-only afterwards.
+        """
+        ro = self._ro
+        if ro is None:
+            import numpy as np
+
+            ro = self._ro = np.frombuffer(memoryview(self.buffer).toreadonly(), np.uint8)
+        return ro
 
     # Heap operations: a size-0 device has no heap and every allocation fails.
 
@@ -139,25 +191,28 @@ class Device:
                                             "nblocks", "nallocated")}
 
     def close(self):
-        """Release the heap and the mapping; arrays still viewing it keep it alive until freed."""
+        """Release the heap and drop the mapping; it is unmapped when the last view of it goes.
+
+        The mapping is never closed here: NumPy arrays built on it keep a reference to it but
+        no buffer export, so ``mmap.close()`` would succeed and unmap memory that a view, or a
+        kernel running on one, still uses (a segfault). Dropping the reference leaves the unmap
+        to the last holder. The native heap goes the same way: a Device method still running on
+        another thread holds it (and it holds the mapping) until that call returns.
+        """
         if self.closed:
             return
         self.closed = True
-        if self.heap is not None:
-            self.heap.close()
-            self.heap = None
+        heap, self.heap = self.heap, None
+        if heap is not None:
+            heap._keepalive = self._mm            # Heap.__del__ destroys it after the last call
+        del heap
         if self._base is not None:
             from ._native import ffi
 
             ffi.release(self._base)
             self._base = None
-        if self._mm is not None:
-            try:
-                self._mm.close()
-            except BufferError:
-                # ndarray views still refer to it: the mapping goes when the last one does.
-                pass
-            self._mm = None
+        self._mm = None
+        self._ro = None
         self._cleanup_file()
 
     def _cleanup_file(self):
@@ -228,35 +283,121 @@ def _prefault(mm):
         mm[off] = mm[off]
 
 
+def _lock_owner(st):
+    """The pid holding a flock on the file st describes, read from /proc/locks, or None."""
+    exact = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    same_inode = set()       # btrfs subvolumes and overlays report another device number
+    try:
+        with open("/proc/locks") as f:
+            for line in f:
+                # "1: FLOCK  ADVISORY  WRITE 4242 fe:00:2146817 0 EOF"; a waiter has "->" second
+                fields = line.split()
+                if len(fields) < 6 or fields[1] != "FLOCK" or int(fields[4]) <= 0:
+                    continue
+                if fields[5] == exact:
+                    return int(fields[4])
+                if fields[5].rpartition(":")[2] == str(st.st_ino):
+                    same_inode.add(int(fields[4]))
+    except (OSError, ValueError):
+        return None
+    return same_inode.pop() if len(same_inode) == 1 else None
+
+
+def _in_use(pid):
+    """The reason a file locked by another manager is refused."""
+    who = f"pid {pid}" if pid else "pid unknown"
+    return (f"it is in use by another manager ({who}); two managers on one file overwrite each "
+            "other's arrays: close that manager, or pass another path or a directory")
+
+
+def _lock(fd, path, size):
+    """Hold an exclusive lock on fd for the device's lifetime, so a second manager is refused."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise DeviceError(f"cannot use slow_path {path!r} for the slow device ({size}): "
+                          f"{_in_use(_lock_owner(os.fstat(fd)))}") from None
+    except OSError as e:
+        raise DeviceError(
+            f"cannot lock slow_path {path!r} for the slow device ({size}): {e.strerror}; pass a "
+            "directory instead (the slow device then maps a private file no other manager opens)"
+        ) from None
+
+
+def _refusal(path, st):
+    """Why an existing path cannot back the slow device, and what to pass instead."""
+    fix = ("pass a directory (a private file is made inside it), a new file name, or a devdax "
+           "device such as /dev/dax0.0")
+    mode = st.st_mode
+    if stat.S_ISLNK(mode):
+        try:
+            target = repr(os.readlink(path))
+        except OSError:
+            target = "another file"
+        return (f"it is a symbolic link to {target}, which the slow device does not follow (it "
+                f"would grow or overwrite the target); pass the target itself if it is a devdax "
+                f"device, or {fix}")
+    if stat.S_ISREG(mode):
+        pid = _lock_owner(st)
+        if pid is not None:
+            return _in_use(pid)
+        return (f"it is an existing file ({format_size(st.st_size)}), which the slow device never "
+                f"reuses or overwrites; remove it if a crashed run left it behind, or {fix}")
+    if stat.S_ISCHR(mode):
+        return (f"it is a character device but not a DAX device (the kernel does not list it "
+                f"under {os.path.join(_SYSFS, 'bus', 'dax')}); {fix}")
+    if stat.S_ISBLK(mode):
+        return (f"it is a block device, which the slow device does not map; for persistent memory "
+                f"mount a file system on it with -o dax, or {fix}")
+    kind = "FIFO" if stat.S_ISFIFO(mode) else "socket" if stat.S_ISSOCK(mode) else "special file"
+    return f"it is a {kind}, which the slow device cannot map; {fix}"
+
+
+def _release_file(fd, path, ident, owner_pid):
+    """Drop a slow device's lock; remove the file it created if the name still refers to it."""
+    try:
+        if path is not None and os.getpid() == owner_pid:     # not from a forked child
+            st = os.lstat(path)
+            if (st.st_dev, st.st_ino) == ident:
+                os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        log.warning("cannot remove slow device file %r: %s", path, e.strerror)
+    finally:
+        os.close(fd)
+
+
 class SlowDevice(Device):
     """The slow device: a devdax device, a file on a DAX file system, or a plain file.
 
-    ``path=None`` (the embedded default) maps a private temporary file (mode 0600) that is removed
-    at once, so nothing is left behind. A directory gets a temporary file inside it, removed the
-    same way. Any other path names a file that is created (or reused) and kept.
+    ``path=None`` (the embedded default) or a directory (a symbolic link to one is resolved) gets a
+    fresh private file (mode 0600) whose name is removed as soon as it exists, so nothing is left
+    behind, even by a crash. A new file name is created exclusively with mode 0600, locked against
+    other managers for the device's lifetime and removed at close. A symbolic link to a file, an
+    existing file, a character device the kernel does not list as DAX, and any other special file
+    are refused; a devdax device is locked the same way, so two managers never share one.
     """
 
     kind = "slow"
 
     def __init__(self, size, path=None, name="slow", populate=False, granularity=0):
         super().__init__(name, size, granularity)
-        self._unlink = None
+        self._release = None       # drops the lock and removes a file this device created
         if self.size == 0:
             return
-        fd, self.path, self._unlink, chardev = self._open(path)
+        fd, locked, chardev = self._open(path)
         try:
-            self.dax = is_dax(self.path)
-            if not chardev:
-                self._reserve(fd)
+            self.dax = chardev or is_dax(self.path)
+            self._reserve(fd)
             mm = self._map(fd, populate)
         except BaseException:
-            os.close(fd)
+            if not locked:
+                os.close(fd)
             self._cleanup_file()
             raise
-        os.close(fd)
-        if self._unlink:
-            # The mapping keeps the file alive; removing the name now leaves nothing behind.
-            self._cleanup_file()
+        if not locked:
+            os.close(fd)           # the nameless private file: the mapping keeps it alive
         if not self.dax:
             shown = self.path if path is not None else "a temporary file"
             if shown not in _reported_not_dax:
@@ -267,44 +408,121 @@ class SlowDevice(Device):
         self._attach(mm)
 
     def _open(self, path):
+        """Open what the device maps and set self.path; return (fd, locked, chardev).
+
+        A locked fd stays open for the device's lifetime; ``_cleanup_file`` closes it.
+        """
         size = format_size(self.size)
         if path is None or os.path.isdir(path):
             directory = tempfile.gettempdir() if path is None else path
-            if not os.access(directory, os.W_OK | os.X_OK):
-                raise DeviceError(
-                    f"cannot create the slow device ({size}) in {directory!r}: the directory is "
-                    "not writable; pass slow_path= a writable directory or file"
-                )
-            try:
-                fd, name = tempfile.mkstemp(prefix="cachedarrays-", suffix=".heap", dir=directory)
-            except OSError as e:
-                raise DeviceError(
-                    f"cannot create a file for the slow device ({size}) in {directory!r}: "
-                    f"{e.strerror}; pass slow_path= a writable directory"
-                ) from None
-            return fd, name, True, False
+            return self._create_private(os.path.realpath(directory)), False, False
         path = os.path.abspath(os.fspath(path))
-        if os.path.exists(path) and stat.S_ISCHR(os.stat(path).st_mode):
-            try:
-                fd = os.open(path, os.O_RDWR)
-            except OSError as e:
-                raise DeviceError(f"cannot open devdax device {path!r} for the slow device "
-                                  f"({size}): {e.strerror}; check its permissions") from None
-            return fd, path, False, True
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return self._create_file(path), True, False
+        except OSError as e:
+            raise DeviceError(f"cannot use slow_path {path!r} for the slow device ({size}): "
+                              f"{e.strerror}; pass a directory or a new file name") from None
+        if stat.S_ISCHR(st.st_mode) and _is_devdax(st):
+            return self._open_devdax(path, st), True, True
+        raise DeviceError(f"cannot use slow_path {path!r} for the slow device ({size}): "
+                          f"{_refusal(path, st)}")
+
+    def _create_private(self, directory):
+        """A fresh file in directory (O_EXCL|O_NOFOLLOW, mode 0600), its name removed at once."""
+        size = format_size(self.size)
+        if not os.access(directory, os.W_OK | os.X_OK):
+            raise DeviceError(
+                f"cannot create the slow device ({size}) in {directory!r}: the directory is "
+                "not writable; pass slow_path= a writable directory or file"
+            )
+        try:
+            fd, self.path = tempfile.mkstemp(prefix="cachedarrays-", suffix=".heap", dir=directory)
+        except OSError as e:
+            raise DeviceError(
+                f"cannot create a file for the slow device ({size}) in {directory!r}: "
+                f"{e.strerror}; pass slow_path= a writable directory"
+            ) from None
+        try:
+            # Before it grows: from here on only the fd keeps it, and a crash leaves nothing.
+            os.unlink(self.path)
+        except OSError as e:
+            os.close(fd)
+            raise DeviceError(f"cannot remove the name of the slow device's private file "
+                              f"{self.path!r} ({size}): {e.strerror}; pass slow_path= a directory "
+                              "you own") from None
+        return fd
+
+    def _create_file(self, path):
+        """Create path exclusively with mode 0600 and lock it; close or a failure removes it."""
+        size = format_size(self.size)
         parent = os.path.dirname(path)
         if not os.path.isdir(parent):
             raise DeviceError(f"cannot create slow device file {path!r} ({size}): the directory "
                               f"{parent!r} does not exist; create it or choose another path")
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        except FileExistsError:
+            raise DeviceError(f"cannot create slow device file {path!r} ({size}): another "
+                              "process created it at the same moment; pass another path or a "
+                              "directory") from None
         except OSError as e:
             raise DeviceError(f"cannot open slow device file {path!r} ({size}): {e.strerror}; "
                               "choose a writable path") from None
-        return fd, path, False, False
+        st = os.fstat(fd)
+        self.path = path
+        self._release = weakref.finalize(self, _release_file, fd, path, (st.st_dev, st.st_ino),
+                                         os.getpid())
+        try:
+            if stat.S_IMODE(st.st_mode) != 0o600:        # a umask or default ACL changed it
+                os.fchmod(fd, 0o600)
+                mode = stat.S_IMODE(os.fstat(fd).st_mode)
+                if mode & 0o077:
+                    raise DeviceError(
+                        f"slow device file {path!r} ({size}) has mode {mode:04o}, not 0600: its "
+                        "file system does not keep Unix permissions and other users could read "
+                        "the arrays; choose a slow_path on a file system that does"
+                    )
+            _lock(fd, path, size)
+        except BaseException:
+            self._cleanup_file()
+            raise
+        return fd
+
+    def _open_devdax(self, path, st):
+        """Open and lock a devdax device; a second manager on it is refused."""
+        size = format_size(self.size)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+        except OSError as e:
+            raise DeviceError(f"cannot open devdax device {path!r} for the slow device "
+                              f"({size}): {e.strerror}; check its permissions") from None
+        self.path = path
+        self._release = weakref.finalize(self, _release_file, fd, None, None, os.getpid())
+        try:
+            opened = os.fstat(fd)
+            if not stat.S_ISCHR(opened.st_mode) or opened.st_rdev != st.st_rdev:
+                raise DeviceError(f"devdax device {path!r} ({size}) changed while it was being "
+                                  "opened; try again")
+            _lock(fd, path, size)
+        except BaseException:
+            self._cleanup_file()
+            raise
+        return fd
 
     def _reserve(self, fd):
-        """Make sure the file system has room before mapping, so later writes cannot fault."""
-        have = os.fstat(fd).st_size
+        """Make sure the backing store has room before mapping, so later writes cannot fault."""
+        st = os.fstat(fd)
+        if stat.S_ISCHR(st.st_mode):
+            have = _devdax_size(st)
+            if have is not None and have < self.size:
+                raise DeviceError(
+                    f"devdax device {self.path!r} holds {format_size(have)}, less than the slow "
+                    f"device's {format_size(self.size)}; ask for at most {format_size(have)}"
+                )
+            return
+        have = st.st_size
         need = max(0, self.size - have)
         st = os.fstatvfs(fd)
         avail = st.f_bavail * st.f_frsize
@@ -345,9 +563,7 @@ class SlowDevice(Device):
             ) from None
 
     def _cleanup_file(self):
-        if self._unlink and self.path:
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
-            self._unlink = None
+        """Drop the lock and remove the file this device created (close calls this)."""
+        release, self._release = self._release, None
+        if release is not None:
+            release()

@@ -8,6 +8,7 @@ finalizer; the queue drains at the next manager call.
 
 import itertools
 import threading
+import time
 import weakref
 from collections import deque
 
@@ -17,6 +18,8 @@ from . import copyengine
 from .devices import DRAM, Device, SlowDevice
 from .errors import (CachedArraysError, OutOfMemoryError, PinnedError, UseAfterFreeError)
 from .heap import HEADER
+from .poison import Poison
+from .poison import enabled as debug_enabled
 from .sizes import format_size, parse_size
 from .telemetry import Telemetry
 
@@ -87,7 +90,14 @@ class Object:
         """Name of the device holding the primary region."""
         if self.freed:
             raise UseAfterFreeError(f"object {self.id} ({format_size(self.nbytes)}) was freed")
-        return self.primary.device.name
+        primary = self.primary
+        if primary is None:
+            m = self._manager()
+            if m is None or m.closed:
+                raise _closed_error((self,))
+            raise CachedArraysError(f"object {self.id} ({format_size(self.nbytes)}) has no "
+                                    "primary region yet; allocate one and set_primary")
+        return primary.device.name
 
     def __del__(self):
         # Finalizers only queue: the manager frees the regions at its next call.
@@ -98,8 +108,27 @@ class Object:
             m._deferred.append((self.id, list(self.regions.values()), self.primary))
 
     def __repr__(self):
-        where = "freed" if self.freed else (self.primary.device.name if self.primary else "none")
+        m = self._manager()
+        where = "freed" if self.freed else (self.primary.device.name if self.primary else
+                                            "a closed manager" if m is None or m.closed else
+                                            "none")
         return f"<Object {self.id} {format_size(self.nbytes)} on {where} pins={self.pins}>"
+
+
+def _closed_error(objs=()):
+    """The error for any use of a closed manager or of its arrays, naming the objects."""
+    objs = list({id(o): o for o in objs}.values())
+    named = ", ".join(f"object {o.id} ({format_size(o.nbytes)})" for o in objs[:3])
+    return UseAfterFreeError(
+        f"this manager is closed{f' ({named} belonged to it)' if named else ''}: its arrays "
+        "cannot be used any more; create a new Manager, and close a manager only after its "
+        "arrays are no longer in use")
+
+
+def _describe(obj, shape=None):
+    where = obj.primary.device.name if obj.primary is not None else "no device"
+    return (f"object {obj.id} ({format_size(obj.nbytes)}"
+            f"{f', shape {shape}' if shape is not None else ''}, on {where}, pins={obj.pins})")
 
 
 def _make_device(spec, name, default_cls, **kw):
@@ -112,16 +141,23 @@ class Manager:
     """Owns the devices (fast and slow heaps), every object and region, the policy and telemetry.
 
     ``Manager(fast="256MiB", slow="4GiB", slow_path=None, policy="lru")``; usable as a context
-    manager; ``close()`` is idempotent.
+    manager; ``close()`` is idempotent. ``debug=True`` (or ``CACHEDARRAYS_DEBUG=1``) poisons
+    memory that objects leave behind and reports writes into it (see ``cachedarrays.poison``).
     """
 
     __ca_leaf__ = True
 
     def __init__(self, fast="256MiB", slow="4GiB", slow_path=None, policy="lru", *,
                  granularity=0, populate=False, hugepages=True, numa_node=None,
-                 event_log=None, policy_options=None):
+                 event_log=None, policy_options=None, debug=None):
         self.closed = True
+        self._gate = True             # closing or closed: pins and allocations take the slow path
+        self._closing = False
         self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)   # notified when pins drop while closing
+        self._scopes = {}             # open access scope -> (thread id, ((object, shape), ...))
+        self._pinned_by = {}          # (thread id, object id) -> (object, count) for pin()
+        self._debug = Poison() if debug_enabled(debug) else None
         self._deferred = deque()
         self._ids = itertools.count(1)
         self._last_id = 0
@@ -140,7 +176,7 @@ class Manager:
         self.fast, self.slow = fast_dev, slow_dev
         self._by_offset = {name: {} for name in self.devices}
         self.telemetry = Telemetry(self.devices, event_log=event_log)
-        self.closed = False
+        self.closed = self._gate = False
         try:
             self.policy = self._resolve_policy(policy, policy_options or {})
         except BaseException:
@@ -177,30 +213,140 @@ class Manager:
     def __exit__(self, *exc):
         self.close()
 
-    def close(self):
-        """Free every object and release the devices. Safe to call more than once."""
-        if self.closed:
-            return
+    def close(self, timeout=10.0):
+        """Free every object and release the devices. Safe to call more than once.
+
+        Nothing is released while in use: pins held by other threads (running kernels, open
+        access scopes) are waited for, up to timeout seconds (None: no limit), while new uses
+        wait for the outcome. If pins remain, or the calling thread itself has an access scope
+        open, PinnedError names the pinned objects and the manager stays open and usable.
+        After a close, every use of the manager's arrays raises UseAfterFreeError.
+        """
         with self._lock:
-            self.closed = True
-            for obj in self._live_objects():
-                obj.freed = True
-                obj.primary = None
-                obj.regions = {}
-            self._deferred.clear()
+            while self._closing:                  # another thread is closing: take its outcome
+                self._cond.wait()
+            if self.closed:
+                return
+            if self._pinned():
+                self._wait_unpinned(timeout)
+            self._shutdown()
+
+    def _pinned(self):
+        return [o for o in self._live_objects() if o.pins]
+
+    def _held_here(self):
+        """(object, shape) pairs the calling thread keeps pinned: open access scopes, pin()."""
+        me = threading.get_ident()
+        held = [h for tid, hs in list(self._scopes.values()) if tid == me for h in hs]
+        held += [(o, None) for (tid, _), (o, _) in list(self._pinned_by.items()) if tid == me]
+        return [(o, shape) for o, shape in held if o.pins]
+
+    def _pinned_error(self, pinned, here):
+        shapes = {id(o): shape for _, held in list(self._scopes.values()) for o, shape in held}
+        names = "; ".join(_describe(o, shapes.get(id(o))) for o in pinned[:8])
+        more = f" and {len(pinned) - 8} more" if len(pinned) > 8 else ""
+        if here:
+            why = ("the calling thread pins them (an open ca.readable, ca.writable or ca.access "
+                   "scope, or Manager.pin) and close() would wait for itself: end the scope "
+                   "(or unpin) first")
+        else:
+            why = ("running kernels or access scopes on other threads still pin them: end those "
+                   "scopes (or let the kernels finish) first, or pass close(timeout=...) longer")
+        return PinnedError(f"cannot close the manager while {len(pinned)} object(s) are in use "
+                           f"({names}{more}); {why}. The manager stays open")
+
+    def _wait_unpinned(self, timeout):
+        """Wait (lock released) until no object is pinned; PinnedError if that cannot happen."""
+        here = self._held_here()
+        if here:
+            pinned = self._pinned()
+            mine = {id(o) for o, _ in here}
+            raise self._pinned_error(sorted(pinned, key=lambda o: id(o) not in mine), True)
+        deadline = None if timeout is None else time.monotonic() + max(0.0, float(timeout))
+        self._closing = True
+        self._gate = True
+        done = False
+        try:
+            while True:
+                pinned = self._pinned()
+                if not pinned:
+                    done = True
+                    return
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise self._pinned_error(pinned, False)
+                self._cond.wait(left)
+        finally:
+            self._closing = False
+            if not done:                          # the close failed: let waiting uses go on
+                self._gate = self.closed
+                self._cond.notify_all()
+
+    def _shutdown(self):
+        """Release everything (caller holds the lock and no object is pinned)."""
+        self.closed = self._gate = True
+        for obj in self._live_objects():
+            obj.primary = None                    # its arrays now raise UseAfterFreeError
+            obj.regions = {}
+        for table in self._by_offset.values():
+            for r in table.values():
+                r.freed = True
+            table.clear()
+        self._objects.clear()
+        self._deferred.clear()
+        self._scopes.clear()
+        self._pinned_by.clear()
+        if self._debug is not None:
+            self._debug.clear()
+        try:
             self.telemetry.close()
             for dev in self.devices.values():
                 dev.close()
+        finally:
+            self._cond.notify_all()
 
     def __del__(self):
         try:
-            self.close()
+            self.close(timeout=0)
         except Exception:
             pass
 
-    def _check_open(self):
+    def _check_open(self, objs=()):
         if self.closed:
-            raise CachedArraysError("this manager is closed; create a new Manager")
+            raise _closed_error(objs)
+
+    def _pass_gate(self, objs=()):
+        """Slow path of pin and acquire while the manager is closing or closed.
+
+        A close waiting for pins to drain holds new uses back (so it is not starved) unless the
+        calling thread holds pins itself (an open access scope): they keep the close waiting.
+        """
+        while self._closing and not self._held_here():
+            self._cond.wait()
+        if self.closed:
+            raise _closed_error(objs)
+
+    def _pass_alloc_gate(self):
+        """Slow path of allocations while closing: wait only if nothing is pinned.
+
+        Allocations also happen inside kernels that hold pins; those must not wait for a close
+        that waits for them.
+        """
+        while self._closing and not self._pinned():
+            self._cond.wait()
+        if self.closed:
+            raise _closed_error()
+
+    def scope_opened(self, key, held):
+        """Record an access scope of the calling thread pinning held ((object, shape) pairs).
+
+        close() uses it to name the pinned arrays and to refuse at once instead of waiting for
+        a scope on its own thread.
+        """
+        self._scopes[key] = (threading.get_ident(), held)
+
+    def scope_closed(self, key):
+        self._scopes.pop(key, None)
 
     # ---- objects ---------------------------------------------------------------------------
 
@@ -210,7 +356,8 @@ class Manager:
         if nbytes < 0:
             raise ValueError(f"object size must not be negative, got {nbytes}")
         with self._lock:
-            self._check_open()
+            if self._gate:
+                self._pass_alloc_gate()
             self._drain()
             return self._register(nbytes)
 
@@ -226,8 +373,8 @@ class Manager:
         The one-step form of new_object + allocate + set_primary used by policies.
         """
         with self._lock:
-            if self.closed:
-                self._check_open()
+            if self._gate:
+                self._pass_alloc_gate()
             if self._deferred:
                 self._drain()
             dev = device if isinstance(device, Device) else self._device(device)
@@ -235,6 +382,8 @@ class Manager:
                 offset = dev.try_alloc(nbytes, self._last_id + 1)
                 if offset is None:
                     return None
+                if self._debug is not None:
+                    self._debug_reuse(dev, offset)
             else:
                 offset = -1
             obj = self._register(nbytes)
@@ -293,6 +442,7 @@ class Manager:
             if obj.freed:
                 raise UseAfterFreeError(f"object {obj.id} ({format_size(obj.nbytes)}) was "
                                         "already freed")
+            self._check_open((obj,))
             if obj.pins:
                 raise PinnedError(f"object {obj.id} is pinned by a running kernel or an open "
                                   "access scope; free it after the scope ends")
@@ -305,9 +455,9 @@ class Manager:
     def _release(self, obj_id, regions, primary):
         for r in regions:
             if not r.freed:
-                self._free_region(r)
+                self._free_region(r, "was freed")
         if primary is not None and not primary.freed:
-            self._free_region(primary)
+            self._free_region(primary, "was freed")
         self._objects.pop(obj_id, None)
         if not self.closed:
             self.policy.forget(obj_id)
@@ -328,6 +478,8 @@ class Manager:
         if obj.freed:
             raise UseAfterFreeError(f"object {obj.id} ({format_size(obj.nbytes)}) was freed; "
                                     "it cannot be used any more")
+        if self.closed:
+            raise _closed_error((obj,))
 
     def _own(self, obj, region):
         if region.freed:
@@ -340,17 +492,30 @@ class Manager:
     def pin(self, obj):
         """Pin obj: nothing moves or frees it until the matching unpin. Re-entrant."""
         with self._lock:
-            self._check_open()
+            if self._gate:
+                self._pass_gate((obj,))
             if self._deferred:
                 self._drain()
             self._live(obj)
             obj.pins += 1
+            key = (threading.get_ident(), obj.id)
+            held = self._pinned_by.get(key)
+            self._pinned_by[key] = (obj, held[1] + 1 if held else 1)
 
     def unpin(self, obj):
         with self._lock:
             if obj.pins <= 0:
                 raise CachedArraysError(f"object {obj.id} is not pinned; unpin without pin")
             obj.pins -= 1
+            key = (threading.get_ident(), obj.id)
+            held = self._pinned_by.get(key)
+            if held is not None:
+                if held[1] > 1:
+                    self._pinned_by[key] = (obj, held[1] - 1)
+                else:
+                    del self._pinned_by[key]
+            if self._closing:
+                self._cond.notify_all()
 
     def acquire(self, reads=(), writes=()):
         """Pin every object and report its use to the policy, in one step (for kernels).
@@ -358,8 +523,8 @@ class Manager:
         Each object in reads and writes gets one pin; release the same objects afterwards.
         """
         with self._lock:
-            if self.closed:
-                self._check_open()
+            if self._gate:
+                self._pass_gate((*reads, *writes))
             if self._deferred:
                 self._drain()
             done = []
@@ -369,6 +534,8 @@ class Manager:
             except BaseException:
                 for o in done:
                     o.pins -= 1
+                if self._closing:
+                    self._cond.notify_all()
                 raise
 
     def _pin_all(self, objs, use, done):
@@ -384,6 +551,8 @@ class Manager:
         with self._lock:
             for o in objs:
                 o.pins -= 1
+            if self._closing:
+                self._cond.notify_all()
 
     # ---- regions ---------------------------------------------------------------------------
 
@@ -399,7 +568,8 @@ class Manager:
     def allocate(self, device, nbytes, obj):
         """Allocate a region of nbytes for obj on device; OutOfMemoryError when it does not fit."""
         with self._lock:
-            self._check_open()
+            if self._gate:
+                self._pass_alloc_gate()
             self._drain()
             self._live(obj)
             dev = self._device(device)
@@ -413,6 +583,8 @@ class Manager:
                     offset = dev.alloc(nbytes, obj.id)
                 except OutOfMemoryError as e:
                     raise OutOfMemoryError(f"object {obj.id}: {e}") from None
+                if self._debug is not None:
+                    self._debug_reuse(dev, offset)
                 region = Region(dev, offset, nbytes, obj.id)
                 self._by_offset[dev.name][offset] = region
             self.telemetry.on_alloc(dev.name, nbytes, obj.id)
@@ -431,11 +603,13 @@ class Manager:
 
     def fits(self, device, nbytes):
         """Could nbytes ever be held by device (if it were empty)?"""
-        return nbytes == 0 or self._device(device).fits(nbytes)
+        with self._lock:                          # the heap may not be closed meanwhile
+            return nbytes == 0 or self._device(device).fits(nbytes)
 
     def free(self, region):
         """Free region to its device (and drop it from its object)."""
         with self._lock:
+            self._check_open()
             if region.freed:
                 raise UseAfterFreeError(f"{region!r} was already freed (double free)")
             obj = self.object(region.owner)
@@ -444,11 +618,13 @@ class Manager:
                                   "freed until the access scope ends")
             self._free_region(region)
 
-    def _free_region(self, region):
+    def _free_region(self, region, why=None):
         dev = region.device
         if region.nbytes:
             dev.free(region.offset, region.owner)
             self._by_offset[dev.name].pop(region.offset, None)
+            if self._debug is not None:
+                self._debug_vacate(region, why)
         region.freed = True
         self.telemetry.on_free(dev.name, region.nbytes, region.owner)
         ref = self._objects.get(region.owner)
@@ -458,6 +634,22 @@ class Manager:
                 del obj.regions[dev.name]
             if obj.primary is region:
                 obj.primary = None
+
+    def _debug_vacate(self, region, why):
+        """Debug mode: poison a region's bytes as they leave their object."""
+        if why is None:
+            obj = self.object(region.owner)
+            p = obj.primary if obj is not None else None
+            why = (f"moved from {region.device.name!r} to {p.device.name!r}"
+                   if p is not None and p is not region and p.device is not region.device else
+                   f"left its {region.device.name!r} region")
+        self._debug.vacate(region.device, region.data_offset, region.nbytes, region.owner,
+                           region.nbytes, why)
+
+    def _debug_reuse(self, dev, offset):
+        """Debug mode: a block was handed out; report writes made into it since it was vacated."""
+        for w in self._debug.reuse(dev, offset, dev.heap.info(offset).size):
+            self.telemetry.count("debug_stale_writes", w.changed, id=w.owner, device=w.device)
 
     def link(self, a, b):
         """Link regions a and b (same object, different devices) as copies of each other."""
@@ -496,6 +688,7 @@ class Manager:
     def copyto(self, dst, src):
         """Copy src's bytes into dst (counted by direction in telemetry)."""
         with self._lock:
+            self._check_open()
             if dst.freed or src.freed:
                 raise UseAfterFreeError(f"copy between freed regions: {dst!r} <- {src!r}")
             if dst.nbytes < src.nbytes:
@@ -530,6 +723,7 @@ class Manager:
         return self.object(region.owner)
 
     def _parent_live(self, region):
+        self._check_open()
         if region.freed:
             raise UseAfterFreeError(f"{region!r} was freed")
         obj = self.object(region.owner)
@@ -585,6 +779,7 @@ class Manager:
             if dev.heap is None:
                 return 0
             table = self._by_offset[dev.name]
+            moves = []
 
             def move(owner, old, new):
                 obj = self.object(owner)
@@ -593,9 +788,12 @@ class Manager:
                 r = table.pop(old)
                 r.offset = new
                 table[new] = r
+                moves.append((r, old))
                 return True
 
             moved = dev.heap.defrag(move)
+            if self._debug is not None and moves:
+                self._debug.after_defrag(dev, moves, list(dev.heap.blocks()))
             self.telemetry.count("defrag_moves", 0, device=dev.name, moved=moved)
             return moved
 
@@ -612,13 +810,11 @@ class Manager:
         if region.freed:
             raise UseAfterFreeError(f"{region!r} was freed")
         if region.nbytes == 0:
-            a = np.empty(shape, dtype=dtype)
-        else:
-            a = np.ndarray(shape, dtype=dtype, buffer=region.device.buffer,
-                           offset=region.offset + HEADER + offset, strides=strides)
-        if readonly:
-            a.flags.writeable = False
-        return a
+            return np.ndarray(shape, dtype=dtype, buffer=b"" if readonly else None)
+        # A read-only view is built on a read-only buffer, so NumPy refuses to make it writable.
+        buf = region.device.readonly_buffer if readonly else region.device.buffer
+        return np.ndarray(shape, dtype=dtype, buffer=buf, offset=region.offset + HEADER + offset,
+                          strides=strides)
 
     # ---- checks and reports ----------------------------------------------------------------
 
@@ -647,7 +843,20 @@ class Manager:
                 for r in obj.regions.values():
                     if r.freed or r.owner != obj.id:
                         raise CachedArraysError(f"object {obj.id}: holds stale {r!r}")
+            if self._debug is not None:
+                self._debug_check()
             return True
+
+    def _debug_check(self):
+        earlier, found = self._debug.verify(self.devices.values())
+        for w in found:                           # those found at reuse were counted there
+            self.telemetry.count("debug_stale_writes", w.changed, id=w.owner, device=w.device)
+        if earlier or found:
+            raise CachedArraysError(
+                "debug mode found writes into memory that no longer belongs to its object: "
+                + "; ".join(str(w) for w in earlier + found) + ". A view was kept past its "
+                "scope: an ndarray from ca.readable, ca.writable or ca.access is valid inside "
+                "the with-block only; take a new one (or index the CachedArray) afterwards")
 
     def stats(self):
         """Telemetry as a dict: bytes and copies per direction, events, per-device use."""
@@ -669,10 +878,11 @@ class Manager:
             self.telemetry.count(name, nbytes, **fields)
 
     def __repr__(self):
-        if self.closed:
-            return "<Manager closed>"
-        parts = []
-        for n, d in self.devices.items():
-            s = d.stats()
-            parts.append(f"{n}: {format_size(s['used'])}/{format_size(d.size)}")
+        with self._lock:                          # the heaps may not be closed meanwhile
+            if self.closed:
+                return "<Manager closed>"
+            parts = []
+            for n, d in self.devices.items():
+                s = d.stats()
+                parts.append(f"{n}: {format_size(s['used'])}/{format_size(d.size)}")
         return f"<Manager {', '.join(parts)}, policy={type(self.policy).__name__}>"

@@ -8,6 +8,18 @@ import threading
 import time
 from collections import defaultdict
 
+# Every named event the library counts, so stats()["events"] holds each one (zero until it
+# happens). A test checks that every count("name", ...) call in the source tree is listed here.
+EVENTS = (
+    "asarray",                 # np.asarray(cached): a full copy into ordinary memory
+    "cnn_iteration",           # one CNN training iteration (marks the event log)
+    "debug_stale_writes",      # debug mode: a write into memory its object had left
+    "defrag_moves",            # a heap defragmentation pass
+    "evict_skipped_pinned",    # an eviction walk passed over a pinned region
+    "prefetch_refused",        # a prefetch that did not fit in fast memory
+    "writebacks_elided",       # a clean eviction that dropped the fast copy without a copy
+)
+
 
 class Telemetry:
     """Counters kept by the manager. All updates happen under the manager's lock."""
@@ -32,8 +44,8 @@ class Telemetry:
         self.frees = {d: 0 for d in self._devices}
         self.current = dict(prev)
         self.peak = dict(prev)
-        self.events = defaultdict(int)           # named counters: writebacks_elided, ...
-        self.event_bytes = defaultdict(int)
+        self.events = defaultdict(int, dict.fromkeys(EVENTS, 0))   # named counters (EVENTS)
+        self.event_bytes = defaultdict(int, dict.fromkeys(EVENTS, 0))
 
     # Updates -------------------------------------------------------------------------------
 
@@ -60,7 +72,7 @@ class Telemetry:
             self.emit("copy", src=src, dst=dst, id=obj_id, nbytes=nbytes, seconds=seconds)
 
     def count(self, name, nbytes=0, **fields):
-        """Count a named event (e.g. writebacks_elided, prefetch_refused, asarray)."""
+        """Count a named event: one of EVENTS, or any other name a program chooses."""
         self.events[name] += 1
         self.event_bytes[name] += nbytes
         if self._log:
@@ -121,9 +133,10 @@ def format_stats(stats):
         lines.append(f"  {name:5} in use {format_size(d['current_bytes']):>11}, peak "
                      f"{format_size(d['peak_bytes']):>11}, {d['allocs']} allocations, "
                      f"{d['frees']} frees")
-    if stats["events"]:
+    happened = {name: rec for name, rec in stats["events"].items() if rec["count"]}
+    if happened:
         lines.append("events:")
-        for name, rec in stats["events"].items():
+        for name, rec in happened.items():
             extra = f" ({format_size(rec['bytes'])})" if rec["bytes"] else ""
             lines.append(f"  {name:22} {rec['count']:>8}{extra}")
     return "\n".join(lines)

@@ -1,25 +1,43 @@
-"""A state machine mixing array ops, movement, views, frees and threads against a NumPy model."""
+"""A state machine mixing array ops, movement, views, frees and threads against a NumPy model.
+
+Besides kernels and movement it drives the edges that lost data or crashed before: NumPy
+functions given ``out`` positionally, access scopes, ``close()`` with a scope open and a full
+close-and-reopen, and (in debug mode) a view used after its scope, which must be reported.
+"""
 
 import threading
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 import cachedarrays as ca
+from cachedarrays.errors import CachedArraysError, PinnedError, UseAfterFreeError
+
+# (name, call with positional out, the same on plain arrays)
+POSITIONAL_OUT = {
+    "clip": lambda x, y, c: np.clip(x, -0.5, 0.5, c),
+    "cumsum": lambda x, y, c: np.cumsum(x, 0, None, c),
+    "around": lambda x, y, c: np.around(x, 1, c),
+    "add": lambda x, y, c: np.add(x, y, c),
+    "dot": lambda x, y, c: np.dot(x.reshape(-1, 1), y.reshape(1, -1)[:, :1], c.reshape(-1, 1)),
+    "multiply.accumulate": lambda x, y, c: np.multiply.accumulate(x, 0, None, c),
+}
 
 SIZES = st.sampled_from([0, 1, 7, 100, 700, 1500])
 
 
 class ArrayMachine(RuleBasedStateMachine):
-    @initialize(policy=st.sampled_from(["lru", "lru-nolocal", "firsttouch"]))
-    def setup(self, policy):
+    @initialize(policy=st.sampled_from(["lru", "lru-nolocal", "firsttouch"]), debug=st.booleans())
+    def setup(self, policy, debug):
         options = None
         if policy == "lru-nolocal":
             policy, options = "lru", {"local_alloc": False}
-        self.m = ca.Manager(fast="32KiB", slow="2MiB", granularity=256, policy=policy,
-                            policy_options=options)
+        self.config = dict(fast="32KiB", slow="2MiB", granularity=256, policy=policy,
+                           policy_options=options, debug=debug)
+        self.m = ca.Manager(**self.config)
         self.arrays = []          # (CachedArray, ndarray model)
 
     def teardown(self):
@@ -108,6 +126,73 @@ class ArrayMachine(RuleBasedStateMachine):
     @rule()
     def defrag(self):
         self.m.defrag("fast")
+
+    @rule(i=st.integers(0, 50), j=st.integers(0, 50), k=st.integers(0, 50),
+          name=st.sampled_from(sorted(POSITIONAL_OUT)))
+    def positional_out(self, i, j, k, name):
+        """A NumPy function writing into an existing array given as a positional out."""
+        x, y, c = self.pick(i), self.pick(j), self.pick(k)
+        if x is None or not (x[0].shape == y[0].shape == c[0].shape) or c[0].size == 0 or \
+                c[0].object is x[0].object or c[0].object is y[0].object:
+            return
+        f = POSITIONAL_OUT[name]
+        assert f(x[0], y[0], c[0]) is not None
+        f(x[1], y[1], c[1])
+
+    @rule(i=st.integers(0, 50), start=st.integers(0, 10), v=st.floats(-5, 5))
+    def scopes(self, i, start, v):
+        """Write inside a writable scope; a readable view is read-only and matches the model."""
+        x = self.pick(i)
+        if x is None:
+            return
+        with ca.writable(x[0]) as w:
+            w[start::2] = v
+        x[1][start::2] = v
+        with ca.readable(x[0]) as r:
+            np.testing.assert_array_equal(r, x[1])
+            with pytest.raises(ValueError):
+                r.flags.writeable = True
+
+    @rule(i=st.integers(0, 50))
+    def close_with_a_scope_open(self, i):
+        """close() inside a scope refuses, naming the object; the manager stays usable."""
+        x = self.pick(i)
+        if x is None:
+            return
+        with ca.readable(x[0]) as r:
+            with pytest.raises(PinnedError, match=f"object {x[0].object.id}"):
+                self.m.close()
+            np.testing.assert_array_equal(r, x[1])
+        assert not self.m.closed
+
+    @rule()
+    def close_and_reopen(self):
+        """After close() every array raises; the data lives on in a new manager."""
+        old = self.m
+        old.close()
+        for arr, _ in self.arrays[:3]:
+            with pytest.raises(UseAfterFreeError, match="closed"):
+                arr + 1
+        self.m = ca.Manager(**self.config)
+        self.arrays = [(ca.asarray(model, manager=self.m), model) for _, model in self.arrays]
+
+    @rule(i=st.integers(0, 50), v=st.floats(1, 5))
+    def stale_view_in_debug_mode(self, i, v):
+        """A writable view used after its scope, once the array moved, is reported."""
+        x = self.pick(i)
+        if x is None or not self.config["debug"] or x[0].size == 0:
+            return
+        ca.prefetch(x[0], force=True)
+        if x[0].device != "fast":
+            return
+        with ca.writable(x[0]) as w:
+            pass
+        ca.evict(x[0])
+        if x[0].device == "fast":      # a policy that never moves arrays
+            return
+        w[0] = v                       # the bug: memory x no longer owns
+        with pytest.raises(CachedArraysError, match=f"object {x[0].object.id} "):
+            self.m.check()
 
     @invariant()
     def values_and_heaps(self):

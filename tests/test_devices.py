@@ -58,13 +58,13 @@ def test_directory_path_gets_a_temporary_file_inside(tmp_path):
     dev.close()
 
 
-def test_file_path_is_created_with_mode_0600_and_kept(tmp_path):
+def test_new_file_path_is_created_with_mode_0600_and_removed_at_close(tmp_path):
     p = tmp_path / "slow.heap"
     dev = devices.SlowDevice("256KiB", path=str(p))
     assert p.exists() and p.stat().st_size >= 256 << 10
     assert (p.stat().st_mode & 0o777) == 0o600
     dev.close()
-    assert p.exists()
+    assert not p.exists()
 
 
 def test_missing_directory_names_path_and_fix(tmp_path):
@@ -87,7 +87,6 @@ def test_unwritable_directory_is_reported(tmp_path, monkeypatch):
 
 def test_unwritable_file_is_reported(tmp_path, monkeypatch):
     p = tmp_path / "slow.heap"
-    p.write_bytes(b"")
 
     def deny(*args, **kwargs):
         raise PermissionError(13, "Permission denied")
@@ -116,13 +115,11 @@ def test_file_system_without_room_is_refused_before_mapping(tmp_path, monkeypatc
 def test_not_dax_is_reported_once(tmp_path, caplog):
     p = tmp_path / "a.heap"
     with caplog.at_level(logging.INFO, logger="cachedarrays.devices"):
-        d1 = devices.SlowDevice("64KiB", path=str(p))
-        d2 = devices.SlowDevice("64KiB", path=str(p))
+        devices.SlowDevice("64KiB", path=str(p)).close()
+        devices.SlowDevice("64KiB", path=str(p)).close()
     notes = [r for r in caplog.records if "not DAX" in r.getMessage()]
     assert len(notes) == 1 and notes[0].levelno == logging.WARNING
     assert "OS page cache" in notes[0].getMessage()
-    d1.close()
-    d2.close()
 
 
 def test_dax_detection_reads_mount_options(monkeypatch):
@@ -147,6 +144,15 @@ def test_dram_on_numa_node_zero_when_present():
         d = devices.DRAM("1MiB", numa_node=0, populate=True)
     except DeviceError as e:
         pytest.skip(f"mbind not permitted here: {e}")
+    assert d.stats()["capacity"] == 1 << 20
+    a = np.ndarray((1 << 20,), np.uint8, d.buffer)
+    a[:] = 7
+    assert int(a.sum()) == 7 << 20
+    if os.path.exists("/proc/self/numa_maps"):
+        with open("/proc/self/numa_maps") as f:
+            policy = [line.split()[1] for line in f if line.startswith(f"{d.address:x} ")]
+        assert policy == ["bind:0"]               # the kernel placed the mapping on node 0
+    del a
     d.close()
 
 
@@ -154,9 +160,9 @@ def test_size_zero_fast_device_sends_everything_to_slow():
     with ca.Manager(fast=0, slow="1MiB") as m:
         x = ca.zeros(100, manager=m)
         assert x.device == "slow"
-        assert not ca.prefetch(x, force=True) if False else True
+        assert m.stats()["events"].get("prefetch_refused", {}).get("count", 0) == 0
         ca.prefetch(x, force=True)
-        assert x.device == "slow"
+        assert x.device == "slow" and not ca.in_fast(x)
         assert m.stats()["events"]["prefetch_refused"]["count"] == 1
         with pytest.raises(OutOfMemoryError, match="no memory"):
             m.fast.alloc(10, 1)

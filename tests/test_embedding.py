@@ -216,6 +216,63 @@ def test_bad_offsets_and_dtypes_are_refused(m, kind):
         E.SimpleTable(4, 4, manager=m, name="ctx").lookup(idx[:2], context="backward")
 
 
+@pytest.mark.parametrize("kind", ["fast", "dynamic"])
+@pytest.mark.parametrize("big", [2**64 - 1, 2**63, 2**63 - 1, 10])
+def test_unsigned_indices_are_reported_as_given(m, kind, big):
+    t = E.make_table(kind, 10, 4, manager=m, name="clicks")
+    idx = np.array([1, big, 2], dtype=np.uint64)
+    with pytest.raises(IndexError, match=rf"'clicks'.*index {big} at position 1"):
+        t.lookup(idx)
+    with pytest.raises(IndexError, match=rf"'clicks'.*index {big} at position 1"):
+        t.update(idx, None, np.zeros((3, 4), np.float32), 0.1)
+    with pytest.raises(IndexError, match=rf"'clicks'.*index {big} at position 1"):
+        E.lookup_tables([t], [idx], [np.array([0])], ca.zeros((1, 4), np.float32, manager=m))
+    if kind == "dynamic":
+        assert (t.where == -1).all()
+
+
+def test_unsigned_indices_in_range_work(m):
+    init = _init(10, 4)
+    t = E.SimpleTable(10, 4, manager=m, init=init, name="u")
+    idx = np.array([9, 0, 3], dtype=np.uint64)
+    np.testing.assert_array_equal(np.asarray(t.lookup(idx)), init[[9, 0, 3]])
+
+
+def test_huge_unsigned_offsets_are_reported_as_given(m):
+    t = E.SimpleTable(10, 4, manager=m, name="bags")
+    with pytest.raises(ValueError, match=rf"'bags'.*offsets value {2**64 - 1}"):
+        t.lookup(np.array([1, 2]), np.array([0, 2**64 - 1], dtype=np.uint64))
+
+
+@pytest.mark.parametrize("kind", ["fast", "dynamic"])
+@pytest.mark.parametrize("lr", [float("nan"), float("inf"), -float("inf"), -0.1, np.float32("nan"),
+                                1e300])
+def test_bad_learning_rates_are_refused_before_any_write(m, kind, lr):
+    init = _init(10, 4)
+    t = E.make_table(kind, 10, 4, manager=m, init=init, name="lr")
+    idx, dout = np.array([1, 2]), np.ones((2, 4), np.float32)
+    with pytest.raises(ValueError, match="'lr'.*learning rate"):
+        t.update(idx, None, dout, lr)
+    with pytest.raises(ValueError, match="'lr'.*learning rate"):
+        E.update_tables([t], [idx], [None], dout, lr)
+    np.testing.assert_array_equal(t.snapshot(), init)
+
+
+def test_learning_rate_must_be_a_number(m):
+    t = E.SimpleTable(10, 4, manager=m, name="lrtype")
+    with pytest.raises(TypeError, match="'lrtype'.*learning rate"):
+        t.update(np.array([1]), None, np.ones((1, 4), np.float32), "0.1")
+
+
+def test_zero_and_numpy_learning_rates_are_accepted(m):
+    init = _init(10, 4)
+    t = E.SimpleTable(10, 4, manager=m, init=init, name="ok")
+    t.update(np.array([1]), None, np.ones((1, 4), np.float32), 0)
+    np.testing.assert_array_equal(t.snapshot(), init)
+    t.update(np.array([1]), None, np.ones((1, 4), np.float32), np.float32(0.5))
+    np.testing.assert_allclose(t.snapshot()[1], init[1] - 0.5)
+
+
 # ---- CachedEmbeddingTable == SimpleTable under any sequence of operations ------------------
 
 NROWS, FS = 40, 3

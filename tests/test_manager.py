@@ -302,6 +302,9 @@ class ManagerMachine(RuleBasedStateMachine):
         self.counter = 0
 
     def teardown(self):
+        for o in self.objs.values():          # close() refuses while this thread pins objects
+            while o.pins:
+                self.m.unpin(o)
         self.m.close()
 
     @rule(target=objects, size=st.integers(0, 6000), fast=st.booleans())

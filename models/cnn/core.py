@@ -168,20 +168,28 @@ class Session:
         """Call unit.forward(self, x) -> (y, pullback) with the unit's memory annotations.
 
         The forward runs under ``noescape``; the returned pullback runs under ``noescape`` and
-        afterwards frees everything it captured (``cleanup``) except the unit's parameters,
-        its input and its result. The policy's cleanup switch turns both off.
+        afterwards frees what it captured, the output and dy (``cleanup``) except the unit's
+        parameters, its input and its result, and except what anything else still refers to
+        (a caller's ``y``). The policy's cleanup switch turns both off.
         """
         if not self.annotations:
             return unit.forward(self, x)
-        y, pullback = ca.noescape(unit.forward)(self, x)
+        # cleanup frees only what nothing outside its argument refers to, so the wrapper holds
+        # the output and the pullback in this list alone and hands dy over to it as well.
+        captured = list(ca.noescape(unit.forward)(self, x))
 
         def pullback_wrapper(dy):
             # The unit is part of the result so that its new gradients are not temporaries.
-            dx, _ = ca.noescape(lambda d: (pullback(d), unit))(dy)
-            ca.cleanup((y, dy, pullback), keep=ca.preserve(unit, x, dx))
+            dx, _ = ca.noescape(lambda d: (captured[1](d), unit))(dy)
+            captured.append(dy)
+            del dy
+            try:
+                ca.cleanup(captured, keep=ca.preserve(unit, x, dx))
+            finally:
+                del captured[2:]
             return dx
 
-        return y, pullback_wrapper
+        return captured[0], pullback_wrapper
 
 
 class Unit:

@@ -347,10 +347,19 @@ def train_step(s, model, x, labels, optimizer, defrag=True, fused=True):
         logits = model.forward(s, x, tape)
         loss, g = softmax_cross_entropy(s, logits, labels)
         grads.append(g)
+        del g
         s.fused = optimizer if fused else None
-        for pb in reversed(tape):
-            g = pb(g)
-            grads.append(g)
+        if s.frees_early:
+            # Each gradient goes straight to the pullback that consumes it and each pullback is
+            # dropped once it ran: a pullback's cleanup frees only what nothing else refers to.
+            while tape:
+                pb = tape.pop()
+                grads.append(pb(grads.pop()))
+            pb = None
+        else:
+            # As with a garbage collector that runs once per iteration: keep everything.
+            for pb in reversed(tape):
+                grads.append(pb(grads[-1]))
         s.fused = None
         if not fused:
             optimizer.step(s, model.params())

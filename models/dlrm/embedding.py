@@ -307,6 +307,7 @@ class SimpleTable(EmbeddingTable):
         return out
 
     def update(self, indices, offsets, dout, lr):
+        kernels.check_lr(lr, self.name, self.dtype)
         with _scope(dout) as g, ca.writable(self.data) as t:
             rows = kernels.sgd_update(t, indices, offsets, g, lr, name=self.name)
         self._account_update(rows.shape[0])
@@ -535,6 +536,7 @@ class CachedEmbeddingTable(EmbeddingTable):
         return out
 
     def update(self, indices, offsets, dout, lr):
+        kernels.check_lr(lr, self.name, self.dtype)
         nbags = np.shape(dout)[0]
         idx, off = self._prepare(indices, offsets, nbags)
         with _scope(dout) as g, ca.writable(self.base) as b, ca.writable(self.cache) as c:
@@ -741,6 +743,8 @@ def update_tables(tables, indices_list, offsets_list, dout, lr, column_offsets=N
     if len(indices_list) != len(tables) or len(offsets_list) != len(tables):
         raise ValueError(f"{len(tables)} tables but {len(indices_list)} index arrays and "
                          f"{len(offsets_list)} offset arrays")
+    for t in tables:
+        kernels.check_lr(lr, t.name, t.dtype)
     cols = _columns(tables, column_offsets)
     offsets_list = _bag_offsets(indices_list, offsets_list)
     simple = [k for k, t in enumerate(tables) if isinstance(t, SimpleTable)]

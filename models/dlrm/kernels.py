@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import logging
+import math
 import os
 import re
 import sys
@@ -37,6 +38,7 @@ __all__ = [
     "accumulate_grad",
     "check_indices",
     "check_offsets",
+    "check_lr",
 ]
 
 log = logging.getLogger(__name__)
@@ -310,26 +312,63 @@ def _check_table(table, name, what="table"):
                          f"pass the table itself, not a column slice or a transpose")
 
 
-def _as_index_array(a, name, what):
+_INT64_MAX = np.iinfo(np.int64).max
+
+
+def _index_input(a, name, what):
+    """``a`` as a 1-D integer ndarray in its own dtype (not yet cast, so nothing has wrapped)."""
     a = np.asarray(a)
     if a.ndim != 1:
         raise ValueError(f"table {name!r}: {what} must be 1-D, got shape {a.shape}")
     if a.dtype.kind not in "iu":
         raise TypeError(f"table {name!r}: {what} must be an integer array, got dtype {a.dtype}")
+    return a
+
+
+def _as_index_array(a, name, what):
+    a = _index_input(a, name, what)
+    if a.dtype == np.uint64 and a.size and a.max() > _INT64_MAX:
+        # casting would wrap 2**64-1 to -1: refuse, naming the value as given
+        bad = int(np.flatnonzero(a > _INT64_MAX)[0])
+        error = IndexError if what == "indices" else ValueError
+        raise error(f"table {name!r}: {what} value {int(a[bad])} at position {bad} is out of "
+                    f"range (more than the largest int64)")
     return np.ascontiguousarray(a, dtype=np.int64)
 
 
 def check_indices(indices, nrows: int, name: str = "table") -> np.ndarray:
-    """Return ``indices`` as contiguous int64; raise IndexError if any is outside [0, nrows)."""
-    idx = _as_index_array(indices, name, "indices")
-    if idx.size == 0:
-        return idx
-    lo, hi = idx.min(), idx.max()
-    if lo < 0 or hi >= nrows:
-        bad = np.flatnonzero((idx < 0) | (idx >= nrows))[0]
-        raise IndexError(f"table {name!r}: index {int(idx[bad])} at position {int(bad)} is out of "
-                         f"range; valid rows are 0..{nrows - 1} (table has {nrows} rows)")
-    return idx
+    """Return ``indices`` as contiguous int64; raise IndexError if any is outside [0, nrows).
+
+    The bounds are checked on the values as given (before the cast to int64), so an unsigned
+    index such as 2**64-1 is reported as itself, not as -1.
+    """
+    raw = _index_input(indices, name, "indices")
+    if raw.size:
+        lo, hi = raw.min(), raw.max()
+        if lo < 0 or hi >= nrows:
+            bad = int(np.flatnonzero((raw < 0) | (raw >= nrows))[0])
+            raise IndexError(f"table {name!r}: index {int(raw[bad])} at position {bad} is out "
+                             f"of range; valid rows are 0..{nrows - 1} (table has {nrows} rows)")
+    return np.ascontiguousarray(raw, dtype=np.int64)
+
+
+def check_lr(lr, name: str = "table", dtype=None) -> float:
+    """Return the learning rate as a float; ValueError unless it is finite and not negative
+    (and, given the table's ``dtype``, representable in it)."""
+    if isinstance(lr, (bool, np.bool_)) or not isinstance(lr, (int, float, np.integer,
+                                                               np.floating)):
+        raise TypeError(f"table {name!r}: learning rate must be a real number, got "
+                        f"{type(lr).__name__}")
+    value = float(lr)
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"table {name!r}: learning rate must be a finite number >= 0, "
+                         f"got {lr!r}")
+    if dtype is not None:
+        with np.errstate(over="ignore"):
+            if not np.isfinite(np.dtype(dtype).type(value)):
+                raise ValueError(f"table {name!r}: learning rate {lr!r} does not fit in the "
+                                 f"table's {np.dtype(dtype)}")
+    return value
 
 
 def check_offsets(offsets, nidx: int, nbags: int, name: str = "table") -> np.ndarray:
@@ -526,6 +565,7 @@ def sgd_update(table, indices, offsets, dout, lr, *, name="table", check=True):
     """
     _check_table(table, name)
     _check_writable(table, name)
+    lr = check_lr(lr, name, table.dtype)
     idx, off, nbags, gflat, gstride = _prepare_update(table.shape[0], indices, offsets, dout,
                                                       table.dtype, table.shape[1], name, check)
     rows, bounds, occ, nu = _reindexed(table.shape[0], idx, off, nbags)
@@ -542,6 +582,7 @@ def sgd_update_indirect(base, cache, where, indices, offsets, dout, lr, *, name=
     _check_table(cache, name, "cache")
     _check_writable(base, name, "base")
     _check_writable(cache, name, "cache")
+    lr = check_lr(lr, name, base.dtype)
     idx, off, nbags, gflat, gstride = _prepare_update(base.shape[0], indices, offsets, dout,
                                                       base.dtype, base.shape[1], name, check)
     where = _check_where(where, base, cache, idx, name, check)
@@ -680,6 +721,7 @@ def update_many(tables, indices_list, offsets_list, dout, lr, column_offsets=Non
         names = [f"table{t}" for t in range(len(tables))]
     tl, il, ol, dtype, names = _ensemble(tables, indices_list, offsets_list, nbags, names,
                                          update=True)
+    lr = check_lr(lr, names[0], dtype)
     cols = _columns(tables, column_offsets, dout.shape[1], names)
     gflat, gstride = _gradient(dout, nbags, dout.shape[1], dtype, names[0])
     idx_base = np.zeros(len(tables) + 1, dtype=np.int64)

@@ -1,0 +1,335 @@
+"""Every public name of np.ndarray works on a CachedArray as on the ndarray, or says why not.
+
+In-place methods mark the array written, so an eviction after them writes back instead of
+dropping the change.
+"""
+
+import io
+import pickle
+import tempfile
+
+import numpy as np
+import pytest
+
+import cachedarrays as ca
+
+PUBLIC = sorted(n for n in dir(np.ndarray) if not n.startswith("_"))
+
+# Names that cannot be supported, and the reason each refusal gives.
+REFUSED = {
+    "ctypes": "stale",
+    "data": "stale",
+}
+
+# Names whose meaning differs by design.
+DIFFERENT = {
+    "device": "where the newest copy lives: 'fast' or 'slow' (see the design's public API)",
+}
+
+GRID = np.arange(12.0).reshape(3, 4)
+SHUFFLED = np.array([[5.0, 1.0, 4.0, 2.0], [9.0, 0.0, 3.0, 7.0], [8.0, 6.0, 11.0, 10.0]])
+COMPLEX = np.array([1 + 2j, 3 - 4j, -5j])
+RECORDS = np.array([(1, 2.0), (3, 4.0)], dtype=[("a", "i4"), ("b", "f8")])
+
+# name -> calls f(array) whose results must match for the ndarray and the CachedArray.
+CALLS = {
+    "T": [lambda a: a.T],
+    "mT": [lambda a: a.mT],
+    "all": [lambda a: a.all(), lambda a: (a > 2).all(axis=0)],
+    "any": [lambda a: a.any(axis=1, keepdims=True)],
+    "argmax": [lambda a: a.argmax(), lambda a: a.argmax(axis=1)],
+    "argmin": [lambda a: a.argmin(axis=0)],
+    "argpartition": [lambda a: np.sort(a.argpartition(1, axis=None)[:2])],
+    "argsort": [lambda a: a.argsort(axis=1), lambda a: a.argsort(axis=None, stable=True)],
+    "astype": [lambda a: a.astype(np.int32), lambda a: a.astype("f4", order="F", copy=True),
+               lambda a: a.astype(a.dtype, copy=False) is a, lambda a: a.astype(int, subok=True)],
+    "base": [lambda a: a.base is None, lambda a: a[1:].base is None],
+    "byteswap": [lambda a: a.byteswap(), lambda a: a.byteswap().byteswap()],
+    "choose": [lambda a: (a[:2, :3] % 3).astype(int).choose([10, 20, 30]),
+               lambda a: (a[:2, :3] % 3).astype(int).choose([a[0, :3], a[1, :3], a[2, :3]])],
+    "clip": [lambda a: a.clip(2, 7)],
+    "compress": [lambda a: a.compress([True, False, True], axis=0)],
+    "conj": [lambda a: (a * 1j).conj()],
+    "conjugate": [lambda a: (a + 1j).conjugate()],
+    "copy": [lambda a: a.copy(), lambda a: a.copy(order="F").strides],
+    "cumprod": [lambda a: (a + 1).cumprod(axis=1)],
+    "cumsum": [lambda a: a.cumsum(), lambda a: a.cumsum(axis=0, dtype=np.int64)],
+    "diagonal": [lambda a: a.diagonal(), lambda a: a.diagonal(1)],
+    "dot": [lambda a: a.dot(a.T), lambda a: a[0].dot(a[1])],
+    "dtype": [lambda a: a.dtype],
+    "dump": [lambda a: _dump_and_load(a)],
+    "dumps": [lambda a: pickle.loads(a.dumps())],
+    "fill": [lambda a: _filled(a, 3.5)],
+    "flags": [lambda a: (a.flags.c_contiguous, a.flags["F_CONTIGUOUS"], a.T.flags.fnc,
+                         a[:, 1].flags.forc, a.flags.writeable, a.flags.aligned)],
+    "flat": [lambda a: list(a.flat), lambda a: a.flat[5], lambda a: a.flat[2:7],
+             lambda a: len(a.flat), lambda a: a.T.flat[[1, 2]]],
+    "flatten": [lambda a: a.flatten(), lambda a: a.flatten("F")],
+    "getfield": [lambda a: a.getfield(np.float32, 4)],
+    "imag": [lambda a: (a * 1j).imag, lambda a: a.imag],
+    "item": [lambda a: a.item(3), lambda a: a.item(1, 2)],
+    "itemsize": [lambda a: a.itemsize],
+    "max": [lambda a: a.max(), lambda a: a.max(axis=0, initial=100.0)],
+    "mean": [lambda a: a.mean(), lambda a: a.mean(axis=1)],
+    "min": [lambda a: a.min(axis=1, keepdims=True)],
+    "nbytes": [lambda a: a.nbytes],
+    "ndim": [lambda a: a.ndim],
+    "nonzero": [lambda a: a.nonzero()],
+    "partition": [lambda a: _inplace(a, lambda b: b.partition(1, axis=1))[:, :1]],
+    "prod": [lambda a: (a + 1).prod(axis=0)],
+    "put": [lambda a: _inplace(a, lambda b: b.put([0, 5], [-1.0, -2.0]))],
+    "ravel": [lambda a: a.ravel(), lambda a: a.T.ravel("K")],
+    "real": [lambda a: (a + 1j).real],
+    "repeat": [lambda a: a.repeat(2, axis=0)],
+    "reshape": [lambda a: a.reshape(4, 3), lambda a: a.reshape((2, -1), order="F"),
+                lambda a: a.reshape(12, copy=True), lambda a: a[:, :2].reshape(6, copy=None)],
+    "resize": [lambda a: _inplace(a, lambda b: b.resize((4, 4), refcheck=False)),
+               lambda a: _inplace(a, lambda b: b.resize(5, refcheck=False))],
+    "round": [lambda a: (a / 7).round(2)],
+    "searchsorted": [lambda a: a.ravel().searchsorted([3.5, 0, 20])],
+    "setfield": [lambda a: _inplace(a, lambda b: b.setfield(7.0, np.float64))],
+    "setflags": [lambda a: a.setflags(write=True)],
+    "shape": [lambda a: a.shape],
+    "size": [lambda a: a.size],
+    "sort": [lambda a: _inplace(a, lambda b: b.sort(axis=0))],
+    "squeeze": [lambda a: a[:1].squeeze()],
+    "std": [lambda a: a.std(ddof=1)],
+    "strides": [lambda a: a.strides, lambda a: a[:, ::2].strides],
+    "sum": [lambda a: a.sum(), lambda a: a.sum(axis=1, dtype=np.float32)],
+    "swapaxes": [lambda a: a.swapaxes(0, 1)],
+    "take": [lambda a: a.take([0, 5, 11]), lambda a: a.take([2, 0], axis=0)],
+    "to_device": [lambda a: a.to_device("cpu") is a],
+    "tobytes": [lambda a: a.tobytes(), lambda a: a.tobytes("F")],
+    "tofile": [lambda a: _tofile(a), lambda a: _tofile(a.T, sep=",", format="%.1f")],
+    "tolist": [lambda a: a.tolist()],
+    "trace": [lambda a: a.trace()],
+    "transpose": [lambda a: a.transpose(), lambda a: a.transpose(1, 0)],
+    "var": [lambda a: a.var(axis=0)],
+    "view": [lambda a: a.view(np.int64), lambda a: a.view(), lambda a: a.view("i4", type(a))],
+}
+
+
+def _inplace(a, op):
+    """The array after running an in-place method on a copy of it."""
+    b = a.copy()
+    assert op(b) is None
+    return b
+
+
+def _filled(a, value):
+    return _inplace(a, lambda b: b.fill(value))
+
+
+def _dump_and_load(a):
+    f = io.BytesIO()
+    a.dump(f)
+    return pickle.loads(f.getvalue())
+
+
+def _tofile(a, **kw):
+    with tempfile.TemporaryFile() as f:
+        a.tofile(f, **kw)
+        f.seek(0)
+        return f.read()
+
+
+@pytest.fixture
+def m():
+    with ca.Manager(fast="1MiB", slow="4MiB") as m:
+        yield m
+
+
+def same(expected, got):
+    if isinstance(expected, np.ndarray):
+        assert isinstance(got, ca.CachedArray), f"expected a CachedArray, got {type(got)}"
+        assert (got.shape, got.dtype) == (expected.shape, expected.dtype)
+        np.testing.assert_array_equal(np.asarray(got), expected)
+    elif isinstance(expected, (tuple, list)):
+        assert type(got) is type(expected) and len(got) == len(expected)
+        for e, g in zip(expected, got):
+            same(e, g)
+    else:
+        assert type(got) is type(expected) and got == expected
+
+
+def test_every_public_ndarray_name_is_on_cached_array():
+    missing = [n for n in PUBLIC if not hasattr(ca.CachedArray, n)]
+    assert not missing
+
+
+def test_every_public_ndarray_name_is_checked_here():
+    unchecked = set(PUBLIC) - set(CALLS) - set(REFUSED) - set(DIFFERENT)
+    assert not unchecked
+
+
+@pytest.mark.parametrize("name", sorted(CALLS))
+def test_method_gives_numpys_result(m, name):
+    for call in CALLS[name]:
+        a = SHUFFLED if name in ("sort", "partition", "argsort", "argpartition") else GRID
+        same(call(a.copy()), call(ca.asarray(a, manager=m)))
+
+
+def test_complex_parts_and_fields_give_numpys_results(m):
+    z = ca.asarray(COMPLEX, manager=m)
+    same(COMPLEX.real, z.real)
+    same(COMPLEX.imag, z.imag)
+    same(COMPLEX.conj(), z.conj())
+    r = ca.asarray(RECORDS, manager=m)
+    same(RECORDS.getfield(np.float64, 4), r.getfield(np.float64, 4))
+    same(RECORDS.byteswap(), r.byteswap())
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_raw_pointer_attributes_are_refused_with_the_reason(m, name):
+    x = ca.zeros(3, manager=m)
+    with pytest.raises(TypeError, match=rf"{REFUSED[name]}.*ca\.readable"):
+        getattr(x, name)
+    with ca.readable(x) as a:                   # the supported way: inside a pinned scope
+        assert getattr(a, name) is not None
+
+
+def test_views_as_ndarray_are_refused_with_the_reason(m):
+    x = ca.zeros(3, manager=m)
+    for view in (lambda: x.view(np.ndarray), lambda: x.view(np.float32, np.ndarray)):
+        with pytest.raises(TypeError, match="stale.*ca.readable"):
+            view()
+
+
+def test_reshape_without_copy_refuses_as_numpy_does(m):
+    with pytest.raises(ValueError, match="copy"):
+        GRID.T.reshape(12, copy=False)
+    with pytest.raises(ValueError, match="copy"):
+        ca.asarray(GRID, manager=m).T.reshape(12, copy=False)
+
+
+def test_device_names_the_tier(m):
+    x = ca.zeros(3, manager=m)
+    assert x.device in ("fast", "slow")
+    assert np.zeros(3).device == "cpu"
+
+
+def test_flags_cannot_be_changed(m):
+    x = ca.zeros(3, manager=m)
+    x.setflags(write=True)
+    x.flags.writeable = True
+    with pytest.raises(TypeError, match="ca.readable"):
+        x.setflags(write=False)
+    with pytest.raises(TypeError, match="flags cannot be set"):
+        x.flags.writeable = False
+    with pytest.raises(TypeError, match="flags cannot be set"):
+        x.flags["A"] = False
+
+
+def test_settable_attributes_behave_as_numpys(m):
+    for a in (GRID.copy(), ca.asarray(GRID, manager=m)):
+        a.shape = (4, 3)
+        assert a.shape == (4, 3)
+        a.dtype = np.int64
+        assert (a.dtype, a.shape) == (np.dtype(np.int64), (4, 3))
+        a.dtype = np.float64
+        a.real = 2.0
+        assert np.asarray(a).tolist() == [[2.0] * 3] * 4
+        with pytest.raises(TypeError, match="imaginary"):
+            a.imag = 1.0
+        with pytest.raises(AttributeError):
+            a.T.shape = 12
+    for z in (COMPLEX.copy(), ca.asarray(COMPLEX, manager=m)):
+        z.imag = 7.0
+        assert np.asarray(z).tolist() == [1 + 7j, 3 + 7j, 7j]
+
+
+def test_view_of_a_slice_has_a_base_and_cannot_be_resized(m):
+    x = ca.asarray(GRID, manager=m)
+    assert x.base is None and x[1:].base is x.object
+    with pytest.raises(ValueError, match="view"):
+        x[1:].resize(3)
+
+
+def test_an_array_in_use_cannot_be_resized(m):
+    x = ca.asarray(GRID, manager=m)
+    with ca.readable(x):
+        with pytest.raises(ValueError, match="in use"):
+            x.resize(20)
+    x.resize(20)
+    assert x.shape == (20,) and x.object.pins == 0
+
+
+def test_to_device_accepts_only_the_cpu(m):
+    x = ca.zeros(3, manager=m)
+    with pytest.raises(ValueError, match="cpu"):
+        x.to_device("gpu")
+
+
+def test_tofile_writes_what_numpy_writes(m, tmp_path):
+    x = ca.asarray(GRID, manager=m)
+    x.tofile(tmp_path / "c.bin")
+    GRID.tofile(tmp_path / "n.bin")
+    assert (tmp_path / "c.bin").read_bytes() == (tmp_path / "n.bin").read_bytes()
+    x.tofile(str(tmp_path / "c.txt"), sep=",", format="%.1f")
+    GRID.tofile(str(tmp_path / "n.txt"), sep=",", format="%.1f")
+    assert (tmp_path / "c.txt").read_text() == (tmp_path / "n.txt").read_text()
+
+
+def test_dump_to_a_path_loads_back(m, tmp_path):
+    x = ca.asarray(GRID, manager=m)
+    x.dump(tmp_path / "x.pkl")
+    same(GRID, pickle.loads((tmp_path / "x.pkl").read_bytes()))
+
+
+def test_flat_iterates_in_c_order_across_chunks(m):
+    data = np.arange(40000, dtype=np.int32).reshape(200, 200).T
+    x = ca.asarray(data, manager=m)
+    assert list(x.flat) == list(data.flat)
+    assert x.object.pins == 0
+
+
+# ---- in-place methods across an evict / prefetch round trip ----------------------------------
+
+INPLACE = {
+    "fill": lambda a: a.fill(-1.0),
+    "sort": lambda a: a.sort(axis=1),
+    "partition": lambda a: a.partition(2, axis=None) if a.ndim == 1 else a.partition(2),
+    "put": lambda a: a.put([0, 7], [100.0, 200.0]),
+    "put from a CachedArray": lambda a: a.put([1, 2], a.ravel()[[10, 11]]),
+    "resize": lambda a: a.resize((4, 5), refcheck=False),
+    "setfield": lambda a: a.setfield(-3.0, np.float64),
+    "byteswap(inplace=True)": lambda a: a.byteswap(inplace=True),
+    "setitem": lambda a: a.__setitem__((1, 1), 55.0),
+    "flat setitem": lambda a: a.flat.__setitem__(slice(3, 6), 9.0),
+    "sort a view": lambda a: a[1].sort(),
+    "fill a view": lambda a: a[:, 2].fill(8.0),
+    "set real": lambda a: setattr(a, "real", 4.0),
+    "set shape, then sort": lambda a: (setattr(a, "shape", (4, 3)), a.sort(axis=0)),
+}
+
+
+def written(m):
+    return m.stats()["events"]["writebacks_elided"]["count"]
+
+
+def test_a_clean_round_trip_elides_the_writeback(m):
+    x = ca.asarray(SHUFFLED, manager=m)
+    ca.evict(x)
+    ca.prefetch(x, force=True)
+    before = written(m)
+    ca.evict(x)
+    assert written(m) == before + 1          # the check below can see a skipped writeback
+
+
+@pytest.mark.parametrize("name", sorted(INPLACE))
+def test_inplace_method_is_written_back_at_eviction(m, name):
+    op = INPLACE[name]
+    expected = SHUFFLED.copy()
+    op(expected)
+    x = ca.asarray(SHUFFLED, manager=m)
+    ca.evict(x)
+    ca.prefetch(x, force=True)
+    assert x.device == "fast"               # fast copy with a clean slow twin
+    op(x)
+    before = written(m)
+    ca.evict(x)
+    assert x.device == "slow"
+    assert written(m) == before             # the change was copied back, not dropped
+    np.testing.assert_array_equal(np.asarray(x), expected)
+    ca.prefetch(x, force=True)
+    np.testing.assert_array_equal(np.asarray(x), expected)

@@ -1,0 +1,50 @@
+"""Sizes: every bad size is a ValueError naming the parameter; exact sizes parse exactly."""
+
+import math
+
+import numpy as np
+import pytest
+
+import cachedarrays as ca
+from cachedarrays.sizes import MAX_SIZE
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("1.5G", 3 << 29), ("0.5KiB", 512), ("1e3", 1000), ("1.5e3B", 1500), ("2.5MB", 2500000),
+    ("0e500", 0), (np.int64(4096), 4096), (4096.0, 4096), (MAX_SIZE, MAX_SIZE),
+])
+def test_exact_sizes_parse_exactly(text, expected):
+    assert ca.parse_size(text) == expected
+
+
+@pytest.mark.parametrize("bad,reason", [
+    ("0.5B", "whole number of bytes"),
+    ("1.5B", "whole number of bytes"),
+    ("0.1G", "whole number of bytes"),
+    ("1e-400", "whole number of bytes"),
+    (0.5, "whole number of bytes"),
+    ("1e400", "absurdly large"),
+    ("1e19", "absurdly large"),
+    ("9999999999TiB", "absurdly large"),
+    (2**70, "absurdly large"),
+    (MAX_SIZE + 1, "absurdly large"),
+    (np.uint64(2**64 - 1), "absurdly large"),
+    (1e300, "absurdly large"),
+    (math.inf, "finite"),
+    (-math.inf, "finite"),
+    (math.nan, "finite"),
+    ("inf", "not a size"),
+    ("nan", "not a size"),
+    (-1, "negative"),
+])
+def test_bad_sizes_are_value_errors_naming_the_parameter(bad, reason):
+    with pytest.raises(ValueError, match=f"^budget .*{reason}"):
+        ca.parse_size(bad, "budget")
+
+
+@pytest.mark.parametrize("bad", [2**70, "1e400", "0.5B", math.inf, "1e19"])
+@pytest.mark.parametrize("param", ["fast", "slow"])
+def test_manager_names_the_parameter_with_the_bad_size(param, bad):
+    sizes = {"fast": "1MiB", "slow": "4MiB", param: bad}
+    with pytest.raises(ValueError, match=f"^{param} memory size"):
+        ca.Manager(**sizes)
