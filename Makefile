@@ -17,7 +17,7 @@ $(STAMP): $(PY) pyproject.toml setup.py native/build.py $(wildcard native/*.c na
 install: $(STAMP)
 
 demo: install
-	$(PY) -m cachedarrays.demo
+	$(PY) -m cachedarrays.models.demo
 
 test: install
 	$(PY) -m pytest tests

@@ -1,18 +1,20 @@
-"""CNN training on CachedArrays (dissertation §4.6–4.7): modes, traffic, modelled time, PyTorch.
+"""CNN training on CachedArrays (dissertation §4.6–4.7): setups, traffic, modelled time, PyTorch.
 
     python benchmarks/cnn.py --model resnet --depth 50 --batch 16 --image 64 --backend onednn \\
-        --fast 25% --mode 2lm,LM,fast-only --iterations 4 --threads 2 [--plot] [--sweep] [--peer torch]
+        --fast 25% --setup 2lm,LM,fast-only --iterations 4 --threads 2 [--plot] [--sweep] [--peer torch]
 
---fast is bytes, a size ("256MiB") or a percentage of the footprint measured by one iteration
-with everything in fast memory. --mode takes one mode or a comma-separated list of
+--fast is the fast memory of the CachedArrays setups and --dram-cache the simulated DRAM cache
+of the 2LM setups (by default the --fast size, so every setup has the same DRAM); each is bytes,
+a size ("256MiB") or a percentage of the footprint measured by one iteration with everything in
+fast memory. --setup takes one setup or a comma-separated list of
 2lm, 2lm-none, none (CA:0), L, LM, LMP, fast-only. Policy figures (bytes moved, modelled time
 on a slow-device profile) and wall-clock figures are printed in separate tables: on machines
 without persistent memory the slow device is a file mapping the OS keeps in DRAM, so only the
 bytes and the modelled time say what a real slow device would cost.
 
-The modes are interleaved: every mode is set up first (each with its own manager and model), then
-iteration i runs in every mode before iteration i+1 in any, so machine load hits all modes alike
-and the fast-only reference comes from the same run. The first iteration of each mode warms up;
+The setups are interleaved: every setup is built first (each with its own manager and model), then
+iteration i runs in every setup before iteration i+1 in any, so machine load hits all setups alike
+and the fast-only reference comes from the same run. The first iteration of each setup warms up;
 the tables report medians of the others. ``--peer torch`` runs the same model in PyTorch in a
 separate process (benchmarks/_torch_cnn.py: torch's OpenMP runtime never shares a process with
 oneDNN's) and alternates one step of ours with one step of PyTorch's.
@@ -72,16 +74,19 @@ def parse_args(argv):
     p.add_argument("--classes", type=int, default=100)
     p.add_argument("--width", type=float, default=1, help="divide every channel count by this")
     p.add_argument("--backend", default="onednn", choices=("numpy", "onednn"))
-    p.add_argument("--fast", default="25%", help="bytes, a size like 256MiB, or a percentage")
+    p.add_argument("--fast", default="25%", help="fast memory: bytes, a size like 256MiB, or a "
+                   "percentage of the footprint")
+    p.add_argument("--dram-cache", default=None,
+                   help="simulated DRAM cache of the 2lm setups (default: the --fast size)")
     p.add_argument("--slow", default=None, help="slow memory size (default: 3x the estimate)")
-    p.add_argument("--mode", default="2lm,LM,fast-only")
+    p.add_argument("--setup", default="2lm,LM,fast-only")
     p.add_argument("--iterations", type=int, default=4,
-                   help="iterations per mode; the first warms up, the rest give medians")
+                   help="iterations per setup; the first warms up, the rest give medians")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--profile", default="optane", help=f"one of {', '.join(PROFILES)}")
     p.add_argument("--line-size", type=int, default=64, help="2LM simulator line size (bytes)")
     p.add_argument("--plot", action="store_true", help="write heap occupancy and traffic PNGs")
-    p.add_argument("--sweep", action="store_true", help="fast-budget sweep 100%%..0%% in mode LM")
+    p.add_argument("--sweep", action="store_true", help="fast-budget sweep 100%%..0%% in setup LM")
     p.add_argument("--peer", default=None, choices=("torch",))
     p.add_argument("--repeats", type=int, default=7, help="alternating steps ours/PyTorch for --peer")
     p.add_argument("--unfused", action="store_true",
@@ -96,11 +101,12 @@ def _set_threads(backend, n):
         get_backend("onednn").set_threads(n)
 
 
-def _budget(spec, footprint):
+def _budget(spec, footprint, flag="--fast"):
+    """(bytes, label) of a budget flag, parsed as the trainers parse it."""
+    n = cnn.parse_budget(spec, footprint, flag)
     text = str(spec).strip()
     if text.endswith("%"):
-        return int(footprint * float(text[:-1]) / 100), text
-    n = ca.parse_size(text, "--fast")
+        return n, text
     return n, f"{n / footprint:.0%}" if footprint else _size(n)
 
 
@@ -112,9 +118,20 @@ def _check_slow_room(need, slow, where):
                          "a smaller --batch or --image, or set TMPDIR to a larger file system")
 
 
-def make_trainer(args, mode, budget, slow, footprint, event_log=None):
-    """A cnn.Trainer for one mode with the benchmark's model, shapes and options."""
-    return cnn.Trainer(args.model, args.depth, mode=mode, fast=budget, backend=args.backend,
+def _dram(args, setup, fast=None):
+    """The sizes for setup: --fast as fast memory, or in the 2LM setups --dram-cache (default:
+    the --fast size) as the simulated DRAM cache."""
+    sizes = cnn.dram_budget(setup, args.fast if fast is None else fast)
+    if "dram_cache" in sizes and args.dram_cache is not None:
+        sizes["dram_cache"] = args.dram_cache
+    return sizes
+
+
+def make_trainer(args, setup, slow, footprint, event_log=None, fast=None):
+    """A cnn.Trainer for one setup with the benchmark's model, shapes and options; budgets are
+    passed through as given (bytes, a size or a percentage) and parsed by the trainer."""
+    return cnn.Trainer(args.model, args.depth, setup=setup, **_dram(args, setup, fast),
+                       backend=args.backend,
                        batch=args.batch, image=args.image, channels=args.channels,
                        classes=args.classes, width=args.width, profile=args.profile, slow=slow,
                        event_log=event_log, line_size=args.line_size, fused=not args.unfused,
@@ -130,17 +147,17 @@ def run_interleaved(trainers, iterations, bar=None):
             out.append(rec)
             if bar is not None:
                 bar.update(1)
-                bar.set_postfix(mode=tr.mode, loss=f"{rec['loss']:.3f}")
+                bar.set_postfix(setup=tr.setup, loss=f"{rec['loss']:.3f}")
     return recs
 
 
-def _policy_row(mode, budget, recs):
+def _policy_row(setup, budget, recs):
     """Median policy figures over the iterations after the first (the first warms the cache)."""
     use = recs[1:] if len(recs) > 1 else recs
     r = use[len(use) // 2]
     st, tr = r["stats"], r["trace"]
     moved = st["moved"]
-    row = {"mode": mode, "budget": budget,
+    row = {"setup": setup, "budget": budget,
            "s->f": moved.get("slow->fast", {}).get("bytes", 0),
            "f->s": moved.get("fast->slow", {}).get("bytes", 0),
            "k_slow_r": tr["slow_read_bytes"], "k_slow_w": tr["slow_write_bytes"],
@@ -163,32 +180,32 @@ def _policy_row(mode, budget, recs):
 
 def print_policy_table(rows, profile):
     print(f"\npolicy figures (from telemetry; modelled time on the {profile!r} profile):")
-    head = (f"{'mode':>9} {'budget':>9} {'slow rd':>9} {'slow wr':>9} {'s->f':>9} {'f->s':>9} "
+    head = (f"{'setup':>9} {'budget':>9} {'slow rd':>9} {'slow wr':>9} {'s->f':>9} {'f->s':>9} "
             f"{'k slow rd':>9} {'k slow wr':>9} {'elided':>9} {'peak fast':>9} {'modelled':>9}")
     print(head)
     for r in rows:
-        print(f"{r['mode']:>9} {_size(r['budget']):>9} {_size(r['slow_r']):>9} {_size(r['slow_w']):>9} "
+        print(f"{r['setup']:>9} {_size(r['budget']):>9} {_size(r['slow_r']):>9} {_size(r['slow_w']):>9} "
               f"{_size(r['s->f']):>9} {_size(r['f->s']):>9} {_size(r['k_slow_r']):>9} "
               f"{_size(r['k_slow_w']):>9} {_size(r['elided']):>9} {_size(r['peak_fast']):>9} "
               f"{r['modelled'] * 1e3:>7.1f}ms")
     for r in rows:
         if "hits" in r:
             lines = r["hits"] + r["clean"] + r["dirty"]
-            print(f"  {r['mode']}: DRAM-cache line accesses {lines}, hit rate {r['hits'] / max(lines, 1):.1%}, "
+            print(f"  {r['setup']}: DRAM-cache line accesses {lines}, hit rate {r['hits'] / max(lines, 1):.1%}, "
                   f"clean misses {r['clean'] / max(lines, 1):.1%}, dirty misses {r['dirty'] / max(lines, 1):.1%}, "
                   f"access amplification {r['amp']:.2f}")
 
 
 def print_wall_table(rows):
     print("\nwall-clock figures (this machine; both tiers are DRAM here; medians of "
-          f"{rows[0]['n']} interleaved iterations per mode):")
-    print(f"{'mode':>9} {'wall/iter':>10} {'tracer':>9} {'loss':>8}")
+          f"{rows[0]['n']} interleaved iterations per setup):")
+    print(f"{'setup':>9} {'wall/iter':>10} {'tracer':>9} {'loss':>8}")
     for r in rows:
-        print(f"{r['mode']:>9} {r['wall'] * 1e3:>8.1f}ms {r['overhead'] * 1e3:>7.1f}ms {r['loss']:>8.4f}")
+        print(f"{r['setup']:>9} {r['wall'] * 1e3:>8.1f}ms {r['overhead'] * 1e3:>7.1f}ms {r['loss']:>8.4f}")
 
 
 def print_targets(rows, footprint=None):
-    by = {r["mode"]: r for r in rows}
+    by = {r["setup"]: r for r in rows}
     if "LM" in by and ("2lm" in by or "2lm-none" in by):
         base = by.get("2lm") or by["2lm-none"]
         ratio = by["LM"]["slow_w"] / base["slow_w"] if base["slow_w"] else float("inf")
@@ -209,12 +226,12 @@ def print_targets(rows, footprint=None):
 
 
 def plot_occupancy(path, logs):
-    """Fig. 4.6: bytes in use per heap through the last logged iteration of each mode."""
+    """Fig. 4.6: bytes in use per heap through the last logged iteration of each setup."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(8, 4))
-    for mode, log_path in logs.items():
+    for setup, log_path in logs.items():
         events = read_event_log(log_path)
         marks = [i for i, e in enumerate(events) if e["event"] == "cnn_iteration"]
         if not marks:
@@ -224,9 +241,9 @@ def plot_occupancy(path, logs):
         for dev in ("fast", "slow"):
             pts = [(e["t"] - t0, e["used"]) for e in seg
                    if e["event"] in ("alloc", "free") and e.get("device") == dev]
-            if pts and (dev == "fast" or mode.startswith("2lm") or max(p[1] for p in pts) > 0):
+            if pts and (dev == "fast" or setup.startswith("2lm") or max(p[1] for p in pts) > 0):
                 t, u = zip(*pts)
-                ax.step(t, np.array(u) / 2**20, where="post", label=f"{mode}: {dev} heap")
+                ax.step(t, np.array(u) / 2**20, where="post", label=f"{setup}: {dev} heap")
     ax.set_xlabel("time in iteration (s)")
     ax.set_ylabel("MiB in use")
     ax.set_title("heap occupancy over one training iteration")
@@ -237,7 +254,7 @@ def plot_occupancy(path, logs):
 
 
 def plot_traffic(path, rows):
-    """Fig. 4.8: slow-memory reads and writes per mode."""
+    """Fig. 4.8: slow-memory reads and writes per setup."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -245,9 +262,9 @@ def plot_traffic(path, rows):
     x = np.arange(len(rows))
     ax.bar(x - 0.2, [r["slow_r"] / 2**20 for r in rows], 0.4, label="slow reads")
     ax.bar(x + 0.2, [r["slow_w"] / 2**20 for r in rows], 0.4, label="slow writes")
-    ax.set_xticks(x, [r["mode"] for r in rows])
+    ax.set_xticks(x, [r["setup"] for r in rows])
     ax.set_ylabel("MiB per iteration")
-    ax.set_title("slow-memory traffic per mode")
+    ax.set_title("slow-memory traffic per setup")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -255,7 +272,7 @@ def plot_traffic(path, rows):
 
 
 def plot_sweep(path, rows, fast_only):
-    """Fig. 4.10: modelled iteration time against the fast-memory budget (mode LM)."""
+    """Fig. 4.10: modelled iteration time against the fast-memory budget (setup LM)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -359,7 +376,7 @@ def main(argv=None):
     try:
         model = cnn.build(args.model, args.depth, batch=args.batch, image=args.image,
                           channels=args.channels, classes=args.classes, width=args.width)
-        modes = [cnn.check_mode(x.strip()) for x in args.mode.split(",") if x.strip()]
+        setups = [cnn.check_setup(x.strip()) for x in args.setup.split(",") if x.strip()]
         if args.profile not in PROFILES:
             raise ValueError(f"unknown profile {args.profile!r}; valid profiles: {', '.join(PROFILES)}")
     except ValueError as e:
@@ -384,10 +401,14 @@ def main(argv=None):
                                       classes=args.classes, width=args.width,
                                       fused=not args.unfused)
     budget, label = _budget(args.fast, footprint)
+    cache = ""
+    if args.dram_cache is not None and any(s.startswith("2lm") for s in setups):
+        size, pct = _budget(args.dram_cache, footprint, "--dram-cache")
+        cache = f"; 2LM DRAM cache {_size(size)} ({pct})"
     print(f"measured footprint {_size(footprint)} (estimate {_size(need)}); fast budget {_size(budget)} "
-          f"({label}); slow device {_size(slow)}")
+          f"({label}){cache}; slow device {_size(slow)}")
     bar = None
-    total = len(modes) * args.iterations + (len(SWEEP) * args.iterations if args.sweep else 0)
+    total = len(setups) * args.iterations + (len(SWEEP) * args.iterations if args.sweep else 0)
     if not args.no_progress:
         from tqdm import tqdm
         bar = tqdm(total=total, unit="it", file=sys.stderr, leave=False)
@@ -396,26 +417,26 @@ def main(argv=None):
     try:
         trainers = []
         try:
-            for mode in modes:
-                log = os.path.join(tmp.name, f"{mode}.jsonl") if args.plot else None
-                trainers.append(make_trainer(args, mode, budget, slow, footprint, log))
+            for setup in setups:
+                log = os.path.join(tmp.name, f"{setup}.jsonl") if args.plot else None
+                trainers.append(make_trainer(args, setup, slow, footprint, log))
                 if log:
-                    logs[mode] = log
+                    logs[setup] = log
             all_recs = run_interleaved(trainers, args.iterations, bar)
         finally:
             for tr in trainers:
                 tr.close()
         for tr, recs in zip(trainers, all_recs):
-            rows.append(_policy_row(tr.mode, tr.budget, recs))
+            rows.append(_policy_row(tr.setup, tr.budget, recs))
         sweep_rows = []
         if args.sweep:
             for pct in SWEEP:
-                tr = make_trainer(args, "LM", int(footprint * pct / 100), slow, footprint)
+                tr = make_trainer(args, "LM", slow, footprint, fast=f"{pct}%")
                 try:
                     recs = run_interleaved([tr], args.iterations, bar)[0]
                 finally:
                     tr.close()
-                r = _policy_row("LM", int(footprint * pct / 100), recs)
+                r = _policy_row("LM", tr.budget, recs)
                 r["pct"] = pct
                 sweep_rows.append(r)
         if bar is not None:
@@ -424,7 +445,7 @@ def main(argv=None):
         print_wall_table(rows)
         print_targets(rows, footprint)
         if sweep_rows:
-            print("\nfast-budget sweep (mode LM, Fig. 4.10):")
+            print("\nfast-budget sweep (setup LM, Fig. 4.10):")
             print(f"{'budget':>7} {'bytes':>9} {'slow rd':>9} {'slow wr':>9} {'modelled':>9} {'wall':>9}")
             for r in sweep_rows:
                 print(f"{r['pct']:>6}% {_size(r['budget']):>9} {_size(r['slow_r']):>9} "
@@ -439,7 +460,7 @@ def main(argv=None):
             print(f"wrote {p1} and {p2}")
         if args.sweep:
             p3 = os.path.join(args.outdir, f"{model.name}_sweep.png")
-            fo = next((r["modelled"] for r in rows if r["mode"] == "fast-only"), None)
+            fo = next((r["modelled"] for r in rows if r["setup"] == "fast-only"), None)
             plot_sweep(p3, sweep_rows, fo)
             print(f"wrote {p3}")
     finally:

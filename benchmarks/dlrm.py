@@ -1,14 +1,14 @@
-"""DLRM training: iteration time by phase, loss and bytes moved per table policy and index
+"""DLRM training: iteration time by phase, loss and bytes moved per table kind and index
 distribution; ``--peer torch`` trains the same model in PyTorch from the same weights and data.
 
     .venv/bin/python benchmarks/dlrm.py --config small --scale 0.05 --iterations 20 --peer torch
-    .venv/bin/python benchmarks/dlrm.py --config table56 --policies simple static dynamic --plot out.png
+    .venv/bin/python benchmarks/dlrm.py --config table56 --table-kinds simple static dynamic --plot out.png
 
 Two OpenMP runtimes share this process (torch's bundled libgomp, and the system libgomp that
 numba and oneDNN use). With the default active waiting, the idle runtime's threads spin on the
 two cores while the other one works, slowing both (worst on a loaded machine), so the script
 sets ``OMP_WAIT_POLICY=PASSIVE`` before either loads unless the caller set it: both sides then
-run under the same, reproducible rule. The report prints the policy and the load average.
+run under the same, reproducible rule. The report prints OMP_WAIT_POLICY and the load average.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import numpy as np  # noqa: E402
 
 import cachedarrays as ca  # noqa: E402
 from cachedarrays.models.dlrm import configs  # noqa: E402
+from cachedarrays.models.dlrm.embedding import TABLE_KINDS  # noqa: E402
 from cachedarrays.models.dlrm.model import PHASES, DLRM, synthetic_dataset  # noqa: E402
 
 #: Defaults that fit a 2-core, 24 GiB machine in a few minutes.
@@ -131,20 +132,20 @@ def _set_threads(n):
         pass
 
 
-def _manager_for(cfg, policy, cache):
-    """Fast memory for MLPs, activations and (fast policy) the tables; slow holds the bases."""
+def _manager_for(cfg, table_kind, cache):
+    """Fast memory for MLPs, activations and ("fast" kind) the tables; slow holds the bases."""
     tables = cfg.table_bytes
     dense = 64 * cfg.batch_size * (cfg.interaction_width + (cfg.ntables + 1) * cfg.featuresize
                                    + sum(cfg.bottom) + sum(cfg.top)) * 4
     params = 4 * 4 * sum(a * b for a, b in zip((cfg.dense_features,) + cfg.bottom, cfg.bottom))
     params += 4 * 4 * sum(a * b for a, b in zip((cfg.interaction_width,) + cfg.top, cfg.top))
-    fast = dense + params + (2 * tables if policy == "fast" else int(tables * (cache + 0.1)) + tables)
+    fast = dense + params + (2 * tables if table_kind == "fast" else int(tables * (cache + 0.1)) + tables)
     return ca.Manager(fast=max(fast, 64 << 20), slow=max(2 * tables, 64 << 20))
 
 
-def run(cfg, policy, distribution, iterations, cache, backend, seed, peer=None):
-    with _manager_for(cfg, policy, cache) as m:
-        model = DLRM(cfg, manager=m, policy=policy, cache=cache, backend=backend, seed=seed)
+def run(cfg, table_kind, distribution, iterations, cache, backend, seed, peer=None):
+    with _manager_for(cfg, table_kind, cache) as m:
+        model = DLRM(cfg, manager=m, table_kind=table_kind, cache=cache, backend=backend, seed=seed)
         data = synthetic_dataset(cfg, distribution, seed=seed, num_batches=iterations + 1)
         batches = [data.batch(i) for i in range(iterations + 1)]
         torch_model = TorchDLRM(cfg, model.state_dict()) if peer == "torch" else None
@@ -158,7 +159,7 @@ def run(cfg, policy, distribution, iterations, cache, backend, seed, peer=None):
                     theirs.append(torch_model.train_step(b))
         finally:
             gc.enable()
-        result = dict(policy=policy, distribution=distribution, losses=ours[1:],
+        result = dict(table_kind=table_kind, distribution=distribution, losses=ours[1:],
                       phases=model.phase_medians(skip=1), tables=model.table_stats(),
                       manager=m.stats())
         if torch_model is not None:
@@ -186,7 +187,7 @@ def plot(results, path):
     fig, axes = plt.subplots(1, len(dists), figsize=(5 * len(dists), 4), squeeze=False)
     for ax, dist in zip(axes[0], dists):
         rows = [r for r in results if r["distribution"] == dist]
-        labels = [r["policy"] for r in rows]
+        labels = [r["table_kind"] for r in rows]
         bottom = np.zeros(len(rows))
         for phase, label in (("lookup", "Lookup"), ("update", "Update"), ("compute", "Computation")):
             vals = np.array([(r["phases"]["mlp"] + r["phases"]["interaction"]) if phase == "compute"
@@ -207,8 +208,8 @@ def main(argv=None):
     ap.add_argument("--width-scale", type=float, default=None, help="hidden MLP width multiplier")
     ap.add_argument("--batch-size", type=int, default=None)
     ap.add_argument("--iterations", type=int, default=20)
-    ap.add_argument("--policies", nargs="+", default=["simple", "static", "dynamic"],
-                    choices=["fast", "simple", "static", "dynamic"])
+    ap.add_argument("--table-kinds", nargs="+", default=["simple", "static", "dynamic"],
+                    choices=list(TABLE_KINDS))
     ap.add_argument("--distributions", nargs="+", default=["uniform", "zipf"],
                     choices=["uniform", "zipf"])
     ap.add_argument("--cache", type=float, default=0.25, help="cachelower as a table fraction")
@@ -239,12 +240,12 @@ def main(argv=None):
           f"dropped); ours and the peer alternate iteration by iteration")
     results = []
     for dist in args.distributions:
-        for policy in args.policies:
-            r = run(cfg, policy, dist, args.iterations, args.cache, args.backend, args.seed,
+        for table_kind in args.table_kinds:
+            r = run(cfg, table_kind, dist, args.iterations, args.cache, args.backend, args.seed,
                     args.peer)
             results.append(r)
             t = r["tables"]
-            print(f"\n{policy:>7} {dist:>7}: {_fmt_ms(r['phases'])}")
+            print(f"\n{table_kind:>7} {dist:>7}: {_fmt_ms(r['phases'])}")
             print(f"   table hit rate {t['hit_rate']:.3f}; rows cached {t.get('rows_cached', 0):,}, "
                   f"flushes {t.get('flushes', 0)}, written back "
                   f"{t.get('bytes_written_back', 0) / 2**20:.1f} MiB; slow reads "

@@ -14,7 +14,7 @@ Two OpenMP runtimes share this process (torch's bundled libgomp, and the system 
 numba and oneDNN use). With the default active waiting, the idle runtime's threads spin on the
 two cores while the other one works, slowing both (worst on a loaded machine), so the script
 sets ``OMP_WAIT_POLICY=PASSIVE`` before either loads unless the caller set it: both sides then
-run under the same, reproducible rule. The report prints the policy and the load average.
+run under the same, reproducible rule. The report prints OMP_WAIT_POLICY and the load average.
 """
 
 from __future__ import annotations

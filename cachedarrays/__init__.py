@@ -5,16 +5,20 @@ memory or a file-backed mapping); a pluggable policy decides where, and moves wh
 """
 
 from . import errors
-from .array import CachedArray, access, check_dtype, implements, readable, writable
+from .array import CachedArray, check_dtype
+from .dispatch import implements
+from .scopes import access, readable, writable
+from . import routines, ufuncs  # NumPy dispatch: ufunc handler, dedicated routines
 from .annotations import (annotate, arrays_in, cleanup, evict, in_fast, noescape, onobjects,
-                          prefetch, preserve, softevict, unsafe_free)
+                          prefetch, preserve, register_leaf_type, softevict, unsafe_free)
 from .creation import (array, asarray, empty, empty_like, full, full_like, ones, ones_like,
                        zeros, zeros_like)
 from .defaults import default_manager, set_default_manager
 from .devices import DRAM, Device, SlowDevice
 from .errors import (CachedArraysError, DeviceError, HeapCorruptionError, OutOfMemoryError,
                      PinnedError, UseAfterFreeError)
-from .manager import Manager, Object, Region, policy_names, register_policy
+from .manager import Manager, Object, Region
+from .registry import policy_names, register_policy
 from .sizes import format_size, parse_size
 from . import policies  # noqa: E402  (registers the built-in policies)
 
@@ -25,7 +29,7 @@ __all__ = [
     "asarray", "array", "empty", "zeros", "ones", "full",
     "empty_like", "zeros_like", "ones_like", "full_like",
     "readable", "writable", "access", "prefetch", "evict", "softevict", "in_fast", "unsafe_free",
-    "onobjects", "arrays_in", "preserve", "cleanup", "noescape", "annotate",
+    "onobjects", "arrays_in", "register_leaf_type", "preserve", "cleanup", "noescape", "annotate",
     "default_manager", "set_default_manager", "policies", "policy_names", "register_policy",
     "check_dtype", "implements", "parse_size", "format_size", "errors",
     "CachedArraysError", "OutOfMemoryError", "DeviceError", "UseAfterFreeError",

@@ -11,16 +11,43 @@ outside what they walk still refers to: CPython's reference counts tell.
 import functools
 import gc
 import sys
+import threading
 import types
 
 import numpy as np
 
 from .array import CachedArray, pop_scope, push_scope
+from .devices import Device
 from .errors import UseAfterFreeError
+from .manager import Manager, Object, Region
+from .poison import Poison
+from .policies.base import Policy
 from .sizes import format_size
+from .telemetry import Telemetry
 
+# Types the walkers never look inside: values that cannot hold arrays, then the library's own
+# machinery, which holds none of the program's arrays (register_leaf_type adds more).
 _LEAVES = (str, bytes, bytearray, int, float, complex, bool, type(None), np.ndarray, np.generic,
-           type, types.ModuleType, range, slice)
+           type, types.ModuleType, range, slice,
+           Manager, Object, Region, Device, Telemetry, Poison, Policy)
+_LEAVES_LOCK = threading.Lock()
+
+
+def register_leaf_type(cls):
+    """Tell the walkers (onobjects, prefetch, cleanup, ...) never to look inside instances of cls
+    or its subclasses: for objects met often (e.g. in every pullback closure) that hold no
+    arrays of their own. Returns cls, so it also works as a class decorator."""
+    global _LEAVES
+    if not isinstance(cls, type):
+        raise TypeError(f"register_leaf_type takes a class, not {type(cls).__name__}")
+    if issubclass(cls, CachedArray) or issubclass(CachedArray, cls):
+        raise TypeError(f"{cls.__name__} cannot be a leaf type: CachedArrays would count as "
+                        "leaves and the walkers would miss them; register a class whose "
+                        "instances hold no arrays")
+    with _LEAVES_LOCK:
+        if not issubclass(cls, _LEAVES):
+            _LEAVES = _LEAVES + (cls,)
+    return cls
 
 
 def _walk(xs, found, containers=None):
@@ -53,7 +80,7 @@ def _walk(xs, found, containers=None):
                     else:
                         e[1] += 1
                 continue
-            if isinstance(x, _LEAVES) or getattr(t, "__ca_leaf__", False):
+            if isinstance(x, _LEAVES):
                 continue
         key = id(x)
         if containers is not None:
@@ -181,8 +208,9 @@ def onobjects(fn, *xs):
 
     Walks tuples, lists, sets, dicts, objects' attributes (``__dict__`` and ``__slots__``, so
     dataclasses too), bound methods, functools.partial and closures' captured cells. Cycles are
-    visited once; freed arrays are skipped. Globals of functions are never walked, nor classes
-    that set ``__ca_leaf__ = True`` (managers, devices, policies: they hold no arrays of their own).
+    visited once; freed arrays are skipped. Globals of functions are never walked, nor managers,
+    devices, policies and the types given to ``register_leaf_type`` (they hold no arrays of
+    their own).
     """
     arrays = _live_arrays(xs)
     for arr in arrays:
@@ -198,14 +226,14 @@ def arrays_in(*xs):
 def _policy_call(op, arr, strict, *args):
     m = arr._m
     obj = arr._obj
-    with m._lock:
+    with m.atomic():
         if obj.freed:                    # freed by another thread since the walk
             if strict:
                 raise _freed_error(op, arr)
             return None
         if op == "prefetch":
             r = obj.primary
-            if r is not None and r.device is m.fast:       # already there: only a use
+            if r is not None and m.on_device(r, m.fast):   # already there: only a use
                 m.policy.read_use(obj)
                 return True
         return getattr(m.policy, op)(obj, *args)
@@ -321,11 +349,11 @@ def _free_unreferenced(x, keep_ids):
         obj = o[0]
         if obj.id in reached:
             continue
-        m = obj._manager()
+        m = obj.manager
         if m is None or not getattr(m.policy, "allows_cleanup", True):
             continue
-        with m._lock:
-            if not obj.freed and not obj.pins:
+        with m.atomic():
+            if not obj.freed and not m.pinned(obj):
                 m.policy.unsafe_free(obj)
                 freed += 1
     return freed
@@ -360,7 +388,7 @@ def _unexplained_survivor(rec, *xs):
     for ref in rec:
         obj = ref()
         if obj is not None and not obj.freed:
-            m = obj._manager()
+            m = obj.manager
             if m is not None and getattr(m.policy, "allows_cleanup", True):
                 alive.add(obj.id)
     return bool(alive) and not alive <= preserve(*xs)

@@ -1,14 +1,17 @@
 """CachedArray: a NumPy-compatible array whose bytes live in a manager's fast or slow device.
 
 A CachedArray is a view description (dtype, shape, strides, byte offset) over an Object. It
-never keeps a pointer: each use pins the object, builds an ndarray over the primary region's
-current bytes, runs, and unpins. So views stay correct across evict/prefetch, and nothing moves
-an array while a kernel reads or writes it.
+never keeps a pointer: each use pins the object, asks the manager for an ndarray over the
+primary region's current bytes, runs, and unpins. So views stay correct across evict/prefetch,
+and nothing moves an array while a kernel reads or writes it.
+
+This module is the type: views, indexing, conversions and the ndarray methods, with the helpers
+that create arrays and pin them. NumPy's protocols are forwarded to the dispatch layer above
+(``cachedarrays.ufuncs``, ``cachedarrays.dispatch``) through handler slots that layer fills
+when imported; the public access scopes are in ``cachedarrays.scopes``.
 """
 
 import builtins
-import inspect
-import numbers
 import operator
 import os
 import pickle
@@ -19,31 +22,11 @@ import weakref
 import numpy as np
 from numpy.lib.mixins import NDArrayOperatorsMixin
 
+from .defaults import default_manager
 from .errors import UseAfterFreeError
-from .heap import HEADER
 from .sizes import format_size
 
-HANDLED_FUNCTIONS = {}
 _tls = threading.local()
-# NumPy functions that write their first argument, always or when a flag has the given truth:
-# nan_to_num(x, copy=False) replaces in x, and overwrite_input=True lets the median family
-# reorder its input.
-_INPLACE_FIRST = {np.copyto, np.put, np.place, np.putmask, np.fill_diagonal,
-                  np.put_along_axis}
-_INPLACE_WHEN = {np.nan_to_num: ("copy", False),
-                 **dict.fromkeys((np.median, np.nanmedian, np.percentile, np.nanpercentile,
-                                  np.quantile, np.nanquantile), ("overwrite_input", True))}
-_SCALARS = (numbers.Number, np.generic, str, bytes, type(None))
-
-
-def implements(*numpy_functions):
-    """Register a dedicated implementation of NumPy functions for CachedArray."""
-    def decorator(fn):
-        for f in numpy_functions:
-            HANDLED_FUNCTIONS[f] = fn
-        return fn
-    return decorator
-
 
 _OK_DTYPES = {}                # hashable dtype spelling ("f8", float, ...) -> checked np.dtype
 
@@ -119,6 +102,20 @@ def _contiguous_strides(shape, itemsize, order="C"):
     return tuple(strides)
 
 
+_STRIDES = {}
+
+
+def _c_strides(shape, itemsize):
+    """C-order strides, cached per (shape, itemsize)."""
+    key = (shape, itemsize)
+    st = _STRIDES.get(key)
+    if st is None:
+        st = _contiguous_strides(shape, itemsize)
+        if len(_STRIDES) < 4096:
+            _STRIDES[key] = st
+    return st
+
+
 # ---- noescape scopes (filled by the annotations layer) -------------------------------------
 
 def _scopes():
@@ -142,16 +139,17 @@ def pop_scope(rec):
 
 # ---- allocation ------------------------------------------------------------------------------
 
-def _place(policy, nbytes, placement):
-    """Ask the policy for an object: its own choice, or fast/slow memory when a hint is given."""
-    if placement is None:
-        return policy.allocate(nbytes)
-    if placement == "slow":
-        return policy.alloc_slow(nbytes)
-    if placement == "fast":
-        obj = policy.alloc_fast(nbytes, force=True)
-        return obj if obj is not None else policy.alloc_slow(nbytes)
-    raise ValueError(f"placement must be None, 'fast' or 'slow', not {placement!r}")
+def _new_object(manager, nbytes, placement=None):
+    """A new object for an array the caller fills at once: placed by the manager's policy,
+    pinned and reported written (``Manager.new_pinned``), and recorded for the calling thread's
+    noescape scopes. Every new CachedArray's memory comes from here."""
+    obj = manager.new_pinned(nbytes, placement)
+    scopes = getattr(_tls, "scopes", None)
+    if scopes:
+        ref = weakref.ref(obj)
+        for rec in scopes:
+            rec.append(ref)
+    return obj
 
 
 def new_pinned(manager, shape, dtype, order="C", placement=None):
@@ -170,17 +168,7 @@ def new_pinned(manager, shape, dtype, order="C", placement=None):
     n = 1
     for s in shape:
         n *= s
-    nbytes = n * dt.itemsize
-    with manager._lock:
-        obj = _place(manager.policy, nbytes, placement)
-        obj.pins += 1
-        # The caller writes the new array at once: its primary differs from any slow twin.
-        manager.policy.write_use(obj)
-    scopes = getattr(_tls, "scopes", None)
-    if scopes:
-        ref = weakref.ref(obj)
-        for rec in scopes:
-            rec.append(ref)
+    obj = _new_object(manager, n * dt.itemsize, placement)
     strides = _c_strides(shape, dt.itemsize) if order == "C" else \
         _contiguous_strides(shape, dt.itemsize, order)
     return CachedArray._make(obj, manager, shape, dt, strides, 0)
@@ -199,6 +187,43 @@ def _from_ndarray(manager, a, placement=None):
     finally:
         _unpin(out)
     return out
+
+
+# ---- NumPy protocol handlers -----------------------------------------------------------------
+#
+# The type forwards NumPy's protocols to the dispatch layer above it: __array_ufunc__ and the
+# arithmetic operators to cachedarrays.ufuncs, __array_function__ to cachedarrays.dispatch.
+# Those modules fill these slots when imported (the package's __init__ imports both), so this
+# module never imports them. Until they are filled, NumPy calls on a CachedArray raise TypeError.
+
+_SLOW = object()                # the operators' shortcut declined the call: take NumPy's route
+_PY_SCALARS = (int, float, complex, bool)
+
+
+def _unhandled(*args):
+    return NotImplemented
+
+
+def _no_shortcut(ufunc, inputs):
+    return _SLOW
+
+
+_ufunc_handler = _unhandled      # (ufunc, method, inputs, kwargs) -> result (NEP 13)
+_fast_ufunc = _no_shortcut       # (ufunc, inputs) -> result, or _SLOW (operators' shortcut)
+_function_handler = _unhandled   # (func, types, args, kwargs) -> result (NEP 18)
+
+
+def set_ufunc_handlers(handler, shortcut):
+    """Install the NEP 13 handler and the arithmetic operators' shortcut (cachedarrays.ufuncs
+    calls this when imported)."""
+    global _ufunc_handler, _fast_ufunc
+    _ufunc_handler, _fast_ufunc = handler, shortcut
+
+
+def set_function_handler(handler):
+    """Install the NEP 18 handler (cachedarrays.dispatch calls this when imported)."""
+    global _function_handler
+    _function_handler = handler
 
 
 # ---- the array type --------------------------------------------------------------------------
@@ -228,24 +253,11 @@ class CachedArray(NDArrayOperatorsMixin):
 
     def _view(self, readonly=False):
         """An ndarray over the current bytes (valid while pinned; read-only ones stay so)."""
-        obj = self._obj
-        r = obj.primary
+        r = self._obj.primary
         if r is None:
             raise self._gone()
-        if r.nbytes == 0:
-            # Nothing to read or write; a read-only one sits on an immutable (empty) buffer.
-            return np.ndarray(self._shape, self._dtype, b"" if readonly else None)
-        if readonly:
-            # Built on the device's read-only buffer: NumPy refuses `flags.writeable = True`
-            # (writes there would bypass the dirty bit and be lost at eviction).
-            dev = r.device
-            buf = dev._ro
-            if buf is None:
-                buf = dev.readonly_buffer
-            return np.ndarray(self._shape, self._dtype, buf, r.offset + HEADER + self._offset,
-                              self._strides)
-        return np.ndarray(self._shape, self._dtype, r.device._mm,
-                          r.offset + HEADER + self._offset, self._strides)
+        return self._m.ndarray(r, self._dtype, self._shape, self._strides, self._offset,
+                               readonly)
 
     def _gone(self):
         """The error for using an array whose object has no memory (freed, or manager closed)."""
@@ -346,7 +358,7 @@ class CachedArray(NDArrayOperatorsMixin):
     @property
     def flags(self):
         """A snapshot of the layout flags (they cannot be set; see setflags)."""
-        with readable(self) as v:
+        with _readable(self) as v:
             return _Flags(v.flags, self.base is None)
 
     # ---- NumPy protocols -----------------------------------------------------------------
@@ -362,21 +374,15 @@ class CachedArray(NDArrayOperatorsMixin):
                 f"{self._dtype}, shape {self._shape}): it looks for fields only on a "
                 "numpy.ndarray and would build one column of records; pass it a copy, e.g. "
                 "pd.DataFrame(np.asarray(x))")
-        with readable(self) as v:
+        with _readable(self) as v:
             self._m.count("asarray", self.nbytes, id=self._obj.id)
             return np.array(v, dtype=dtype, copy=True)
 
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
-        return _array_ufunc(ufunc, method, inputs, kwargs)
+        return _ufunc_handler(ufunc, method, inputs, kwargs)
 
     def __array_function__(self, func, types, args, kwargs):
-        for t in types:
-            if not (issubclass(t, CachedArray) or issubclass(t, np.ndarray)):
-                return NotImplemented
-        impl = HANDLED_FUNCTIONS.get(func)
-        if impl is not None:
-            return impl(*args, **kwargs)
-        return _call_on_views(func, args, kwargs)
+        return _function_handler(func, types, args, kwargs)
 
     # ---- indexing ------------------------------------------------------------------------
 
@@ -425,7 +431,7 @@ class CachedArray(NDArrayOperatorsMixin):
         if self.size != 1:
             raise TypeError(f"only arrays of size 1 can be converted to Python scalars; this "
                             f"one has shape {self._shape}")
-        with readable(self) as v:
+        with _readable(self) as v:
             return kind(v.reshape(()))
 
     def __bool__(self):
@@ -449,31 +455,31 @@ class CachedArray(NDArrayOperatorsMixin):
         return self._scalar(operator.index)
 
     def item(self, *args):
-        with readable(self) as v:
+        with _readable(self) as v:
             return v.item(*args)
 
     def tolist(self):
-        with readable(self) as v:
+        with _readable(self) as v:
             return v.tolist()
 
     def tobytes(self, order="C"):
-        with readable(self) as v:
+        with _readable(self) as v:
             return v.tobytes(order)
 
     def __reduce__(self):
-        with readable(self) as v:
+        with _readable(self) as v:
             return (_unpickle, (np.array(v, copy=True),))
 
     def __repr__(self):
         if self._obj.freed:
             return f"CachedArray(<freed>, shape={self._shape}, dtype={self._dtype})"
-        with readable(self) as v:
+        with _readable(self) as v:
             body = np.array2string(v, separator=", ", prefix="CachedArray(")
             dev = self._obj.primary.device.name
         return f"CachedArray({body}, dtype={self._dtype}, device={dev!r})"
 
     def __str__(self):
-        with readable(self) as v:
+        with _readable(self) as v:
             return str(v)
 
     __hash__ = None
@@ -550,7 +556,7 @@ class CachedArray(NDArrayOperatorsMixin):
                                                     self.itemsize) else "C"
         out = new_pinned(self._m, self._shape, dt, order)
         try:
-            with readable(self) as v:
+            with _readable(self) as v:
                 if out.ndim > v.ndim:        # a subarray dtype: each element fills a block
                     v = v[(...,) + (None,) * (out.ndim - v.ndim)]
                 np.copyto(out._view(), v, casting=casting)
@@ -611,13 +617,13 @@ class CachedArray(NDArrayOperatorsMixin):
                 f"cannot resize this array of shape {self._shape}: it is a view of object "
                 f"{self._obj.id} or not C-contiguous; resize the array it was taken from, or "
                 "use np.resize(x, shape) for a new array")
-        if self._obj.pins:
+        if self._m.pinned(self._obj):
             raise ValueError(
                 f"cannot resize this array of shape {self._shape}: object {self._obj.id} is in "
                 "use (pinned by an access scope or a running kernel); resize it afterwards")
         out = new_pinned(self._m, shape, self._dtype)
         try:
-            with readable(self) as v:
+            with _readable(self) as v:
                 old = v.reshape(-1)
                 new = out._view().reshape(-1)
                 k = min(old.size, new.size)
@@ -637,7 +643,7 @@ class CachedArray(NDArrayOperatorsMixin):
             "data lives now; for read-only access use `with ca.readable(x) as a:`")
 
     def tofile(self, fid, sep="", format="%s"):
-        with readable(self) as v:
+        with _readable(self) as v:
             v.tofile(fid, sep=sep, format=format)
 
     def dumps(self):
@@ -698,7 +704,7 @@ def _binary(ufunc, name):
     """A Python operator that skips NumPy's dispatch in the common case (same cost otherwise)."""
     def forward(self, other):
         if type(other) is CachedArray or type(other) in _PY_SCALARS:
-            res = _fast_call(ufunc, (self, other))
+            res = _fast_ufunc(ufunc, (self, other))
             if res is not _SLOW:
                 return res
         if getattr(type(other), "__array_ufunc__", False) is None:
@@ -707,7 +713,7 @@ def _binary(ufunc, name):
 
     def reflected(self, other):
         if type(other) in _PY_SCALARS:
-            res = _fast_call(ufunc, (other, self))
+            res = _fast_ufunc(ufunc, (other, self))
             if res is not _SLOW:
                 return res
         if getattr(type(other), "__array_ufunc__", False) is None:
@@ -781,7 +787,7 @@ class _FlatIter:
     def __iter__(self):
         n = self.base.size
         for start in range(0, n, self._chunk):
-            with readable(self.base) as v:
+            with _readable(self.base) as v:
                 chunk = v.flat[start:start + self._chunk]      # a copy: nothing stays pinned
             yield from chunk
 
@@ -851,8 +857,6 @@ class _Flags:
 
 
 def _unpickle(a):
-    from .defaults import default_manager
-
     return _from_ndarray(default_manager(), a)
 
 
@@ -878,28 +882,10 @@ def _to_views(x, readonly=False):
     return x
 
 
-def _to_views_recording(x, views):
-    """Replace CachedArrays in x by ndarray views (pinned by the caller), noting each pair.
-
-    Views are writable: NumPy runs some kernels (argmax, ...) several times slower on read-only
-    arrays. Functions that write an input are the known in-place ones and out= targets, which
-    the caller reports as writes.
-    """
-    if isinstance(x, CachedArray):
-        v = x._view()
-        views.append((x, v))
-        return v
-    if isinstance(x, list):
-        return [_to_views_recording(y, views) for y in x]
-    if isinstance(x, tuple):
-        return tuple(_to_views_recording(y, views) for y in x)
-    return x
-
-
 def _plain_key(key):
     """Index keys holding CachedArrays become ndarrays (copies of small index arrays)."""
     if isinstance(key, CachedArray):
-        with readable(key) as v:
+        with _readable(key) as v:
             return np.array(v)
     if isinstance(key, tuple) and any(isinstance(k, CachedArray) for k in key):
         return tuple(_plain_key(k) for k in key)
@@ -922,15 +908,15 @@ def _acquire_grouped(reads, writes):
     objs = reads + writes if isinstance(reads, list) and isinstance(writes, list) else \
         list(reads) + list(writes)
     if objs:
-        m = objs[0]._manager()
-        if all(o._manager() is m for o in objs):
+        m = objs[0].manager
+        if all(o.manager is m for o in objs):
             m.acquire(reads, writes)
             return [(m, objs)]
     groups = {}
     for o in reads:
-        groups.setdefault(o._manager(), ([], []))[0].append(o)
+        groups.setdefault(o.manager, ([], []))[0].append(o)
     for o in writes:
-        groups.setdefault(o._manager(), ([], []))[1].append(o)
+        groups.setdefault(o.manager, ([], []))[1].append(o)
     done = []
     try:
         for m, (r, w) in groups.items():
@@ -968,286 +954,11 @@ def _wrap(m, res, views):
     return res
 
 
-_WRITES = {}      # NumPy function -> where its written arguments sit in a call (_writes_of)
-
-
-def _writes_of(func):
-    """Where func's written arguments sit in a call: (out, target, flag, flag truth).
-
-    out and target (what an in-place function writes) are (position, keyword) pairs read from
-    the signature of func or of its implementation, either part None when the argument cannot
-    be given that way; target is written when flag (a pair too) has the given truth, or
-    always when flag is None. Cached per function, as the signature is slow to read.
-    """
-    params = None
-    for f in (func, getattr(func, "_implementation", None), getattr(func, "__wrapped__", None)):
-        if f is not None:
-            try:
-                params = list(inspect.signature(f).parameters.values())
-                break
-            except (TypeError, ValueError):
-                pass
-
-    def slot(name, index=None):
-        for i, p in enumerate(params or ()):
-            if p.name == name or i == index:
-                positional = p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-                named = p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-                return (i if positional else None, p.name if named else None)
-        if params is None or any(p.kind is p.VAR_KEYWORD for p in params):
-            return (index, name)                   # unknown layout: as given
-        return None
-
-    out = slot("out")
-    target = flag = truth = None
-    if func in _INPLACE_FIRST or func in _INPLACE_WHEN:
-        target = slot(None, 0)
-    if func in _INPLACE_WHEN:
-        name, truth = _INPLACE_WHEN[func]
-        flag = slot(name)
-    spec = (out, target, flag, truth)
-    if len(_WRITES) < 4096:
-        _WRITES[func] = spec
-    return spec
-
-
-def _given(args, kwargs, at, missing=None):
-    """The argument at `at` (position, keyword) of a call, or `missing`."""
-    pos, name = at
-    if pos is not None and pos < len(args):
-        return args[pos]
-    return kwargs.get(name, missing) if name is not None else missing
-
-
-def _call_on_views(func, args, kwargs):
-    """Run a NumPy function on views of the current primary regions, then wrap the result.
-
-    What the function writes (its out, or the array an in-place function changes), given by
-    position or by keyword, is acquired as a write, which marks it dirty.
-    """
-    out_at, target_at, flag_at, truth = _WRITES.get(func) or _writes_of(func)
-    out = _given(args, kwargs, out_at) if out_at is not None else None
-    target = None
-    if target_at is not None and (flag_at is None or
-                                  bool(_given(args, kwargs, flag_at, not truth)) is truth):
-        target = _given(args, kwargs, target_at)       # an absent flag never writes
-    written = list(_objects_in(out)) if out is not None else []
-    if target is not None:
-        written += list(_objects_in(target))
-    rest = args
-    if out is not None and out_at[0] is not None and out_at[0] < len(args):
-        rest = args[:out_at[0]] + args[out_at[0] + 1:]
-    read = list(_objects_in(list(rest) + [v for k, v in kwargs.items() if k != "out"]))
-    like = kwargs.pop("like", None)
-    m = _first_manager(list(args) + list(kwargs.values())) or \
-        (like._m if isinstance(like, CachedArray) else None)
-    done = _acquire_grouped(read, written)
-    try:
-        views = []
-
-        nargs = [_to_views_recording(a, views) for a in args]
-        nkwargs = {k: _to_views_recording(v, views) for k, v in kwargs.items()}
-        res = func(*nargs, **nkwargs)
-        if out is not None:
-            if isinstance(out, tuple) and len(out) == 1:
-                return out[0]
-            return out
-        if target is not None:
-            for arr, v in views:
-                if res is v:
-                    return arr                     # NumPy returned the written array itself
-        if func in _INPLACE_FIRST:
-            return res
-        return _wrap(m, res, views) if m is not None else res
-    finally:
-        _release_grouped(done)
-
-
-# ---- ufuncs ----------------------------------------------------------------------------------
-
-_HANDLED_TYPES = (np.ndarray, CachedArray, numbers.Number, np.generic, list, tuple, bool)
-
-
-def _dtype_of(x):
-    if isinstance(x, (CachedArray, np.ndarray, np.generic)):
-        return x.dtype
-    if isinstance(x, (bool, int, float, complex)):
-        return type(x)
-    return np.asarray(x).dtype
-
-
-_SLOW = object()
-_PY_SCALARS = (int, float, complex, bool)
-_STRIDES = {}
-
-
-def _c_strides(shape, itemsize):
-    key = (shape, itemsize)
-    st = _STRIDES.get(key)
-    if st is None:
-        st = _contiguous_strides(shape, itemsize)
-        if len(_STRIDES) < 4096:
-            _STRIDES[key] = st
-    return st
-
-
-def _fast_call(ufunc, inputs):
-    """The common case: one manager, equal shapes, scalars; result written in place via out=."""
-    m = None
-    shape = None
-    objs = []
-    key = [ufunc, "same_kind"]
-    for x in inputs:
-        tx = type(x)
-        if tx is CachedArray:
-            if m is None:
-                m = x._m
-                shape = x._shape
-            elif x._m is not m or x._shape != shape:
-                return _SLOW
-            objs.append(x._obj)
-            key.append(x._dtype)
-        elif tx in _PY_SCALARS:
-            key.append(tx)
-        elif isinstance(x, np.generic):
-            key.append(x.dtype)
-        else:
-            return _SLOW
-    if not shape:
-        return _SLOW
-    key = tuple(key)
-    dt = _RESOLVED.get(key)
-    if dt is None:
-        dt = _resolve(ufunc, inputs, "same_kind")
-        if dt is None or dt.hasobject:
-            return _SLOW
-    n = dt.itemsize
-    for d in shape:
-        n *= d
-    with m._lock:
-        m.acquire(objs)
-        pinned = objs
-        try:
-            out = m.policy.allocate(n)
-        except BaseException:
-            m.release(objs)
-            raise
-        out.pins += 1
-        m.policy.write_use(out)
-        pinned.append(out)
-    try:
-        scopes = getattr(_tls, "scopes", None)
-        if scopes:
-            ref = weakref.ref(out)
-            for rec in scopes:
-                rec.append(ref)
-        res = CachedArray._make(out, m, shape, dt, _c_strides(shape, dt.itemsize), 0)
-        ufunc(*[x._view() if type(x) is CachedArray else x for x in inputs],
-              out=res._view())
-        return res
-    finally:
-        m.release(pinned)
-
-
-def _array_ufunc(ufunc, method, inputs, kwargs):
-    if method == "__call__" and not kwargs and ufunc.nout == 1 and ufunc.signature is None:
-        res = _fast_call(ufunc, inputs)
-        if res is not _SLOW:
-            return res
-    out = kwargs.pop("out", None)
-    for x in inputs + (out or ()):
-        if x is not None and not isinstance(x, _HANDLED_TYPES) and \
-                hasattr(type(x), "__array_ufunc__"):
-            return NotImplemented                # a foreign array type NumPy should try next
-    reads = [x._obj for x in inputs if isinstance(x, CachedArray)]
-    writes = [o._obj for o in (out or ()) if isinstance(o, CachedArray)]
-    if method == "at" and isinstance(inputs[0], CachedArray):
-        reads.remove(inputs[0]._obj)
-        writes.append(inputs[0]._obj)
-    m = _first_manager(inputs) or _first_manager(out or ())
-    done = _acquire_grouped(reads, writes)
-    try:
-        args = tuple(x._view() if isinstance(x, CachedArray) else x
-                     for x in inputs)
-        if out is not None:
-            outs = tuple(o._view() if isinstance(o, CachedArray) else o for o in out)
-            getattr(ufunc, method)(*args, out=outs, **kwargs)
-            return out[0] if len(out) == 1 else out
-        if method == "__call__" and ufunc.nout == 1 and ufunc.signature is None and \
-                not (set(kwargs) - {"where", "casting", "order"}):
-            shape = _broadcast_shape(args)
-            if shape:
-                dt = _resolve(ufunc, args, kwargs.get("casting", "same_kind"))
-                if dt is not None and not dt.hasobject:
-                    res = new_pinned(m, shape, dt)
-                    done.append((m, [res._obj]))
-                    if "where" in kwargs:
-                        res._view().fill(0)
-                    ufunc(*args, out=(res._view(),), **kwargs)
-                    return res
-        if ufunc is np.matmul and method == "__call__" and not kwargs:
-            shape = _matmul_shape(args)
-            dt = _resolve(ufunc, args, "same_kind") if shape else None
-            if dt is not None and not dt.hasobject:
-                res = new_pinned(m, shape, dt)
-                done.append((m, [res._obj]))
-                ufunc(*args, out=res._view())
-                return res
-        if method == "at":
-            getattr(ufunc, method)(*args, **kwargs)
-            return None
-        res = getattr(ufunc, method)(*args, **kwargs)
-        return _wrap(m, res, ())
-    finally:
-        _release_grouped(done)
-
-
-def _matmul_shape(args):
-    """Result shape of np.matmul on two arrays (None when it is a scalar or not computable)."""
-    if len(args) != 2 or not all(isinstance(a, np.ndarray) and a.ndim for a in args):
-        return None
-    a, b = args
-    if a.shape[-1] != (b.shape[0] if b.ndim == 1 else b.shape[-2]):
-        return None                      # let NumPy raise its own error
-    batch = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
-    shape = batch + (a.shape[-2:-1] if a.ndim > 1 else ()) + (b.shape[-1:] if b.ndim > 1 else ())
-    return shape or None
-
-
-def _broadcast_shape(args):
-    shapes = [a.shape for a in args if isinstance(a, np.ndarray)]
-    first = shapes[0]
-    for s in shapes[1:]:
-        if s != first:
-            return np.broadcast_shapes(*shapes, *(np.shape(a) for a in args
-                                                  if not isinstance(a, np.ndarray)))
-    for a in args:
-        if not isinstance(a, (np.ndarray, numbers.Number, np.generic)):
-            return np.broadcast_shapes(first, np.shape(a))
-    return first
-
-
-_RESOLVED = {}
-
-
-def _resolve(ufunc, args, casting):
-    key = (ufunc, casting) + tuple(_dtype_of(a) for a in args)
-    dt = _RESOLVED.get(key)
-    if dt is None:
-        try:
-            dts = ufunc.resolve_dtypes(key[2:] + (None,), casting=casting)
-            dt = dts[-1]
-        except Exception:
-            return None
-        if len(_RESOLVED) < 4096:
-            _RESOLVED[key] = dt
-    return dt
-
-
-# ---- access scopes ---------------------------------------------------------------------------
+# ---- pinned views ----------------------------------------------------------------------------
 
 class _Scope:
-    """Pinned ndarray access to one CachedArray; see readable() and writable()."""
+    """Pinned ndarray access to one CachedArray: what ``ca.readable`` and ``ca.writable`` return
+    (see cachedarrays.scopes), and what the type's own conversions read through."""
 
     __slots__ = ("arr", "write")
 
@@ -1278,61 +989,6 @@ class _Scope:
         m.release((self.arr._obj,))
 
 
-def readable(x):
-    """``with readable(x) as a``: a read-only ndarray view of x; x is pinned meanwhile.
-
-    The view is valid inside the with-block only: afterwards x may move and the view would
-    show another array's bytes.
-    """
+def _readable(x):
+    """A read-only pinned view of x for a with-block (ca.readable without the public name)."""
     return _Scope(x, False)
-
-
-def writable(x):
-    """``with writable(x) as a``: a writable ndarray view of x, pinned; marks x dirty.
-
-    The view is valid inside the with-block only: once x moves, writes through it would land
-    in memory that belongs to another array (``Manager(debug=True)`` reports them).
-    """
-    return _Scope(x, True)
-
-
-class access:
-    """``with ca.access(reads, writes) as views``: pinned ndarray views of several arrays.
-
-    One pin and one use report per array (reads as ``read_use``, writes as ``write_use``, which
-    marks them dirty), taken together; ``views`` lists the read views then the write views,
-    with None passed through for None entries. Read views are read-only. Arrays may belong to
-    different managers; an array may appear in both lists. The views are valid inside the
-    with-block only.
-    """
-
-    __slots__ = ("reads", "writes", "done")
-
-    def __init__(self, reads=(), writes=()):
-        for a in (*reads, *writes):
-            if a is not None and not isinstance(a, CachedArray):
-                raise TypeError(f"ca.access takes CachedArrays (or None), got {type(a).__name__}")
-        self.reads, self.writes = reads, writes
-        self.done = None
-
-    def __enter__(self):
-        r = [a._obj for a in self.reads if a is not None]
-        w = [a._obj for a in self.writes if a is not None]
-        self.done = _acquire_grouped(r, w)
-        try:
-            views = [None if a is None else a._view(readonly=True) for a in self.reads] + \
-                [None if a is None else a._view() for a in self.writes]
-            arrays = [a for a in (*self.reads, *self.writes) if a is not None]
-            for m, _ in self.done:
-                m.scope_opened(self, tuple((a._obj, a._shape) for a in arrays if a._m is m))
-            return views
-        except BaseException:
-            for m, _ in self.done:
-                m.scope_closed(self)
-            _release_grouped(self.done)
-            raise
-
-    def __exit__(self, *exc):
-        for m, _ in self.done:
-            m.scope_closed(self)
-        _release_grouped(self.done)

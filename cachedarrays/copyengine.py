@@ -21,7 +21,7 @@ MT_MIN = 1 << 20
 """Copies smaller than this always run on one thread (the native engine's threshold)."""
 CALIBRATION_BYTES = 64 << 20
 
-_lock = threading.Lock()
+_engine_lock = threading.Lock()
 _copy_u = lib.ca_copy_u
 _chosen = False
 
@@ -92,7 +92,7 @@ def set_threads(n: int) -> None:
     n = int(n)
     if n < 1:
         raise ValueError(f"copy thread count must be >= 1, got {n}")
-    with _lock:
+    with _engine_lock:
         lib.ca_copy_set_threads(n)
         _chosen = True
 
@@ -153,7 +153,7 @@ def _cpus() -> int:
 def _choose_default() -> None:
     """Pick the default thread count once: from the environment, else by calibration."""
     global _chosen
-    with _lock:
+    with _engine_lock:
         if _chosen:
             return
         env = os.environ.get(ENV_THREADS)
@@ -177,7 +177,7 @@ def _choose_default() -> None:
 def calibrate(nbytes: int = CALIBRATION_BYTES, repeats: int = 3) -> int:
     """Time a copy of nbytes at 1 and 2 threads (min of repeats); set and return the faster."""
     global _chosen
-    with _lock:
+    with _engine_lock:
         n = _calibrate_locked(nbytes, repeats)
         lib.ca_copy_set_threads(n)
         _chosen = True

@@ -1,10 +1,14 @@
-"""Creating CachedArrays: asarray, array, empty, zeros, ones, full and their *_like forms."""
+"""Creating CachedArrays: asarray, array, empty, zeros, ones, full and their *_like forms.
+
+NumPy's own creation functions (``np.zeros_like(x)``, ``np.empty(3, like=x)``) reach these
+through ``cachedarrays.routines.creation``.
+"""
 
 import numpy as np
 
-from .array import (CachedArray, _from_ndarray, _unpin, check_dtype, implements, new_pinned,
-                    readable)
+from .array import CachedArray, _from_ndarray, _unpin, check_dtype, new_pinned
 from .defaults import default_manager
+from .scopes import readable
 
 
 def _manager(manager, like=None):
@@ -113,58 +117,3 @@ def ones_like(a, dtype=None, order="K", subok=True, shape=None, *, manager=None)
 def full_like(a, fill_value, dtype=None, order="K", subok=True, shape=None, *, manager=None):
     dtype, order, shape = _like_args(a, dtype, order, shape)
     return full(shape, fill_value, dtype, order, manager=_manager(manager, a))
-
-
-# np.empty_like(x) and friends on a CachedArray return CachedArrays with no copy.
-implements(np.empty_like)(empty_like)
-implements(np.zeros_like)(zeros_like)
-implements(np.ones_like)(ones_like)
-implements(np.full_like)(full_like)
-
-
-def _like_creation(fn):
-    def impl(*args, like=None, device=None, **kwargs):
-        if device not in (None, "cpu"):        # NumPy passes device= from np.ones and np.full
-            raise ValueError(f"device must be None or 'cpu', not {device!r}")
-        return fn(*args, manager=_manager(None, like), **kwargs)
-    return impl
-
-
-# like= dispatch (NEP 35): np.empty(3, like=x) -> a CachedArray on x's manager.
-implements(np.empty)(_like_creation(empty))
-implements(np.zeros)(_like_creation(zeros))
-implements(np.ones)(_like_creation(ones))
-implements(np.full)(_like_creation(full))
-implements(np.asarray)(_like_creation(array))
-implements(np.array)(_like_creation(array))
-
-
-@implements(np.concatenate)
-def concatenate(arrays, axis=0, out=None, *, dtype=None, casting="same_kind"):
-    """np.concatenate writing straight into a policy-placed result (no extra copy)."""
-    from .array import _call_on_views, _unpin
-
-    arrays = list(arrays)
-    first = next((a for a in arrays if isinstance(a, CachedArray)), None)
-    if out is not None or first is None or axis is None or not arrays:
-        return _call_on_views(np.concatenate, (arrays,), dict(axis=axis, out=out, dtype=dtype,
-                                                               casting=casting))
-    shapes = [np.shape(a) for a in arrays]
-    nd = len(shapes[0])
-    if nd == 0 or any(len(s) != nd for s in shapes):
-        return _call_on_views(np.concatenate, (arrays,), dict(axis=axis, dtype=dtype,
-                                                               casting=casting))
-    ax = axis + nd if axis < 0 else axis
-    if not 0 <= ax < nd:
-        return _call_on_views(np.concatenate, (arrays,), dict(axis=axis, dtype=dtype,
-                                                               casting=casting))
-    shape = list(shapes[0])
-    shape[ax] = sum(s[ax] for s in shapes)
-    dt = np.dtype(dtype) if dtype is not None else np.result_type(
-        *[a.dtype if hasattr(a, "dtype") else np.asarray(a).dtype for a in arrays])
-    res = new_pinned(first.manager, tuple(shape), dt)
-    try:
-        return _call_on_views(np.concatenate, (arrays,), dict(axis=axis, out=res,
-                                                               dtype=dtype, casting=casting))
-    finally:
-        _unpin(res)

@@ -10,7 +10,7 @@ import threading
 
 from .manager import Manager
 
-_lock = threading.Lock()
+_default_lock = threading.Lock()
 _default = None
 
 
@@ -20,7 +20,7 @@ def default_manager():
     m = _default
     if m is not None and not m.closed:
         return m
-    with _lock:
+    with _default_lock:
         if _default is None or _default.closed:
             _default = Manager(
                 fast=os.environ.get("CACHEDARRAYS_FAST", "1GiB"),
@@ -36,7 +36,7 @@ def set_default_manager(manager):
     global _default
     if manager is not None and not isinstance(manager, Manager):
         raise TypeError(f"expected a Manager or None, got {type(manager).__name__}")
-    with _lock:
+    with _default_lock:
         prev, _default = _default, manager
     return prev
 

@@ -98,8 +98,6 @@ def _devdax_size(st):
 class Device:
     """A source of memory with its own heap. Subclasses create the mapping."""
 
-    __ca_leaf__ = True
-
     kind = "device"
     _ro = None                        # read-only byte array over the mapping, built on first use
 
@@ -310,7 +308,7 @@ def _in_use(pid):
             "other's arrays: close that manager, or pass another path or a directory")
 
 
-def _lock(fd, path, size):
+def _lock_file(fd, path, size):
     """Hold an exclusive lock on fd for the device's lifetime, so a second manager is refused."""
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -484,7 +482,7 @@ class SlowDevice(Device):
                         "file system does not keep Unix permissions and other users could read "
                         "the arrays; choose a slow_path on a file system that does"
                     )
-            _lock(fd, path, size)
+            _lock_file(fd, path, size)
         except BaseException:
             self._cleanup_file()
             raise
@@ -505,7 +503,7 @@ class SlowDevice(Device):
             if not stat.S_ISCHR(opened.st_mode) or opened.st_rdev != st.st_rdev:
                 raise DeviceError(f"devdax device {path!r} ({size}) changed while it was being "
                                   "opened; try again")
-            _lock(fd, path, size)
+            _lock_file(fd, path, size)
         except BaseException:
             self._cleanup_file()
             raise

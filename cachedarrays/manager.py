@@ -2,8 +2,11 @@
 
 This is the mechanism of dissertation Table 4.4. It decides nothing: a policy (``policies/``)
 calls these operations. Every operation runs under one re-entrant lock, so the manager is safe
-to use from several threads. Objects freed by the garbage collector are only queued by their
-finalizer; the queue drains at the next manager call.
+to use from several threads; ``atomic()`` holds it across a sequence of calls. Pin counts and
+dirty bits are private to this module: the rest of the library reads and changes them through
+``pin``/``unpin``/``acquire``/``release``/``new_pinned``, ``pinned``/``pin_count`` and
+``markdirty``/``markclean``/``isdirty``. Objects freed by the garbage collector are only queued
+by their finalizer; the queue drains at the next manager call.
 """
 
 import itertools
@@ -20,35 +23,26 @@ from .errors import (CachedArraysError, OutOfMemoryError, PinnedError, UseAfterF
 from .heap import HEADER
 from .poison import Poison
 from .poison import enabled as debug_enabled
+from .registry import resolve as resolve_policy
 from .sizes import format_size, parse_size
 from .telemetry import Telemetry
-
-_POLICIES = {}
-
-
-def register_policy(name, factory):
-    """Make a policy available by name, e.g. ``Manager(policy="lru")``."""
-    _POLICIES[name.lower()] = factory
-
-
-def policy_names():
-    return sorted(_POLICIES)
 
 
 class Region:
     """A contiguous block on one device, owned by one object."""
 
-    __ca_leaf__ = True
-
-    __slots__ = ("device", "offset", "nbytes", "owner", "dirty", "freed", "__weakref__")
+    __slots__ = ("device", "offset", "nbytes", "owner", "_dirty", "freed", "_buffer",
+                 "__weakref__")
 
     def __init__(self, device, offset, nbytes, owner):
         self.device = device
         self.offset = offset          # heap block offset; -1 for a zero-byte region
         self.nbytes = nbytes
         self.owner = owner            # id of the parent object
-        self.dirty = False
+        self._dirty = False
         self.freed = False
+        # The device's mapping, for Manager.ndarray (the hot path); None once freed or if empty.
+        self._buffer = device.buffer if nbytes else None
 
     @property
     def data_offset(self):
@@ -63,7 +57,7 @@ class Region:
         return self.device.address + self.offset + HEADER
 
     def __repr__(self):
-        state = " freed" if self.freed else (" dirty" if self.dirty else "")
+        state = " freed" if self.freed else (" dirty" if self._dirty else "")
         return (f"<Region {self.device.name} offset={self.offset} {format_size(self.nbytes)} "
                 f"object={self.owner}{state}>")
 
@@ -71,9 +65,7 @@ class Region:
 class Object:
     """What the program holds: one primary region (newest data) and linked regions elsewhere."""
 
-    __ca_leaf__ = True
-
-    __slots__ = ("id", "nbytes", "primary", "regions", "pins", "freed", "_manager",
+    __slots__ = ("id", "nbytes", "primary", "regions", "_pins", "freed", "_manager",
                  "__weakref__")
 
     def __init__(self, manager_ref, obj_id, nbytes):
@@ -81,9 +73,14 @@ class Object:
         self.nbytes = nbytes
         self.primary = None
         self.regions = {}             # device name -> Region (primary and linked regions)
-        self.pins = 0
+        self._pins = 0
         self.freed = False
         self._manager = manager_ref   # a weak reference: objects never keep a manager alive
+
+    @property
+    def manager(self):
+        """The manager that holds this object (None once that manager is gone)."""
+        return self._manager()
 
     @property
     def device(self):
@@ -112,7 +109,7 @@ class Object:
         where = "freed" if self.freed else (self.primary.device.name if self.primary else
                                             "a closed manager" if m is None or m.closed else
                                             "none")
-        return f"<Object {self.id} {format_size(self.nbytes)} on {where} pins={self.pins}>"
+        return f"<Object {self.id} {format_size(self.nbytes)} on {where} pins={self._pins}>"
 
 
 def _closed_error(objs=()):
@@ -128,7 +125,7 @@ def _closed_error(objs=()):
 def _describe(obj, shape=None):
     where = obj.primary.device.name if obj.primary is not None else "no device"
     return (f"object {obj.id} ({format_size(obj.nbytes)}"
-            f"{f', shape {shape}' if shape is not None else ''}, on {where}, pins={obj.pins})")
+            f"{f', shape {shape}' if shape is not None else ''}, on {where}, pins={obj._pins})")
 
 
 def _make_device(spec, name, default_cls, **kw):
@@ -144,8 +141,6 @@ class Manager:
     manager; ``close()`` is idempotent. ``debug=True`` (or ``CACHEDARRAYS_DEBUG=1``) poisons
     memory that objects leave behind and reports writes into it (see ``cachedarrays.poison``).
     """
-
-    __ca_leaf__ = True
 
     def __init__(self, fast="256MiB", slow="4GiB", slow_path=None, policy="lru", *,
                  granularity=0, populate=False, hugepages=True, numa_node=None,
@@ -185,18 +180,7 @@ class Manager:
 
     def _resolve_policy(self, policy, options):
         if isinstance(policy, str):
-            factory = _POLICIES.get(policy.lower())
-            if factory is None:
-                if not _POLICIES:
-                    # Policies register themselves when the package is imported.
-                    import importlib
-
-                    importlib.import_module("cachedarrays")
-                    factory = _POLICIES.get(policy.lower())
-                if factory is None:
-                    raise ValueError(f"unknown policy {policy!r}; known policies: "
-                                     f"{', '.join(policy_names())}")
-            policy = factory(**options)
+            policy = resolve_policy(policy)(**options)
         elif isinstance(policy, type):
             policy = policy(**options)
         if not hasattr(policy, "bind"):
@@ -232,14 +216,14 @@ class Manager:
             self._shutdown()
 
     def _pinned(self):
-        return [o for o in self._live_objects() if o.pins]
+        return [o for o in self._live_objects() if o._pins]
 
     def _held_here(self):
         """(object, shape) pairs the calling thread keeps pinned: open access scopes, pin()."""
         me = threading.get_ident()
         held = [h for tid, hs in list(self._scopes.values()) if tid == me for h in hs]
         held += [(o, None) for (tid, _), (o, _) in list(self._pinned_by.items()) if tid == me]
-        return [(o, shape) for o, shape in held if o.pins]
+        return [(o, shape) for o, shape in held if o._pins]
 
     def _pinned_error(self, pinned, here):
         shapes = {id(o): shape for _, held in list(self._scopes.values()) for o, shape in held}
@@ -291,6 +275,7 @@ class Manager:
         for table in self._by_offset.values():
             for r in table.values():
                 r.freed = True
+                r._buffer = None
             table.clear()
         self._objects.clear()
         self._deferred.clear()
@@ -443,7 +428,7 @@ class Manager:
                 raise UseAfterFreeError(f"object {obj.id} ({format_size(obj.nbytes)}) was "
                                         "already freed")
             self._check_open((obj,))
-            if obj.pins:
+            if obj._pins:
                 raise PinnedError(f"object {obj.id} is pinned by a running kernel or an open "
                                   "access scope; free it after the scope ends")
             self._release(obj.id, list(obj.regions.values()), obj.primary)
@@ -489,6 +474,39 @@ class Manager:
 
     # ---- pinning ---------------------------------------------------------------------------
 
+    def atomic(self):
+        """The manager's re-entrant lock, for a sequence of calls no other thread may interleave.
+
+        ``with m.atomic(): ...``: a policy checks and moves an object in one step (no other
+        thread pins or frees it in between). Every manager operation takes the same lock, so
+        calls made inside the block simply nest.
+        """
+        return self._lock
+
+    def pinned(self, obj):
+        """True while anything pins obj (a running kernel, an access scope, pin()): nothing
+        moves or frees it then."""
+        return obj._pins > 0
+
+    def pin_count(self, obj):
+        """How many pins obj holds now (each pin, acquire and new_pinned adds one)."""
+        return obj._pins
+
+    def new_pinned(self, nbytes, placement=None):
+        """A new object of nbytes placed by the policy, pinned and reported as written.
+
+        The one path for new arrays: the caller fills it at once (so its primary differs from
+        any copy the policy links elsewhere) and ends with ``release((obj,))``. placement: None
+        lets the policy choose; "fast" or "slow" is a hint (see ``Policy.place``).
+        """
+        with self._lock:
+            policy = self.policy
+            obj = policy.allocate(nbytes) if placement is None else \
+                policy.place(nbytes, placement)
+            obj._pins += 1
+            policy.write_use(obj)
+            return obj
+
     def pin(self, obj):
         """Pin obj: nothing moves or frees it until the matching unpin. Re-entrant."""
         with self._lock:
@@ -497,16 +515,16 @@ class Manager:
             if self._deferred:
                 self._drain()
             self._live(obj)
-            obj.pins += 1
+            obj._pins += 1
             key = (threading.get_ident(), obj.id)
             held = self._pinned_by.get(key)
             self._pinned_by[key] = (obj, held[1] + 1 if held else 1)
 
     def unpin(self, obj):
         with self._lock:
-            if obj.pins <= 0:
+            if obj._pins <= 0:
                 raise CachedArraysError(f"object {obj.id} is not pinned; unpin without pin")
-            obj.pins -= 1
+            obj._pins -= 1
             key = (threading.get_ident(), obj.id)
             held = self._pinned_by.get(key)
             if held is not None:
@@ -529,11 +547,13 @@ class Manager:
                 self._drain()
             done = []
             try:
-                self._pin_all(reads, self.policy.read_use, done)
-                self._pin_all(writes, self.policy.write_use, done)
+                if reads:
+                    self._pin_all(reads, self.policy.read_use, done)
+                if writes:
+                    self._pin_all(writes, self.policy.write_use, done)
             except BaseException:
                 for o in done:
-                    o.pins -= 1
+                    o._pins -= 1
                 if self._closing:
                     self._cond.notify_all()
                 raise
@@ -542,7 +562,7 @@ class Manager:
         for o in objs:
             if o.freed:
                 self._live(o)
-            o.pins += 1
+            o._pins += 1
             done.append(o)
             use(o)
 
@@ -550,7 +570,7 @@ class Manager:
         """Unpin objects pinned by acquire."""
         with self._lock:
             for o in objs:
-                o.pins -= 1
+                o._pins -= 1
             if self._closing:
                 self._cond.notify_all()
 
@@ -613,7 +633,7 @@ class Manager:
             if region.freed:
                 raise UseAfterFreeError(f"{region!r} was already freed (double free)")
             obj = self.object(region.owner)
-            if obj is not None and obj.pins and obj.primary is region:
+            if obj is not None and obj._pins and obj.primary is region:
                 raise PinnedError(f"object {obj.id} is pinned; its primary region cannot be "
                                   "freed until the access scope ends")
             self._free_region(region)
@@ -626,6 +646,7 @@ class Manager:
             if self._debug is not None:
                 self._debug_vacate(region, why)
         region.freed = True
+        region._buffer = None
         self.telemetry.on_free(dev.name, region.nbytes, region.owner)
         ref = self._objects.get(region.owner)
         obj = ref() if ref is not None else None
@@ -707,16 +728,19 @@ class Manager:
         return region.nbytes
 
     def on_device(self, region, device):
+        """True if region is on device (a name or a Device)."""
         return region.device is self._device(device)
 
     def markdirty(self, region):
-        region.dirty = True
+        """region holds data that its linked copies do not (an eviction must copy it back)."""
+        region._dirty = True
 
     def markclean(self, region):
-        region.dirty = False
+        """region equals its linked copy (an eviction may just drop it)."""
+        region._dirty = False
 
     def isdirty(self, region):
-        return region.dirty
+        return region._dirty
 
     def parent(self, region):
         """The object that owns region (None if it has been freed)."""
@@ -763,7 +787,7 @@ class Manager:
                 if obj is None:
                     self._free_region(r)   # its object is gone; the free was only queued
                     return True
-                if obj.pins:
+                if obj._pins:
                     self.telemetry.count("evict_skipped_pinned", r.nbytes)
                     return False
                 return bool(callback(r)) and r.freed
@@ -783,7 +807,7 @@ class Manager:
 
             def move(owner, old, new):
                 obj = self.object(owner)
-                if obj is not None and obj.pins:
+                if obj is not None and obj._pins:
                     return False
                 r = table.pop(old)
                 r.offset = new
@@ -806,15 +830,22 @@ class Manager:
     # ---- data access -----------------------------------------------------------------------
 
     def ndarray(self, region, dtype, shape, strides=None, offset=0, readonly=False):
-        """An ndarray over region's current bytes. Valid only while the object is pinned."""
-        if region.freed:
-            raise UseAfterFreeError(f"{region!r} was freed")
-        if region.nbytes == 0:
-            return np.ndarray(shape, dtype=dtype, buffer=b"" if readonly else None)
-        # A read-only view is built on a read-only buffer, so NumPy refuses to make it writable.
-        buf = region.device.readonly_buffer if readonly else region.device.buffer
-        return np.ndarray(shape, dtype=dtype, buffer=buf, offset=region.offset + HEADER + offset,
-                          strides=strides)
+        """An ndarray over region's current bytes, offset bytes into its data. Valid only while
+        the object is pinned.
+
+        A read-only one is built on the device's read-only buffer, so NumPy refuses to make it
+        writable (writes there would bypass the dirty bit and be lost at eviction). Every use of
+        a CachedArray comes through here: keep it lean.
+        """
+        buf = region._buffer
+        if buf is None:                           # a freed region, or one of zero bytes
+            if region.freed:
+                raise UseAfterFreeError(f"{region!r} was freed")
+            # Nothing to read or write; a read-only one sits on an immutable (empty) buffer.
+            return np.ndarray(shape, dtype, b"" if readonly else None)
+        if readonly:
+            buf = region.device.readonly_buffer
+        return np.ndarray(shape, dtype, buf, region.offset + HEADER + offset, strides)
 
     # ---- checks and reports ----------------------------------------------------------------
 

@@ -53,8 +53,6 @@ def _end(rec):
 class Poison:
     """Poisoned ranges per device, sorted and disjoint; each is checked once, then forgotten."""
 
-    __ca_leaf__ = True
-
     def __init__(self):
         self._recs = {}               # device name -> [Vacated] sorted by start
         self.pending = []             # StaleWrites found at reuse, reported again by check()

@@ -24,8 +24,6 @@ EVENTS = (
 class Telemetry:
     """Counters kept by the manager. All updates happen under the manager's lock."""
 
-    __ca_leaf__ = True
-
     def __init__(self, devices, event_log=None):
         self._devices = list(devices)
         self._log_path = event_log

@@ -9,19 +9,50 @@ from ..errors import OutOfMemoryError, UseAfterFreeError
 from ..sizes import format_size
 
 
+# (capability, the method whose behaviour it describes): see Policy.__init_subclass__
+_CAPABILITIES = (("honours_prefetch", "prefetch"), ("honours_softevict", "softevict"),
+                 ("tracks_reads", "read_use"))
+
+
 class Policy:
     """Base policy: allocate fast when there is room, otherwise slow; move only when asked.
 
     Subclass hooks: ``allocate(nbytes)``, ``select_victims(nbytes)`` (which fast objects to evict
     first), ``read_use``/``write_use`` (usage tracking), ``on_fast``/``forget`` (residency).
+
+    What a policy does with the annotations, so that callers (the models) can skip walks that
+    would change nothing. Capabilities, declared by the class:
+
+    - ``honours_prefetch``: ``prefetch`` may move an array into fast memory (False for policies
+      that never move data on prefetch: FirstTouch, FastOnly, SlowOnly).
+    - ``honours_softevict``: ``softevict`` changes which arrays are evicted first.
+    - ``tracks_reads``: ``read_use`` records the use (``ca.prefetch`` of an array already in
+      fast memory reports one), as LRU does.
+
+    A subclass that overrides one of these methods without declaring the capability gets True
+    (the safe answer: the annotation is always made). Switches, set per instance (see LRU):
+    ``allows_prefetch`` (False: prefetch moves nothing) and ``allows_cleanup`` (False:
+    ``cleanup``/``noescape`` free nothing early).
     """
 
-    __ca_leaf__ = True
-
     name = "base"
-    #: switches shared by the built-in policies (see LRU for their meaning)
+    honours_prefetch = True
+    honours_softevict = False
+    tracks_reads = False
     allows_prefetch = True
     allows_cleanup = True
+
+    def __init_subclass__(cls, **kwargs):
+        """A method overridden below the class that declared its capability: assume True."""
+        super().__init_subclass__(**kwargs)
+        mro = cls.__mro__
+        for attr, method in _CAPABILITIES:
+            if attr in cls.__dict__:
+                continue
+            declared = next(i for i, c in enumerate(mro) if attr in c.__dict__)
+            defined = next(i for i, c in enumerate(mro) if method in c.__dict__)
+            if defined < declared:
+                setattr(cls, attr, True)
 
     def __init__(self):
         self.manager = None
@@ -40,16 +71,28 @@ class Policy:
         obj = self.alloc_fast(nbytes)
         return obj if obj is not None else self.alloc_slow(nbytes)
 
+    def place(self, nbytes, placement=None):
+        """A new object for a placement hint: None lets ``allocate`` choose; "slow" puts it in
+        slow memory; "fast" in fast memory if it fits after forced evictions, else slow."""
+        if placement is None:
+            return self.allocate(nbytes)
+        if placement == "slow":
+            return self.alloc_slow(nbytes)
+        if placement == "fast":
+            obj = self.alloc_fast(nbytes, force=True)
+            return obj if obj is not None else self.alloc_slow(nbytes)
+        raise ValueError(f"placement must be None, 'fast' or 'slow', not {placement!r}")
+
     def alloc_fast(self, nbytes, force=False):
         """A new object in fast memory, or None if it does not fit (force: evict to make room)."""
         m = self.manager
-        with m._lock:
+        with m.atomic():
             obj = m.create(m.fast, nbytes)
             if obj is None and force and m.fits(m.fast, nbytes) and self.make_room(nbytes):
                 obj = m.create(m.fast, nbytes)
             if obj is None:
                 return None
-            obj.primary.dirty = True
+            m.markdirty(obj.primary)
             self.on_fast(obj)
             return obj
 
@@ -70,14 +113,15 @@ class Policy:
     # ---- queries and usage -----------------------------------------------------------------
 
     def in_fast(self, obj):
-        return self.manager.primary(obj).device is self.manager.fast
+        m = self.manager
+        return m.on_device(m.primary(obj), m.fast)
 
     def read_use(self, obj):
         """obj was used read-only."""
 
     def write_use(self, obj):
         """obj was (or is about to be) written: its primary differs from any linked copy."""
-        obj.primary.dirty = True
+        self.manager.markdirty(obj.primary)
 
     def unsafe_free(self, obj):
         """Free obj now (before the garbage collector would)."""
@@ -100,14 +144,14 @@ class Policy:
         in fast memory only reports a ``read_use``; it does not call this method.)
         """
         m = self.manager
-        with m._lock:
+        with m.atomic():
             x = m.primary(obj)
             if x is None:
                 raise UseAfterFreeError(f"object {obj.id} has no data")
-            if x.device is m.fast:
+            if m.on_device(x, m.fast):
                 self.read_use(obj)
                 return True
-            if obj.pins:
+            if m.pinned(obj):
                 return False
             y = m.try_allocate("fast", x.nbytes, obj)
             if y is None and force and m.fits("fast", x.nbytes):
@@ -119,7 +163,7 @@ class Policy:
             m.copyto(y, x)
             m.link(x, y)
             m.set_primary(obj, y)
-            y.dirty = False
+            m.markclean(y)
             self.on_fast(obj)
             return True
 
@@ -129,23 +173,23 @@ class Policy:
         Returns True if obj's primary is in slow memory afterwards.
         """
         m = self.manager
-        with m._lock:
+        with m.atomic():
             x = m.primary(obj)
-            if x is None or x.device is not m.fast:
+            if x is None or not m.on_device(x, m.fast):
                 return True
-            if obj.pins:
+            if m.pinned(obj):
                 return False
             y = m.getlinked(x, "slow")
             allocated = y is None
             if allocated:
                 y = m.allocate("slow", x.nbytes, obj)
-            if x.dirty or allocated:
+            if m.isdirty(x) or allocated:
                 m.copyto(y, x)
             else:
                 m.count("writebacks_elided", x.nbytes, id=obj.id)
             if allocated:
                 m.link(x, y)
-            y.dirty = False
+            m.markclean(y)
             m.set_primary(obj, y)
             m.unlink(x, y)
             m.free(x)
@@ -179,7 +223,7 @@ class Policy:
         for v in victims:
             if evicted >= need:
                 break
-            if v.freed or v.pins or v.primary is None or v.primary.device is not fast:
+            if v.freed or m.pinned(v) or v.primary is None or not m.on_device(v.primary, fast):
                 continue
             size = v.primary.nbytes
             if self.evict(v):

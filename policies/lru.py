@@ -2,10 +2,11 @@
 
 Every use (``read_use``/``write_use``, which every kernel and access scope reports) moves an
 object to the most-recent end. ``softevict`` moves it to a separate tier that is evicted first.
-Switches reproduce the dissertation's modes (Table 4.7):
+Presets (``LRU(preset=...)``) set the switches as in the dissertation's CachedArrays runs
+(Table 4.7):
 
 =========  ============  ===========  =========
-mode       local_alloc   cleanup      prefetch
+preset     local_alloc   cleanup      prefetch
 =========  ============  ===========  =========
 CA:∅       False         False        False
 CA:L       True          False        False
@@ -19,9 +20,10 @@ memory with a linked slow copy, as a hardware cache would (a compulsory copy on 
 
 from collections import OrderedDict
 
+from ..registry import register_policy
 from .base import Policy
 
-MODES = {
+PRESETS = {
     "CA:0": dict(local_alloc=False, cleanup=False, prefetch=False),
     "CA:L": dict(local_alloc=True, cleanup=False, prefetch=False),
     "CA:LM": dict(local_alloc=True, cleanup=True, prefetch=False),
@@ -33,16 +35,19 @@ class LRU(Policy):
     """Least-recently-used placement; see the module docstring for the switches."""
 
     name = "lru"
+    honours_prefetch = True
+    honours_softevict = True
+    tracks_reads = True
 
-    def __init__(self, local_alloc=True, prefetch=True, cleanup=True, mode=None):
+    def __init__(self, local_alloc=True, prefetch=True, cleanup=True, preset=None):
         super().__init__()
-        if mode is not None:
-            key = mode.upper().replace("∅", "0")
+        if preset is not None:
+            key = preset.upper().replace("∅", "0")
             if not key.startswith("CA:"):
                 key = "CA:" + key
-            if key not in MODES:
-                raise ValueError(f"unknown mode {mode!r}; modes are {', '.join(MODES)}")
-            local_alloc, cleanup, prefetch = (MODES[key][k] for k in
+            if key not in PRESETS:
+                raise ValueError(f"unknown LRU preset {preset!r}; presets are {', '.join(PRESETS)}")
+            local_alloc, cleanup, prefetch = (PRESETS[key][k] for k in
                                               ("local_alloc", "cleanup", "prefetch"))
         self.local_alloc = bool(local_alloc)
         self.allows_prefetch = bool(prefetch)
@@ -57,7 +62,7 @@ class LRU(Policy):
             obj = self.alloc_fast(nbytes, force=True)
             return obj if obj is not None else self.alloc_slow(nbytes)
         obj = self.alloc_slow(nbytes)
-        obj.primary.dirty = False
+        self.manager.markclean(obj.primary)
         Policy.prefetch(self, obj, force=True)
         return obj
 
@@ -75,7 +80,7 @@ class LRU(Policy):
         self._touch(obj)
 
     def write_use(self, obj):
-        obj.primary.dirty = True
+        self.manager.markdirty(obj.primary)
         self._touch(obj)
 
     def on_fast(self, obj):
@@ -117,3 +122,6 @@ class LRU(Policy):
     def tiers(self):
         """(soft-evicted ids, regular ids), least recent first: for tests and reports."""
         return list(self.soft), list(self.recent)
+
+
+register_policy(LRU.name, LRU)

@@ -309,7 +309,7 @@ class MemoryModeCache:
         self.write_nofill = bool(write_nofill)
         self.profile = get_profile(profile)
         self.tags = np.full(self.sets, -1, dtype=np.int64)
-        self.dirty = np.zeros(self.sets, dtype=np.uint8)
+        self.dirty_lines = np.zeros(self.sets, dtype=np.uint8)
         self._counters = np.zeros(_NCOUNTERS, dtype=np.int64)
 
     def __repr__(self) -> str:
@@ -344,12 +344,12 @@ class MemoryModeCache:
             return
         if starts.min() < 0 or lengths.min() < 0:
             raise ValueError("MemoryModeCache.access_many: starts and lengths must be non-negative byte counts")
-        _run(self.tags, self.dirty, starts, lengths, w, self.line_size, self.write_nofill, self._counters)
+        _run(self.tags, self.dirty_lines, starts, lengths, w, self.line_size, self.write_nofill, self._counters)
 
     def flush(self) -> int:
         """Write back every dirty line (counted as traffic); lines stay resident and clean. Returns lines written."""
-        n = int(np.count_nonzero(self.dirty))
-        self.dirty[:] = 0
+        n = int(np.count_nonzero(self.dirty_lines))
+        self.dirty_lines[:] = 0
         self._counters[_FLUSHED] += n
         self._counters[_DRAM_READ] += n
         self._counters[_SLOW_WRITE] += n
@@ -360,7 +360,7 @@ class MemoryModeCache:
         self._counters[:] = 0
         if not keep_contents:
             self.tags[:] = -1
-            self.dirty[:] = 0
+            self.dirty_lines[:] = 0
 
     def contains(self, addr: int) -> bool:
         """Whether the line holding byte ``addr`` is resident."""
@@ -370,7 +370,7 @@ class MemoryModeCache:
     def isdirty(self, addr: int) -> bool:
         """Whether the line holding byte ``addr`` is resident and dirty."""
         line = int(addr) // self.line_size
-        return bool(self.tags[line % self.sets] == line and self.dirty[line % self.sets])
+        return bool(self.tags[line % self.sets] == line and self.dirty_lines[line % self.sets])
 
     def stats(self) -> MemoryModeStats:
         """A snapshot of the counters, with line counts turned into bytes."""

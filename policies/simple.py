@@ -1,6 +1,7 @@
 """Baseline policies that never move data: FirstTouch, FastOnly and SlowOnly."""
 
 from ..errors import OutOfMemoryError
+from ..registry import register_policy
 from ..sizes import format_size
 from .base import Policy
 
@@ -9,6 +10,7 @@ class FirstTouch(Policy):
     """Fast memory if the array fits when it is created, else slow; never moves anything."""
 
     name = "firsttouch"
+    honours_prefetch = False
 
     def prefetch(self, obj, force=False):
         return self.in_fast(obj)
@@ -21,6 +23,7 @@ class FastOnly(Policy):
     """Everything in fast memory; running out is an error (the all-DRAM baseline)."""
 
     name = "fastonly"
+    honours_prefetch = False
 
     def allocate(self, nbytes):
         obj = self.alloc_fast(nbytes)
@@ -43,6 +46,7 @@ class SlowOnly(Policy):
     """Everything in slow memory (the all-PMem baseline)."""
 
     name = "slowonly"
+    honours_prefetch = False
 
     def allocate(self, nbytes):
         return self.alloc_slow(nbytes)
@@ -52,3 +56,8 @@ class SlowOnly(Policy):
 
     def evict(self, obj):
         return True
+
+
+for _cls, _alias in ((FirstTouch, "first-touch"), (FastOnly, "fast-only"), (SlowOnly, "slow-only")):
+    register_policy(_cls.name, _cls)
+    register_policy(_alias, _cls)

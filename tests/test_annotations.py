@@ -8,12 +8,8 @@ import numpy as np
 import pytest
 
 import cachedarrays as ca
-
-
-@pytest.fixture
-def m():
-    with ca.Manager(fast="1MiB", slow="16MiB") as mgr:
-        yield mgr
+from cachedarrays import annotations
+from helpers import assert_eq
 
 
 @dataclasses.dataclass
@@ -40,7 +36,7 @@ def test_onobjects_walks_containers_objects_and_closures(m):
 
     class Holder:
         def __init__(self):
-            self.items = [xs[5], {xs[6]: 1} if False else xs[6]]
+            self.items = [xs[5], xs[6]]
 
         def method(self):
             return self
@@ -118,7 +114,7 @@ def test_noescape_frees_temporaries_only(m):
     out = {}
     before = m.stats()["objects"]
     r = f(a, out)
-    np.testing.assert_array_equal(np.asarray(r), np.full(1000, 2.0))
+    assert_eq(r, np.full(1000, 2.0), exact=True)
     assert not out["kept"].is_freed and not a.is_freed
     assert m.stats()["objects"] == before + 2        # the result and the escaped array
 
@@ -147,16 +143,16 @@ def test_noescape_does_not_touch_other_threads(m):
     assert not other[0].is_freed
 
 
-def test_noescape_respects_the_cleanup_switch():
-    with ca.Manager(fast="1MiB", slow="4MiB", policy_options={"cleanup": False}) as m:
-        leaked = []
+def test_noescape_respects_the_cleanup_switch(make_manager):
+    m = make_manager(policy_options={"cleanup": False})
+    leaked = []
 
-        @ca.noescape
-        def f():
-            leaked.append(ca.ones(3, manager=m).object)
-            return None
-        f()
-        assert not leaked[0].freed
+    @ca.noescape
+    def f():
+        leaked.append(ca.ones(3, manager=m).object)
+        return None
+    f()
+    assert not leaked[0].freed
 
 
 def test_annotate_prefetches_softevicts_and_cleans_pullbacks(m):
@@ -187,7 +183,7 @@ def test_annotate_prefetches_softevicts_and_cleans_pullbacks(m):
     soft, _ = m.policy.tiers()
     assert w.object.id in soft and x.object.id in soft
     dx = pb(ca.ones((2, 8), manager=m))
-    np.testing.assert_array_equal(np.asarray(dx), np.full((2, 8), 8.0))
+    assert_eq(dx, np.full((2, 8), 8.0), exact=True)
     assert gone(m, y_id) and gone(m, layer.hidden_id)  # cleaned after the backward pass
     assert not w.is_freed and not x.is_freed and not dx.is_freed
 
@@ -202,10 +198,10 @@ def test_annotate_noescape_option(m):
     before = m.stats()["objects"]
     r = f(x)                                   # t was freed; only the result remains
     assert m.stats()["objects"] == before + 1
-    np.testing.assert_array_equal(np.asarray(r), np.full(5, 4.0))
+    assert_eq(r, np.full(5, 4.0), exact=True)
 
 
-def test_managers_devices_and_policies_are_not_walked(m):
+def test_managers_devices_and_policies_are_not_walked(m, monkeypatch):
     x = ca.ones(3, manager=m)
 
     class Holder:
@@ -213,14 +209,42 @@ def test_managers_devices_and_policies_are_not_walked(m):
             self.manager = m
             self.policy = m.policy
             self.device = m.fast
+            self.telemetry = m.telemetry
+            self.regions = [x.object, x.object.primary]
             self.x = x
 
-    calls = []
-    orig = type(m).__dict__.get("__ca_leaf__")
-    assert orig is True
+    looked_inside = []
+    real_slots = annotations._slots
+
+    def slots(cls):
+        looked_inside.append(cls)
+        return real_slots(cls)
+
+    monkeypatch.setattr(annotations, "_slots", slots)
     found = ca.arrays_in(Holder())
     assert [a.object for a in found] == [x.object]
-    assert calls == []
+    assert looked_inside == [Holder]
+
+
+def test_a_registered_leaf_type_is_not_walked(m):
+    x = ca.ones(3, manager=m)
+
+    class Session:
+        def __init__(self):
+            self.scratch = x
+
+    class Other:
+        def __init__(self):
+            self.scratch = x
+
+    assert [a.object for a in ca.arrays_in(Session())] == [x.object]
+    assert ca.register_leaf_type(Session) is Session
+    assert ca.arrays_in(Session(), [Session()]) == []
+    assert [a.object for a in ca.arrays_in(Other())] == [x.object]
+    with pytest.raises(TypeError, match="CachedArrays would count as leaves"):
+        ca.register_leaf_type(object)
+    with pytest.raises(TypeError, match="takes a class"):
+        ca.register_leaf_type(Session())
 
 
 def test_walks_and_fallbacks_leave_no_reference_cycles(m):
@@ -269,7 +293,7 @@ def test_readme_custom_layer_keeps_the_callers_y_and_dy():
         y, pullback = s.rrule(Scale("scale", (2, 3)), xa)
         dx = pullback(ca.ones((2, 3), dtype=np.float32, manager=m))
         assert float(y.sum()) == 12.0                  # raised UseAfterFreeError before
-        np.testing.assert_array_equal(np.asarray(dx), np.full((2, 3), 2.0))
+        assert_eq(dx, np.full((2, 3), 2.0, np.float32), exact=True)
 
         y, pullback = s.rrule(Scale("scale", (2, 3)), xa)
         dy = ca.ones((2, 3), dtype=np.float32, manager=m)
@@ -329,9 +353,9 @@ def test_annotated_mlp_keeps_y_and_dy_and_frees_its_captured_temporaries(m):
         assert not kept.is_freed
     h = xn @ np.asarray(mlp.w1)
     yn = np.maximum(h, 0) @ np.asarray(mlp.w2)
-    np.testing.assert_allclose(np.asarray(y + dy), yn + 1)           # both still usable
+    assert_eq(y + dy, yn + 1)                                        # both still usable
     dh = (np.ones_like(yn) @ np.asarray(mlp.w2).T) * (h > 0)
-    np.testing.assert_allclose(np.asarray(dx), dh @ np.asarray(mlp.w1).T)
+    assert_eq(dx, dh @ np.asarray(mlp.w1).T)
 
 
 def test_cleanup_keeps_an_object_whose_view_the_caller_holds(m):

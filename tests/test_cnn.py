@@ -143,12 +143,14 @@ def test_deep_variants_build_with_the_documented_depths():
     assert cnn.build("densenet", 264, **dict(TINY, image=8)).param_count() > 0
 
 
-def _train(name, depth, mode=None, policy=None, fast="64MiB", steps=2, backend="numpy", **shape):
+def _train(name, depth, setup=None, policy=None, budget="64MiB", steps=2, backend="numpy",
+           **shape):
     model = cnn.build(name, depth, **(shape or TINY))
-    if mode is not None:
-        m, s = cnn.make_session(mode, fast, "256MiB", backend)
+    if setup is not None:
+        m, s = cnn.make_session(setup, slow="256MiB", backend=backend,
+                                **cnn.dram_budget(setup, budget))
     else:
-        m = ca.Manager(fast=fast, slow="256MiB", policy=policy)
+        m = ca.Manager(fast=budget, slow="256MiB", policy=policy)
         s = cnn.Session(m, backend)
     with m:
         model.init(s, seed=3)
@@ -168,28 +170,29 @@ CONFIGS = [("fast-only", None, "64MiB"), ("none", None, "48KiB"), ("L", None, "4
 @pytest.mark.parametrize("name,depth,shape", [("vgg", 11, TINY), ("resnet", 18, TINY),
                                               ("densenet", 121, dict(TINY, image=8))])
 def test_weights_are_bitwise_equal_under_every_policy_and_budget(name, depth, shape):
-    ref, _ = _train(name, depth, mode="fast-only", **shape)
+    ref, _ = _train(name, depth, setup="fast-only", **shape)
     evicted = 0
-    for mode, policy, fast in CONFIGS[1:]:
-        w, moved = _train(name, depth, mode=mode, policy=policy, fast=fast, **shape)
+    for setup, policy, budget in CONFIGS[1:]:
+        w, moved = _train(name, depth, setup=setup, policy=policy, budget=budget, **shape)
         evicted += moved.get("fast->slow", {}).get("bytes", 0)
         for k in ref:
-            assert np.array_equal(ref[k], w[k]), (mode or policy, fast, k)
+            assert np.array_equal(ref[k], w[k]), (setup or policy, budget, k)
     assert evicted > 0          # the small budgets really moved data
 
 
 @ONEDNN
 def test_onednn_weights_are_bitwise_equal_across_budgets():
-    ref, _ = _train("resnet", 18, mode="fast-only", backend="onednn")
-    for mode, fast in (("LM", "32KiB"), ("LMP", "32KiB"), ("2lm", "16KiB")):
-        w, _ = _train("resnet", 18, mode=mode, fast=fast, backend="onednn")
+    ref, _ = _train("resnet", 18, setup="fast-only", backend="onednn")
+    for setup, budget in (("LM", "32KiB"), ("LMP", "32KiB"), ("2lm", "16KiB")):
+        w, _ = _train("resnet", 18, setup=setup, budget=budget, backend="onednn")
         for k in ref:
-            assert np.array_equal(ref[k], w[k]), (mode, k)
+            assert np.array_equal(ref[k], w[k]), (setup, k)
 
 
-def _train_fused(name, depth, fused, mode="LM", fast="48KiB", steps=2, backend="numpy", **shape):
+def _train_fused(name, depth, fused, setup="LM", budget="48KiB", steps=2, backend="numpy",
+                 **shape):
     model = cnn.build(name, depth, **(shape or TINY))
-    m, s = cnn.make_session(mode, fast, "256MiB", backend)
+    m, s = cnn.make_session(setup, slow="256MiB", backend=backend, **cnn.dram_budget(setup, budget))
     with m:
         model.init(s, seed=3)
         m.reset_stats()
@@ -202,13 +205,13 @@ def _train_fused(name, depth, fused, mode="LM", fast="48KiB", steps=2, backend="
 
 @pytest.mark.parametrize("name,depth,shape", [("vgg", 11, TINY), ("resnet", 50, TINY),
                                               ("densenet", 121, dict(TINY, image=8))])
-@pytest.mark.parametrize("mode,fast", [("fast-only", "64MiB"), ("LM", "48KiB"), ("2lm", "16KiB")])
-def test_fused_sgd_gives_bitwise_the_weights_of_the_unfused_step(name, depth, shape, mode, fast):
-    w0, l0, _ = _train_fused(name, depth, False, mode, fast, **shape)
-    w1, l1, _ = _train_fused(name, depth, True, mode, fast, **shape)
+@pytest.mark.parametrize("setup,budget", [("fast-only", "64MiB"), ("LM", "48KiB"), ("2lm", "16KiB")])
+def test_fused_sgd_gives_bitwise_the_weights_of_the_unfused_step(name, depth, shape, setup, budget):
+    w0, l0, _ = _train_fused(name, depth, False, setup, budget, **shape)
+    w1, l1, _ = _train_fused(name, depth, True, setup, budget, **shape)
     assert l0 == l1
     for k in w0:
-        assert np.array_equal(w0[k], w1[k]), (mode, k)
+        assert np.array_equal(w0[k], w1[k]), (setup, k)
 
 
 @ONEDNN
@@ -250,8 +253,8 @@ def test_fused_sgd_frees_each_gradient_inside_its_pullback():
 
 def test_a_pullback_frees_the_output_and_state_its_layer_saved():
     shape = (2, 3, 6, 6)
-    for mode, frees in (("LM", True), ("L", False)):
-        m, s = cnn.make_session(mode, "8MiB", "8MiB", "numpy")
+    for setup, frees in (("LM", True), ("L", False)):
+        m, s = cnn.make_session(setup, "8MiB", "8MiB", "numpy")
         with m:
             conv = cnn.Conv2d("conv", shape, 4, 3, pad=1)
             chain = cnn.Chain("c", [conv, cnn.BatchNorm2d("bn", conv.out_shape),
@@ -286,24 +289,87 @@ def test_loss_falls_on_a_learnable_task():
 
 def test_cleanup_lowers_peak_memory_and_annotations_switch_off():
     peaks = {}
-    for mode in ("L", "LM", "fast-only"):
+    for setup in ("L", "LM", "fast-only"):
         model = cnn.build("vgg", 11, **TINY)
-        m, s = cnn.make_session(mode, "64MiB", "64MiB", "numpy")
+        m, s = cnn.make_session(setup, "64MiB", "64MiB", "numpy")
         with m:
             model.init(s)
             x, y = cnn.synthetic_batch(model)
             m.reset_stats()
             cnn.train_step(s, model, x, y, cnn.SGD(0.01))
-            peaks[mode] = m.stats()["devices"]["fast"]["peak_bytes"]
+            peaks[setup] = m.stats()["devices"]["fast"]["peak_bytes"]
     assert peaks["LM"] < peaks["L"]
     assert peaks["fast-only"] == peaks["LM"]
+
+
+# ---- setups and their sizes -------------------------------------------------------------------
+
+def test_setups_use_the_lru_presets_of_table_4_7():
+    from cachedarrays.policies import LRU
+    for setup, switches in (("none", (False, False, False)), ("L", (True, False, False)),
+                            ("LM", (True, True, False)), ("LMP", (True, True, True))):
+        p = cnn.make_policy(setup)
+        assert isinstance(p, LRU)
+        assert (p.local_alloc, p.allows_cleanup, p.allows_prefetch) == switches
+    assert cnn.SETUPS == ("none", "L", "LM", "LMP", "fast-only", "2lm", "2lm-none")
+
+
+def test_a_budget_is_bytes_a_size_or_a_percentage_of_the_footprint():
+    assert cnn.parse_budget("25%", 4 << 20) == 1 << 20
+    assert cnn.parse_budget(" 12.5% ", 1000) == 125
+    assert cnn.parse_budget("64MiB") == cnn.parse_budget("64MiB", 1) == 64 << 20
+    assert cnn.parse_budget(4096) == 4096
+    with pytest.raises(ValueError, match="no footprint was given"):
+        cnn.parse_budget("25%")
+    with pytest.raises(ValueError, match="'abc%' is not a percentage"):
+        cnn.parse_budget("abc%", 1000)
+    with pytest.raises(ValueError, match="'-5%' is not a percentage"):
+        cnn.parse_budget("-5%", 1000)
+
+
+def test_the_2lm_dram_cache_is_its_own_size_and_fast_is_the_managers_fast_memory():
+    m, s = cnn.make_session("2lm", "1MiB", "8MiB", dram_cache="64KiB")
+    with m:
+        assert s.tracer.cache.capacity == 64 << 10
+        assert m.stats()["devices"]["fast"]["heap_capacity"] == 1 << 20
+    m, s = cnn.make_session("LM", "1MiB", "8MiB")
+    with m:
+        assert s.tracer.cache is None
+        assert m.stats()["devices"]["fast"]["heap_capacity"] == 1 << 20
+    with pytest.raises(ValueError, match="give its size as dram_cache="):
+        cnn.make_session("2lm", 0, "8MiB")
+    with pytest.raises(ValueError, match="setup 'LM' simulates no DRAM cache"):
+        cnn.make_session("LM", "1MiB", "8MiB", dram_cache="64KiB")
+    assert cnn.dram_budget("2lm-none", "25%") == {"fast": 0, "dram_cache": "25%"}
+    assert cnn.dram_budget("LMP", "25%") == {"fast": "25%"}
+
+
+def test_a_trainer_gives_each_setup_the_dram_it_was_asked_for():
+    footprint = 4 << 20
+    tr = cnn.Trainer("vgg", 11, setup="2lm", dram_cache="25%", footprint=footprint, **TINY)
+    try:
+        assert tr.budget == tr.s.tracer.cache.capacity == 1 << 20
+        assert tr.m.stats()["devices"]["fast"]["heap_capacity"] == 0
+    finally:
+        tr.close()
+    tr = cnn.Trainer("vgg", 11, setup="LM", fast="64KiB", footprint=footprint, **TINY)
+    try:
+        assert tr.budget == tr.m.stats()["devices"]["fast"]["heap_capacity"] == 64 << 10
+        assert tr.s.tracer.cache is None
+    finally:
+        tr.close()
+    with pytest.raises(ValueError, match="setup 'LM' simulates no DRAM cache"):
+        cnn.Trainer("vgg", 11, setup="LM", dram_cache="25%", footprint=footprint, **TINY)
+    with pytest.raises(TypeError):                 # a setup is given as setup=
+        cnn.Trainer("vgg", 11, mode="LM", footprint=footprint, **TINY)
 
 
 # ---- tracing, 2LM and the modelled time -------------------------------------------------------
 
 def test_memory_mode_tracer_counts_traffic():
-    recs = {mode: cnn.run("resnet", 18, mode=mode, fast="10%", iterations=2, **TINY)
-            for mode in ("2lm", "2lm-none", "LM", "fast-only")}
+    recs = {setup: cnn.run("resnet", 18, setup=setup, iterations=2,
+                           **cnn.dram_budget(setup, "10%"), **TINY)
+            for setup in ("2lm", "2lm-none", "LM", "fast-only")}
     mm = recs["2lm"][-1]["trace"]["memory_mode"]
     assert mm["read_bytes"] > 0 and mm["write_bytes"] > 0
     assert mm["slow_read_bytes"] > 0 and mm["slow_write_bytes"] > 0
@@ -321,29 +387,35 @@ def test_memory_mode_tracer_counts_traffic():
 
 def test_modelled_time_charges_each_slow_output_kernel_once():
     from types import SimpleNamespace
-    from cachedarrays.policies.memorymode import get_profile
-    p = get_profile("optane")
-    gb = 1e9
-    rpen = 1 / (p.slow_read_gbps * gb) - 1 / (p.dram_read_gbps * gb)
-    wpen = 1 / (p.slow_write_gbps * gb) - 1 / (p.dram_write_gbps * gb)
-    # two slow-output kernels: one bandwidth-bound (many bytes, short), one factor-bound
+    from cachedarrays.policies.memorymode import DeviceProfile
+    profile = DeviceProfile("round", dram_read_gbps=100.0, dram_write_gbps=50.0,
+                            slow_read_gbps=25.0, slow_write_gbps=10.0)
+    # 3 GB read from slow memory, 1 GB of it by a slow-output kernel k1 (1 GB read, 2 GB
+    # written, 1 ms: bandwidth-bound); k2 has a slow output but moves no bytes (0.5 s: factor-bound)
     tr = SimpleNamespace(cache=None, overhead_seconds=0.25, slow_read_bytes=3 * 10**9,
                          slow_write_bytes=2 * 10**9,
                          slow_output=[(10**9, 2 * 10**9, 0.001), (0, 0, 0.5)])
     stats = {"moved": {"slow->fast": {"bytes": 10**9}, "fast->slow": {"bytes": 10**9}}}
-    base = 1.25 - 0.25 + 1e9 * rpen + 1e9 * wpen + 2e9 * rpen      # reads outside slow-output kernels
-    k1 = 1e9 * rpen + 2e9 * wpen
-    got = cnn.modelled_time(1.25, stats, tr, "optane", slow_output_factor=2.0)
-    assert got == pytest.approx(base + max(k1, 0.001) + max(0, 0.5))
-    summed = cnn.modelled_time(1.25, stats, tr, "optane", slow_output_factor=2.0, combine="sum")
-    assert summed == pytest.approx(base + k1 + 0.001 + 0.5)
+    # Worked out by hand, F = 2:
+    #   a GB read from slow memory instead of DRAM costs 1/25 - 1/100 = 0.03 s,
+    #   a GB written to it 1/10 - 1/50 = 0.08 s
+    #   T_wall' = 1.25 - 0.25 (tracer overhead)                     = 1.00
+    #   copies: 1 GB slow->fast at 0.03 + 1 GB fast->slow at 0.08   = 0.11
+    #   reads outside slow-output kernels: (3 - 1) GB at 0.03       = 0.06
+    #   k1: max(1 GB at 0.03 + 2 GB at 0.08 = 0.19, (F-1) * 0.001)  = 0.19
+    #   k2: max(0, (F-1) * 0.5)                                     = 0.5
+    #   total 1.00 + 0.11 + 0.06 + 0.19 + 0.5                       = 1.86
+    #   combine="sum": k1 pays 0.19 + 0.001, k2 0 + 0.5; total      = 1.861
+    got = cnn.modelled_time(1.25, stats, tr, profile, slow_output_factor=2.0)
+    assert got == pytest.approx(1.86, rel=1e-12)
+    summed = cnn.modelled_time(1.25, stats, tr, profile, slow_output_factor=2.0, combine="sum")
+    assert summed == pytest.approx(1.861, rel=1e-12)
     assert "max(" in cnn.FORMULA and "T_wall'" in cnn.FORMULA
 
 
-def test_demo_runs_quickly_and_returns_stats():
+def test_demo_returns_stats_of_a_run_under_a_quarter_budget():
     from cachedarrays.telemetry import format_stats
     stats = cnn.demo()
-    assert stats["seconds"] < 30
     assert "traffic between devices" in format_stats(stats)
     assert stats["budget"] == pytest.approx(0.25 * stats["footprint"], rel=0.01)
 
@@ -355,8 +427,8 @@ def test_bad_names_list_the_valid_ones():
         cnn.build("alexnet", 8)
     with pytest.raises(ValueError, match="valid depths: 18, 34, 50"):
         cnn.build("resnet", 51)
-    with pytest.raises(ValueError, match="valid modes: none, L, LM, LMP, fast-only, 2lm"):
-        cnn.check_mode("CA:X")
+    with pytest.raises(ValueError, match="valid setups: none, L, LM, LMP, fast-only, 2lm"):
+        cnn.check_setup("CA:X")
 
 
 def test_shape_mismatches_name_the_layer():
@@ -377,7 +449,7 @@ def test_shape_mismatches_name_the_layer():
 
 def test_a_batch_that_cannot_fit_says_how_much_it_needs():
     with pytest.raises(MemoryError, match=r"needs about .* per training iteration"):
-        cnn.run("vgg", 11, mode="LM", fast="16KiB", slow="64KiB", iterations=1, **TINY)
+        cnn.run("vgg", 11, setup="LM", fast="16KiB", slow="64KiB", iterations=1, **TINY)
 
 
 # ---- the benchmark script -------------------------------------------------------------------
@@ -392,15 +464,15 @@ def _bench():
     return bench
 
 
-def test_benchmark_runs_every_mode_end_to_end(tmp_path, capsys):
+def test_benchmark_runs_every_setup_end_to_end(tmp_path, capsys):
     bench = _bench()
     assert bench.main(["--model", "resnet", "--depth", "18", "--batch", "2", "--image", "16",
                        "--width", "16", "--backend", "numpy", "--fast", "25%", "--iterations", "2",
-                       "--mode", ",".join(cnn.MODES), "--no-progress", "--plot", "--sweep",
+                       "--setup", ",".join(cnn.SETUPS), "--no-progress", "--plot", "--sweep",
                        "--outdir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    for mode in cnn.MODES:
-        assert f"{mode:>9} " in out
+    for setup in cnn.SETUPS:
+        assert f"{setup:>9} " in out
     assert "Modelled time" in out and "target: LM slow-memory writes" in out
     for f in ("resnet18_occupancy.png", "resnet18_traffic.png", "resnet18_sweep.png"):
         assert (tmp_path / f).stat().st_size > 1000
@@ -422,10 +494,59 @@ def test_torch_peer_runs_in_its_own_process_and_reports_step_times():
 
 def test_benchmark_bad_input_lists_valid_names():
     bench = _bench()
-    with pytest.raises(SystemExit, match="valid modes"):
-        bench.main(["--mode", "LX", "--no-progress"])
+    with pytest.raises(SystemExit, match="valid setups"):
+        bench.main(["--setup", "LX", "--no-progress"])
     with pytest.raises(SystemExit, match="valid depths"):
         bench.main(["--model", "vgg", "--depth", "12", "--no-progress"])
     with pytest.raises(SystemExit, match="needs about"):
         bench.main(["--model", "vgg", "--depth", "11", "--batch", "2", "--image", "16",
                     "--width", "16", "--slow", "64KiB", "--no-progress"])
+
+
+def test_the_benchmark_passes_budgets_through_and_prints_what_the_trainer_uses(monkeypatch):
+    from cachedarrays.models.cnn import runner
+    bench = _bench()
+    parsed = []
+    real = runner.parse_budget
+    monkeypatch.setattr(runner, "parse_budget",
+                        lambda size, *a, **k: parsed.append(size) or real(size, *a, **k))
+    args = bench.parse_args(["--model", "vgg", "--depth", "11", "--batch", "2", "--image", "16",
+                             "--width", "16", "--backend", "numpy"])
+    footprint = 4 << 20
+    for spec, want in (("25%", 1 << 20), ("64MiB", 64 << 20), ("1000000", 10**6)):
+        args.fast = spec
+        for setup in ("LM", "2lm"):
+            parsed.clear()
+            tr = bench.make_trainer(args, setup, 256 << 20, footprint)
+            tr.close()
+            assert parsed[-1] == spec                 # handed over as given, parsed by the trainer
+            assert tr.budget == want == bench._budget(spec, footprint)[0]
+    args.fast, args.dram_cache = "25%", "64KiB"
+    assert bench._dram(args, "2lm") == {"fast": 0, "dram_cache": "64KiB"}
+    assert bench._dram(args, "LM") == {"fast": "25%"}
+
+
+def test_a_session_skips_only_the_annotations_its_policy_declares_it_ignores():
+    class PrefetchingFastOnly(ca.policies.FastOnly):     # overrides prefetch, declares nothing
+        def prefetch(self, obj, force=False):
+            return ca.policies.Policy.prefetch(self, obj, force)
+
+    cases = [(ca.policies.LRU(), True, True),
+             (ca.policies.LRU(prefetch=False), False, True),
+             (ca.policies.Policy(), True, False),
+             (ca.policies.FastOnly(), False, False),
+             (ca.policies.SlowOnly(), False, False),
+             (PrefetchingFastOnly(), True, False)]
+    for policy, prefetches, softevicts in cases:
+        with ca.Manager(fast="1MiB", slow="4MiB", policy=policy) as m:
+            s = cnn.Session(m)
+            assert (s._prefetches, s._softevicts) == (prefetches, softevicts), policy
+
+
+def test_the_annotation_walkers_never_look_inside_a_session():
+    m, s = _session()
+    with m:
+        x = ca.ones(3, manager=m)
+        s.scratch = x                     # even an array hung on it is not the walkers' business
+        assert ca.arrays_in(s, (s, [s])) == []
+        assert [a.object for a in ca.arrays_in(s, x)] == [x.object]

@@ -184,14 +184,23 @@ def test_thread_and_threshold_settings():
     ce.copy(0, 0, 0)                              # zero bytes never touch memory
 
 
-def test_calibration_picks_a_thread_count_quickly():
-    import time
+def test_calibration_sets_the_thread_count_that_later_copies_keep(monkeypatch):
     old = ce.get_threads()
-    t = time.perf_counter()
-    n = ce.calibrate()
-    assert time.perf_counter() - t < 1.0
-    assert n in (1, 2) and ce.get_threads() == n
-    ce.set_threads(old)
+    try:
+        n = ce.calibrate(nbytes=4 * MiB, repeats=1)
+        assert n in (1, 2) and ce.get_threads() == n
+        rng = np.random.default_rng(13)
+        src, dst = aligned(3 * MiB, rng), aligned(3 * MiB)
+        ce.copy(addr(dst), addr(src), 3 * MiB)     # a default copy: n threads, no recalibration
+        assert np.array_equal(dst, src) and ce.get_threads() == n
+        ce.set_threads(3)                          # an explicit count wins over calibration
+        dst[:] = 0
+        ce.copy(addr(dst), addr(src), 3 * MiB)
+        assert np.array_equal(dst, src) and ce.get_threads() == 3
+        monkeypatch.setattr(ce, "_cpus", lambda: 1)
+        assert ce.calibrate() == 1 and ce.get_threads() == 1   # one CPU: always one thread
+    finally:
+        ce.set_threads(old)
 
 
 def test_environment_overrides_the_thread_count():

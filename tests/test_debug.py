@@ -17,122 +17,117 @@ def stale_writes(m):
 # ---- read-only views -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("placement", ["fast", "slow"])
-def test_a_readable_view_cannot_be_made_writeable(placement):
-    with ca.Manager(fast="1MiB", slow="16MiB") as m:
-        x = ca.asarray(np.arange(100.0).reshape(10, 10), manager=m, placement=placement)
-        with ca.readable(x) as a:
-            for v in (a, a[2:5], a.T, a.reshape(-1)):
-                assert not v.flags.writeable
-                with pytest.raises(ValueError):
-                    v.flags.writeable = True
-                with pytest.raises(ValueError):
-                    v[0] = -1.0
-        with ca.access((x,), ()) as (r,):
+def test_a_readable_view_cannot_be_made_writeable(placement, m):
+    x = ca.asarray(np.arange(100.0).reshape(10, 10), manager=m, placement=placement)
+    with ca.readable(x) as a:
+        for v in (a, a[2:5], a.T, a.reshape(-1)):
+            assert not v.flags.writeable
             with pytest.raises(ValueError):
-                r.flags.writeable = True
-        r = x.object.primary
-        ro = m.ndarray(r, np.float64, (100,), readonly=True)
+                v.flags.writeable = True
+            with pytest.raises(ValueError):
+                v[0] = -1.0
+    with ca.access((x,), ()) as (r,):
         with pytest.raises(ValueError):
-            ro.flags.writeable = True
-        assert float(x.sum()) == 4950.0                 # nothing was written
+            r.flags.writeable = True
+    r = x.object.primary
+    ro = m.ndarray(r, np.float64, (100,), readonly=True)
+    with pytest.raises(ValueError):
+        ro.flags.writeable = True
+    assert float(x.sum()) == 4950.0                 # nothing was written
 
 
-def test_a_writable_view_stays_writable_and_marks_the_array_dirty():
-    with ca.Manager(fast="1MiB", slow="16MiB") as m:
-        x = ca.zeros(100, manager=m)
-        ca.evict(x)
-        ca.prefetch(x)
-        with ca.writable(x) as w:
-            w[:] = 2.0
-        ca.evict(x)                                      # dirty: written back, not dropped
-        assert float(x.sum()) == 200.0
+def test_a_writable_view_stays_writable_and_marks_the_array_dirty(m):
+    x = ca.zeros(100, manager=m)
+    ca.evict(x)
+    ca.prefetch(x)
+    with ca.writable(x) as w:
+        w[:] = 2.0
+    ca.evict(x)                                      # dirty: written back, not dropped
+    assert float(x.sum()) == 200.0
 
 
 # ---- debug mode ------------------------------------------------------------------------------
 
-def test_debug_mode_reports_a_stale_write_when_the_memory_is_reused(caplog):
-    with ca.Manager(fast="1MiB", slow="16MiB", debug=True) as m:
-        x = ca.asarray(np.arange(1000.0), manager=m)
-        assert x.device == "fast"
-        with ca.writable(x) as w:
-            pass
-        ca.evict(x)                                      # x moves; w still points at fast memory
-        w[3] = 7.0                                       # the bug: a view used after its scope
-        assert stale_writes(m) == 0
-        with caplog.at_level(logging.WARNING, logger="cachedarrays.debug"):
-            y = ca.zeros(1000, manager=m)                # reuses the memory x left behind
-        assert y.device == "fast"
-        assert stale_writes(m) == 1
-        assert f"object {x.object.id} (7.8 KiB) moved from 'fast' to 'slow'" in caplog.text
-        with pytest.raises(CachedArraysError, match=f"object {x.object.id} \\(7.8 KiB\\)"):
-            m.check()
-        m.check()                                        # reported once
-        assert float(x[3]) == 3.0 and float(y.sum()) == 0.0
+def test_debug_mode_reports_a_stale_write_when_the_memory_is_reused(caplog, debug_m):
+    x = ca.asarray(np.arange(1000.0), manager=debug_m)
+    assert x.device == "fast"
+    with ca.writable(x) as w:
+        pass
+    ca.evict(x)                                      # x moves; w still points at fast memory
+    w[3] = 7.0                                       # the bug: a view used after its scope
+    assert stale_writes(debug_m) == 0
+    with caplog.at_level(logging.WARNING, logger="cachedarrays.debug"):
+        y = ca.zeros(1000, manager=debug_m)          # reuses the memory x left behind
+    assert y.device == "fast"
+    assert stale_writes(debug_m) == 1
+    assert f"object {x.object.id} (7.8 KiB) moved from 'fast' to 'slow'" in caplog.text
+    with pytest.raises(CachedArraysError, match=f"object {x.object.id} \\(7.8 KiB\\)"):
+        debug_m.check()
+    debug_m.check()                                  # reported once
+    assert float(x[3]) == 3.0 and float(y.sum()) == 0.0
 
 
-def test_debug_check_finds_a_stale_write_before_reuse_and_names_the_object():
-    with ca.Manager(fast="1MiB", slow="16MiB", debug=True) as m:
-        x = ca.asarray(np.arange(1000.0), manager=m)
-        keep = ca.ones(10, manager=m)
-        with ca.writable(x) as w:
-            pass
-        ca.unsafe_free(x)
-        w[-1] = 1.0
-        with pytest.raises(CachedArraysError, match=f"object {x.object.id} \\(7.8 KiB\\) was "
-                                                    "freed.*valid inside the with-block only"):
-            m.check()
-        assert stale_writes(m) == 1
-        assert float(keep.sum()) == 10.0
+def test_debug_check_finds_a_stale_write_before_reuse_and_names_the_object(debug_m):
+    x = ca.asarray(np.arange(1000.0), manager=debug_m)
+    keep = ca.ones(10, manager=debug_m)
+    with ca.writable(x) as w:
+        pass
+    ca.unsafe_free(x)
+    w[-1] = 1.0
+    with pytest.raises(CachedArraysError, match=f"object {x.object.id} \\(7.8 KiB\\) was "
+                                                "freed.*valid inside the with-block only"):
+        debug_m.check()
+    assert stale_writes(debug_m) == 1
+    assert float(keep.sum()) == 10.0
 
 
-def test_debug_mode_follows_blocks_moved_by_defrag():
-    with ca.Manager(fast="1MiB", slow="16MiB", debug=True) as m:
-        a = ca.zeros(1000, manager=m)
-        b = ca.ones(1000, manager=m)
-        with ca.writable(b) as w:
-            pass
-        ca.unsafe_free(a)
-        assert m.defrag("fast") == 1                     # b slides down over a's block
-        w[-1] = 5.0
-        with pytest.raises(CachedArraysError, match=f"object {b.object.id} .* moved by defrag"):
-            m.check()
-        assert float(b.sum()) == 1000.0
+def test_debug_mode_follows_blocks_moved_by_defrag(debug_m):
+    a = ca.zeros(1000, manager=debug_m)
+    b = ca.ones(1000, manager=debug_m)
+    with ca.writable(b) as w:
+        pass
+    ca.unsafe_free(a)
+    assert debug_m.defrag("fast") == 1               # b slides down over a's block
+    w[-1] = 5.0
+    with pytest.raises(CachedArraysError, match=f"object {b.object.id} .* moved by defrag"):
+        debug_m.check()
+    assert float(b.sum()) == 1000.0
 
 
-def test_debug_mode_does_not_fire_for_legal_use():
+def test_debug_mode_does_not_fire_for_legal_use(debug_m):
     rng = np.random.default_rng(1)
     pick = random.Random(1)
-    with ca.Manager(fast="1MiB", slow="16MiB", debug=True) as m:
-        arrs = [ca.asarray(rng.random(int(rng.integers(1, 20000))), manager=m) for _ in range(40)]
-        for step in range(300):
-            j = pick.randrange(len(arrs))
-            a = arrs[j]
-            op = pick.random()
-            if op < 0.2:
-                ca.evict(a)
-            elif op < 0.4:
-                ca.prefetch(a, force=True)
-            elif op < 0.55:
-                with ca.writable(a) as v:
-                    v += 1.0
-            elif op < 0.65:
-                with ca.access((a,), (arrs[j - 1],)) as (r, w):
-                    w[: min(r.size, w.size)] = r[: min(r.size, w.size)]
-            elif op < 0.75:
-                arrs[j] = ca.asarray(rng.random(int(rng.integers(1, 20000))), manager=m)
-            elif op < 0.85:
-                b = a * 2.0 + 1.0
-                a[: a.size // 2] = b[: a.size // 2]
-            elif op < 0.9:
-                ca.unsafe_free(a)
-                arrs[j] = ca.zeros(int(rng.integers(1, 20000)), manager=m)
-            else:
-                m.defrag("fast")
-            if step % 25 == 0:
-                m.check()
-        m.check()
-        assert stale_writes(m) == 0
-        assert m.stats()["moved"]["fast->slow"]["copies"] > 20   # the memory really was reused
+    arrs = [ca.asarray(rng.random(int(rng.integers(1, 20000))), manager=debug_m)
+            for _ in range(40)]
+    for step in range(300):
+        j = pick.randrange(len(arrs))
+        a = arrs[j]
+        op = pick.random()
+        if op < 0.2:
+            ca.evict(a)
+        elif op < 0.4:
+            ca.prefetch(a, force=True)
+        elif op < 0.55:
+            with ca.writable(a) as v:
+                v += 1.0
+        elif op < 0.65:
+            with ca.access((a,), (arrs[j - 1],)) as (r, w):
+                w[: min(r.size, w.size)] = r[: min(r.size, w.size)]
+        elif op < 0.75:
+            arrs[j] = ca.asarray(rng.random(int(rng.integers(1, 20000))), manager=debug_m)
+        elif op < 0.85:
+            b = a * 2.0 + 1.0
+            a[: a.size // 2] = b[: a.size // 2]
+        elif op < 0.9:
+            ca.unsafe_free(a)
+            arrs[j] = ca.zeros(int(rng.integers(1, 20000)), manager=debug_m)
+        else:
+            debug_m.defrag("fast")
+        if step % 25 == 0:
+            debug_m.check()
+    debug_m.check()
+    assert stale_writes(debug_m) == 0
+    assert debug_m.stats()["moved"]["fast->slow"]["copies"] > 20   # the memory really was reused
 
 
 def test_debug_mode_from_the_environment(monkeypatch):

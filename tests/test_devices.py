@@ -97,15 +97,7 @@ def test_unwritable_file_is_reported(tmp_path, monkeypatch):
     assert str(p) in str(e.value) and "1.0 MiB" in str(e.value)
 
 
-def test_file_system_without_room_is_refused_before_mapping(tmp_path, monkeypatch):
-    real = os.fstatvfs
-
-    class Tiny:
-        def __init__(self, st):
-            self.f_frsize = st.f_frsize
-            self.f_bavail = 1
-
-    monkeypatch.setattr(devices.os, "fstatvfs", lambda fd: Tiny(real(fd)))
+def test_file_system_without_room_is_refused_before_mapping(tmp_path, full_file_system):
     with pytest.raises(DeviceError, match="not enough room") as e:
         devices.SlowDevice("64MiB", path=str(tmp_path))
     assert "64.0 MiB" in str(e.value)
@@ -156,13 +148,13 @@ def test_dram_on_numa_node_zero_when_present():
     d.close()
 
 
-def test_size_zero_fast_device_sends_everything_to_slow():
-    with ca.Manager(fast=0, slow="1MiB") as m:
-        x = ca.zeros(100, manager=m)
-        assert x.device == "slow"
-        assert m.stats()["events"].get("prefetch_refused", {}).get("count", 0) == 0
-        ca.prefetch(x, force=True)
-        assert x.device == "slow" and not ca.in_fast(x)
-        assert m.stats()["events"]["prefetch_refused"]["count"] == 1
-        with pytest.raises(OutOfMemoryError, match="no memory"):
-            m.fast.alloc(10, 1)
+def test_size_zero_fast_device_sends_everything_to_slow(make_manager):
+    m = make_manager(fast=0, slow="1MiB")
+    x = ca.zeros(100, manager=m)
+    assert x.device == "slow"
+    assert m.stats()["events"].get("prefetch_refused", {}).get("count", 0) == 0
+    ca.prefetch(x, force=True)
+    assert x.device == "slow" and not ca.in_fast(x)
+    assert m.stats()["events"]["prefetch_refused"]["count"] == 1
+    with pytest.raises(OutOfMemoryError, match="no memory"):
+        m.fast.alloc(10, 1)

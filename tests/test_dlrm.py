@@ -1,4 +1,4 @@
-"""DLRM: one training step against an independent NumPy reference, policies agree, loss falls."""
+"""DLRM: one training step against an independent NumPy reference, table kinds agree, loss falls."""
 
 import importlib.util
 import pathlib
@@ -93,7 +93,7 @@ def reference_step(params, cfg, batch, lr):
 @pytest.mark.parametrize("interaction", ["dot", "cat"])
 def test_training_step_equals_numpy_reference(m, backend, interaction):
     cfg = configs.tiny(interaction=interaction, lr=0.5)
-    model = DLRM(cfg, manager=m, backend=backend, policy="dynamic", cache=0.3, page_rows=8)
+    model = DLRM(cfg, manager=m, backend=backend, table_kind="dynamic", cache=0.3, page_rows=8)
     for step in range(2):
         batch = random_batch(cfg, seed=step)
         before = model.state_dict()
@@ -109,29 +109,30 @@ def test_training_step_equals_numpy_reference(m, backend, interaction):
     assert all(len(v) == 2 for v in model.timings.values())
 
 
-def test_policies_train_identically(m):
+def test_table_kinds_train_identically(m):
     cfg = configs.tiny(lr=0.3)
     batches = [random_batch(cfg, seed=s, distribution=d) for s, d in
                zip(range(6), ["uniform", "zipf"] * 3)]
     runs = {}
-    for policy in ("fast", "simple", "static", "dynamic"):
-        model = DLRM(cfg, manager=m, backend="numpy", policy=policy, cache=0.2, page_rows=4)
-        runs[policy] = (model.train(batches), model.state_dict())
-        if policy == "dynamic":
+    for kind in ("fast", "simple", "static", "dynamic"):
+        model = DLRM(cfg, manager=m, backend="numpy", table_kind=kind, cache=0.2, page_rows=4)
+        assert model.table_kind == kind
+        runs[kind] = (model.train(batches), model.state_dict())
+        if kind == "dynamic":
             s = model.table_stats()
             assert s["rows_cached"] > 0 and s["flushes"] > 0 and 0 < s["hit_rate"] < 1
             for t in model.tables:
                 t.check()
-    for policy, (losses, state) in runs.items():
-        np.testing.assert_allclose(losses, runs["fast"][0], rtol=1e-6, err_msg=policy)
+    for kind, (losses, state) in runs.items():
+        np.testing.assert_allclose(losses, runs["fast"][0], rtol=1e-6, err_msg=kind)
         for k in state:
             np.testing.assert_allclose(state[k], runs["fast"][1][k], rtol=1e-5, atol=1e-7,
-                                       err_msg=f"{policy} {k}")
+                                       err_msg=f"{kind} {k}")
 
 
 def test_loss_falls_on_learnable_synthetic_data(m):
     cfg = configs.tiny(batch_size=256, lr=0.5)
-    model = DLRM(cfg, manager=m, policy="dynamic", backend=BACKENDS[-1])
+    model = DLRM(cfg, manager=m, table_kind="dynamic", backend=BACKENDS[-1])
     losses = []
     for step in range(40):
         batch = random_batch(cfg, seed=100 + step)
@@ -158,6 +159,23 @@ def test_interaction_kernels_match_formula():
     tm = tm.copy(); tm[k] -= eps
     fd = ((dot_interaction(tp, f, d) * dr).sum() - (dot_interaction(tm, f, d) * dr).sum()) / (2 * eps)
     assert dt[k] == pytest.approx(fd, rel=1e-3)
+
+
+@pytest.mark.parametrize("f, d, dtype", [(4, 3, np.float32), (27, 16, np.float32),
+                                         (9, 64, np.float64)])
+def test_specialised_interaction_is_bit_identical_to_the_generic_kernel(f, d, dtype):
+    from cachedarrays.models.dlrm import model
+
+    t = np.random.default_rng(f).standard_normal((70, f * d)).astype(dtype)
+    special = dot_interaction(t, f, d)
+    assert model._specialised(f, d, t, special) is not None
+    old = model.set_specialised(False)
+    try:
+        generic = dot_interaction(t, f, d)
+    finally:
+        model.set_specialised(old)
+    np.testing.assert_array_equal(special, generic)
+    assert model._specialised(f, d, t, special) is model._specialised(f, d, t, special)
 
 
 def test_bce_matches_torch_and_clamps():
@@ -207,8 +225,10 @@ def test_bad_batches_are_refused(m):
     bad[2][5] = cfg.table_sizes[2]
     with pytest.raises(IndexError, match=f"'emb.2'.*index {cfg.table_sizes[2]} at position 5"):
         model.train_step(Batch(good.dense, bad, good.offsets, good.labels))
-    with pytest.raises(ValueError, match="unknown table policy"):
-        DLRM(cfg, manager=m, policy="lru")
+    with pytest.raises(ValueError, match="unknown table kind 'lru'"):
+        DLRM(cfg, manager=m, table_kind="lru")
+    with pytest.raises(TypeError):          # "policy" names only the manager's placement policy
+        DLRM(cfg, manager=m, policy="dynamic")
 
 
 def _load_benchmark():
@@ -223,7 +243,7 @@ def test_torch_peer_trains_to_the_same_losses(m):
     pytest.importorskip("torch")
     bench = _load_benchmark()
     cfg = configs.tiny(lr=0.3)
-    model = DLRM(cfg, manager=m, backend=BACKENDS[-1], policy="dynamic")
+    model = DLRM(cfg, manager=m, backend=BACKENDS[-1], table_kind="dynamic")
     peer = bench.TorchDLRM(cfg, model.state_dict())
     batches = [random_batch(cfg, seed=s) for s in range(8)]
     ours = model.train(batches)
@@ -234,6 +254,7 @@ def test_torch_peer_trains_to_the_same_losses(m):
 def test_demo_returns_losses_hit_rate_and_stats():
     from cachedarrays.models.dlrm import demo
     r = demo(iterations=3)
+    assert r["table_kind"] == "dynamic"
     assert len(r["losses"]) == 3 and 0 <= r["hit_rate"] <= 1
     assert "moved" in r["manager"] and set(r["phases"]) == {"lookup", "interaction", "mlp", "update"}
 

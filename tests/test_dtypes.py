@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 import cachedarrays as ca
+from helpers import assert_eq
 
 SPELLINGS = [
     [("a", "i4"), ("b", "f8")],
@@ -24,21 +25,12 @@ SPELLINGS = [
 IDS = [repr(s) for s in SPELLINGS]
 
 
-def equal_values(a, b):
-    if a.dtype.names:
-        return all(equal_values(a[name], b[name]) for name in a.dtype.names)
-    return np.array_equal(a, b)
-
-
 def same(cached, expected, exact_bytes=False):
     """Same dtype, layout and values (and bytes, padding included, when exact_bytes)."""
-    assert isinstance(cached, ca.CachedArray)
-    assert cached.dtype == expected.dtype
-    assert cached.shape == expected.shape
+    assert_eq(cached, expected, exact=True)
     assert cached.strides == expected.strides
-    with ca.readable(cached) as v:
-        assert equal_values(v, expected)
-        if exact_bytes:
+    if exact_bytes:
+        with ca.readable(cached) as v:
             assert v.tobytes(order="A") == expected.tobytes(order="A")
 
 
@@ -76,8 +68,11 @@ ZEROS = [CREATORS[name] for name in ("zeros", "zeros_F", "np.zeros(like=)")]
 
 @pytest.fixture(scope="module")
 def m():
+    """One manager for the module's ~470 cases (one per case would take four times as long);
+    assert_eq checks it after every case, and it is checked once more before it closes."""
     with ca.Manager(fast="4MiB", slow="16MiB") as m:
         yield m
+        m.check()
 
 
 @pytest.mark.parametrize("make", CREATORS.values(), ids=CREATORS.keys())

@@ -134,22 +134,31 @@ def test_flushes_write_back_dirty_rows_oldest_first(m):
     np.testing.assert_array_equal(t.snapshot(), init - np.where(np.arange(n) < 16, 1, 0).astype(np.float32)[:, None])
 
 
-def test_static_policy_freezes_after_prepopulate(m):
+def test_static_kind_freezes_after_prepopulate(m):
     n, fs = 400, 8
     t = E.make_table("static", n, fs, manager=m, cache=0.25, name="static")
-    assert t.frozen and t.cached_rows == 100
+    assert t.caching == "static" and t.frozen and t.cached_rows == 100
     before = t.where.copy()
     t.lookup(np.arange(n))
     np.testing.assert_array_equal(t.where, before)
     assert t.stats()["hits"] == 100 and t.stats()["misses"] == 300
 
 
-def test_policy_placements(m):
+def test_table_kind_placements(m):
+    assert E.TABLE_KINDS == ("fast", "simple", "static", "dynamic")
     assert E.make_table("simple", 10, 4, manager=m).data.device == "slow"
     assert E.make_table("fast", 10, 4, manager=m).data.device == "fast"
-    assert isinstance(E.make_table("dynamic", 10, 4, manager=m), E.CachedEmbeddingTable)
-    with pytest.raises(ValueError, match="unknown policy 'lru'"):
+    dynamic = E.make_table("dynamic", 10, 4, manager=m)
+    assert isinstance(dynamic, E.CachedEmbeddingTable) and dynamic.caching == "dynamic"
+    with pytest.raises(ValueError, match="unknown table kind 'lru'"):
         E.make_table("lru", 10, 4, manager=m)
+
+
+def test_cached_table_caching_is_static_or_dynamic(m):
+    with pytest.raises(ValueError, match="caching must be 'dynamic' or 'static', got 'lru'"):
+        E.CachedEmbeddingTable(10, 4, manager=m, caching="lru", name="bad")
+    with pytest.raises(TypeError):          # "mode" is not a table parameter
+        E.CachedEmbeddingTable(10, 4, manager=m, mode="static", name="bad")
 
 
 def test_ensemble_writes_column_blocks(m):
@@ -315,7 +324,7 @@ class CachedMatchesSimple(RuleBasedStateMachine):
     def flush_dirty(self, rows):
         self.cached.flush_dirty(rows)
 
-    @precondition(lambda self: not self.cached.dirty.any())
+    @precondition(lambda self: not self.cached.dirty_slots.any())
     @rule()
     def flush_clean(self):
         self.cached.flush_clean()

@@ -1,4 +1,13 @@
-"""Embedding kernels against plain NumPy (and PyTorch when it is installed)."""
+"""Embedding kernels against plain NumPy (and PyTorch when it is installed); how they are
+built (once per feature size, nothing written outside the package, no import cycles)."""
+
+import ast
+import importlib.util
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -439,3 +448,166 @@ def test_rows_wider_than_the_specialisation_limit_use_the_generic_kernels(rng):
     expect = table - 0.1 * ref_dense_grad(30, indices, offsets, dout)
     K.sgd_update(table, indices, offsets, dout, 0.1)
     np.testing.assert_allclose(table, expect, rtol=1e-5, atol=1e-5)
+
+
+def test_each_feature_size_gets_one_set_of_kernels_even_from_racing_threads():
+    fs = 29  # built by no other test, so the threads race to build it
+    barrier = threading.Barrier(8)
+    got = []
+
+    def build():
+        barrier.wait()
+        got.append(K.specialised_kernel("gather", fs))
+
+    threads = [threading.Thread(target=build) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(got) == 8 and all(k is got[0] for k in got)
+    assert K.specialised_kernel("gather", fs + 1) is not got[0]
+
+
+# ---- nothing written outside the package; no import cycles --------------------------------
+
+_LOOKUP_AND_UPDATE = """
+import numpy as np
+import cachedarrays.models.dlrm
+from cachedarrays.models.dlrm import kernels as K
+fs = 17
+assert K.specialised_kernel("bag_sum", fs) is not None
+rng = np.random.default_rng(fs)
+table = rng.standard_normal((300, fs)).astype(np.float32)
+cache = rng.standard_normal((64, fs)).astype(np.float32)
+where = np.full(300, -1, dtype=np.int64)
+where[:64] = np.arange(64)
+indices = rng.integers(0, 300, 200)
+offsets = np.arange(0, 200, 5)
+dout = rng.standard_normal((40, fs)).astype(np.float32)
+K.lookup_sum(table, indices, offsets)
+K.lookup_sum_indirect(table, cache, where, indices, offsets)
+K.sgd_update(table, indices, offsets, dout, 0.1)
+K.sgd_update_indirect(table, cache, where, indices, offsets, dout, 0.1)
+"""
+
+
+def test_specialised_lookup_and_update_write_nothing_under_home(tmp_path):
+    home = tmp_path / "home"
+    home.mkdir()
+    env = dict(os.environ, HOME=str(home), XDG_CACHE_HOME=str(home / ".cache"))
+    run = subprocess.run([sys.executable, "-c", _LOOKUP_AND_UPDATE], env=env, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    assert sorted(p.relative_to(home).as_posix() for p in home.rglob("*")) == []
+
+
+_LOOKUP_FS5 = """
+import numpy as np
+from cachedarrays.models.dlrm import kernels as K
+K.lookup_sum(np.ones((10, 5), np.float32), np.arange(10), np.array([0, 4]))
+stats = K.specialised_kernel("bag_sum", 5).stats
+print(sum(stats.cache_hits.values()), sum(stats.cache_misses.values()))
+"""
+
+
+def test_kernels_compile_once_then_load_from_numbas_cache_in_later_processes(tmp_path):
+    cache = tmp_path / "numba"
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(cache))
+    seen = []
+    for _ in range(2):
+        run = subprocess.run([sys.executable, "-c", _LOOKUP_FS5], env=env, capture_output=True,
+                             text=True, timeout=600)
+        assert run.returncode == 0, run.stderr
+        seen.append((run.stdout.split(), sorted(p.name for p in cache.rglob("*"))))
+    (hits1, misses1), files1 = seen[0]
+    (hits2, misses2), files2 = seen[1]
+    assert (hits1, misses1) == ("0", "1")  # compiled and saved
+    assert (hits2, misses2) == ("1", "0")  # loaded: the cache key is the same in every process
+    assert files2 == files1  # and nothing was added
+
+
+def _package_modules():
+    """{module name: source file} of every module of the package (its three source trees)."""
+    modules = {}
+    for package in ("cachedarrays", "cachedarrays.policies", "cachedarrays.models"):
+        root = Path(importlib.util.find_spec(package).origin).parent
+        for path in sorted(root.rglob("*.py")):
+            parts = path.relative_to(root).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            modules[".".join((package,) + parts)] = path
+    return modules
+
+
+def _imports(name, path, modules):
+    """The modules of ``modules`` that ``name`` imports anywhere in its source (functions
+    included: a deferred import still makes a cycle)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name in modules)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{up}.{base}" if base else up
+            for a in node.names:
+                if f"{base}.{a.name}" in modules:  # a submodule
+                    found.add(f"{base}.{a.name}")
+                elif base in modules:
+                    found.add(base)
+    found.discard(name)
+    return found
+
+
+def _import_cycles(modules):
+    """Every set of two or more modules that import each other, directly or through others
+    (the strongly connected components of the import graph), as sorted lists."""
+    graph = {name: _imports(name, path, modules) for name, path in modules.items()}
+    order, low, stack, on_stack, cycles = {}, {}, [], set(), []
+
+    def visit(v):  # Tarjan's algorithm
+        order[v] = low[v] = len(order)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in order:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], order[w])
+        if low[v] == order[v]:
+            component = []
+            while not component or component[-1] != v:
+                component.append(stack.pop())
+                on_stack.discard(component[-1])
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in order:
+            visit(v)
+    return sorted(cycles)
+
+
+def test_no_module_of_the_package_imports_one_that_imports_it_back():
+    modules = _package_modules()
+    assert "cachedarrays.models.dlrm._fs_kernels" in modules
+    assert "cachedarrays.policies.lru" in modules
+    assert _import_cycles(modules) == []
+
+
+def test_import_cycle_check_finds_a_private_name_imported_back(tmp_path):
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("from . import kernels\n")
+    (pkg / "sub" / "kernels.py").write_text("_BAGS = 64\n\ndef build():\n"
+                                             "    from ._template import make\n")
+    (pkg / "sub" / "_template.py").write_text("from pkg.sub.kernels import _BAGS\n")
+    (pkg / "leaf.py").write_text("import pkg.sub\nfrom .sub import kernels\n")
+    modules = {"pkg": pkg / "__init__.py", "pkg.sub": pkg / "sub" / "__init__.py",
+               "pkg.sub.kernels": pkg / "sub" / "kernels.py",
+               "pkg.sub._template": pkg / "sub" / "_template.py", "pkg.leaf": pkg / "leaf.py"}
+    assert _import_cycles(modules) == [["pkg.sub._template", "pkg.sub.kernels"]]

@@ -203,7 +203,7 @@ def test_access_many_equals_a_loop_of_access():
     for s, n, w in zip(starts, lengths, writes):
         looped.access(int(s), int(n), bool(w))
     assert batched.stats() == looped.stats()
-    assert np.array_equal(batched.tags, looped.tags) and np.array_equal(batched.dirty, looped.dirty)
+    assert np.array_equal(batched.tags, looped.tags) and np.array_equal(batched.dirty_lines, looped.dirty_lines)
 
 
 def test_access_many_takes_one_write_flag_for_all_ranges():
@@ -228,7 +228,7 @@ def test_a_range_many_times_the_capacity_is_counted_exactly():
         c.access(start, n, w)
         ref.access(start, n, w)
     assert c.stats() == ref.stats()
-    assert list(c.tags) == ref.tags and list(c.dirty) == ref.dirty
+    assert list(c.tags) == ref.tags and list(c.dirty_lines) == ref.dirty
 
 
 def test_coarse_lines_count_traffic_in_whole_coarse_lines():
@@ -257,7 +257,7 @@ def test_kernel_matches_the_pure_python_reference(sets, line_size, nofill, ops):
     for s, n, w in zip(starts, lengths, writes):
         ref.access(s, n, w)
     assert c.stats() == ref.stats()
-    assert list(c.tags) == ref.tags and list(c.dirty) == ref.dirty
+    assert list(c.tags) == ref.tags and list(c.dirty_lines) == ref.dirty
 
 
 def test_amplification_and_derived_ratios():

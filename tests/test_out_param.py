@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import cachedarrays as ca
+from helpers import assert_eq
 
 MODULES = (np, np.linalg, np.fft)
 
@@ -246,23 +247,14 @@ def _values(c):
         return v.copy()
 
 
-def _assert_same(got, want):
-    assert got.shape == want.shape and got.dtype == want.dtype
-    if want.dtype.kind in "fc":
-        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12, equal_nan=True)
-    else:
-        np.testing.assert_array_equal(got, want)
-
-
 def _survives_eviction(m, c, want):
     """c holds `want` now, and still after an eviction and a prefetch (none of it elided)."""
-    now = _values(c)
-    _assert_same(now, want)
+    assert_eq(c, want, rtol=1e-12, atol=1e-12)
     before = _elided(m)
     ca.evict(c)
     assert _elided(m) == before, "the eviction dropped a write that was not marked dirty"
     ca.prefetch(c, force=True)
-    _assert_same(_values(c), want)
+    assert_eq(c, want, rtol=1e-12, atol=1e-12)
 
 
 MODES = ["positional", "keyword"]

@@ -11,12 +11,6 @@ RECORDS = np.array([(1, 2.0, b"x"), (3, 4.0, b"y"), (5, 6.0, b"z")],
                    dtype=[("a", "i4"), ("b", "f8"), ("c", "S1")])
 
 
-@pytest.fixture
-def m():
-    with ca.Manager(fast="1MiB", slow="4MiB") as m:
-        yield m
-
-
 def conversions(m):
     return m.stats()["events"]["asarray"]["count"]
 

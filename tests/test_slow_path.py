@@ -342,15 +342,8 @@ def test_killed_construction_leaves_no_temporary_file(tmp_path):
     assert leftovers(tmp_path) == []
 
 
-def test_full_file_system_is_refused_for_a_new_file_and_the_file_removed(tmp_path, monkeypatch):
-    real = os.fstatvfs
-
-    class Tiny:
-        def __init__(self, st):
-            self.f_frsize = st.f_frsize
-            self.f_bavail = 1
-
-    monkeypatch.setattr(devices.os, "fstatvfs", lambda fd: Tiny(real(fd)))
+def test_full_file_system_is_refused_for_a_new_file_and_the_file_removed(tmp_path,
+                                                                        full_file_system):
     p = tmp_path / "slow.heap"
     with pytest.raises(DeviceError, match="not enough room") as e:
         devices.SlowDevice("64MiB", path=str(p))

@@ -13,35 +13,31 @@ SOURCES = ("cachedarrays", "policies", "models", "benchmarks")
 COUNT_CALL = re.compile(r"""\.count\(\s*(["'])(\w+)\1""")
 
 
-def test_every_event_counter_is_zero_from_the_start():
-    with ca.Manager(fast="1MiB", slow="4MiB") as m:
-        events = m.stats()["events"]
-        for name in EVENTS:
-            assert events[name] == {"count": 0, "bytes": 0}
-        assert m.stats()["events"]["asarray"]["count"] == 0
+def test_every_event_counter_is_zero_from_the_start(m):
+    events = m.stats()["events"]
+    for name in EVENTS:
+        assert events[name] == {"count": 0, "bytes": 0}
+    assert m.stats()["events"]["asarray"]["count"] == 0
 
 
-def test_every_event_counter_is_zero_after_reset():
-    with ca.Manager(fast="1MiB", slow="4MiB") as m:
-        x = ca.ones(100, manager=m)
-        np.asarray(x)
-        assert m.stats()["events"]["asarray"] == {"count": 1, "bytes": 800}
-        m.reset_stats()
-        events = m.stats()["events"]
-        assert {name: events[name] for name in EVENTS} == \
-            {name: {"count": 0, "bytes": 0} for name in EVENTS}
+def test_every_event_counter_is_zero_after_reset(m):
+    x = ca.ones(100, manager=m)
+    np.asarray(x)
+    assert m.stats()["events"]["asarray"] == {"count": 1, "bytes": 800}
+    m.reset_stats()
+    events = m.stats()["events"]
+    assert {name: events[name] for name in EVENTS} == \
+        {name: {"count": 0, "bytes": 0} for name in EVENTS}
 
 
-def test_a_program_may_count_its_own_events():
-    with ca.Manager(fast="1MiB", slow="4MiB") as m:
-        m.count("my_step", 10)
-        assert m.stats()["events"]["my_step"] == {"count": 1, "bytes": 10}
+def test_a_program_may_count_its_own_events(m):
+    m.count("my_step", 10)
+    assert m.stats()["events"]["my_step"] == {"count": 1, "bytes": 10}
 
 
-def test_format_stats_lists_only_events_that_happened():
-    with ca.Manager(fast="1MiB", slow="4MiB") as m:
-        np.asarray(ca.ones(10, manager=m))
-        text = format_stats(m.stats())
+def test_format_stats_lists_only_events_that_happened(m):
+    np.asarray(ca.ones(10, manager=m))
+    text = format_stats(m.stats())
     assert "asarray" in text and "writebacks_elided" not in text
 
 

@@ -46,7 +46,7 @@ _stream_wait = _lib.dnnl_stream_wait
 _from_buffer = ffi.from_buffer
 _SUCCESS = api.SUCCESS
 
-_lock = threading.RLock()
+_dnnl_lock = threading.RLock()
 _cache: "collections.OrderedDict[tuple, _Primitive]" = collections.OrderedDict()
 _scratch = np.empty(0, dtype=np.uint8)
 _arena = np.empty(0, dtype=np.uint8)
@@ -141,7 +141,7 @@ def _md_dtype(md) -> int:
 
 
 def _scratchpad(nbytes: int):
-    """Pointer to at least nbytes of 64-byte aligned scratch memory (caller holds _lock)."""
+    """Pointer to at least nbytes of 64-byte aligned scratch memory (caller holds _dnnl_lock)."""
     global _scratch
     if _scratch.nbytes < nbytes + 64:
         _scratch = np.empty(max(nbytes + 64, 2 * _scratch.nbytes), dtype=np.uint8)
@@ -154,7 +154,7 @@ def _align(n: int) -> int:
 
 
 def _arena_views(sizes):
-    """64-byte aligned uint8 views, one per size, of the internal-tensor arena (caller holds _lock)."""
+    """64-byte aligned uint8 views, one per size, of the internal-tensor arena (caller holds _dnnl_lock)."""
     global _arena
     total = sum(_align(n) for n in sizes) + 64
     if _arena.nbytes < total:
@@ -175,7 +175,7 @@ def buffer_bytes() -> int:
 def set_blocked_layouts(enabled: bool) -> None:
     """Run convolution and batch norm in blocked layouts with reorders (default) or in plain layouts."""
     global _blocked
-    with _lock:
+    with _dnnl_lock:
         _blocked = bool(enabled)
         clear_cache()
 
@@ -185,7 +185,7 @@ def set_numba_batchnorm(enabled: bool) -> bool:
     (default: 3-4x faster than oneDNN's blocked kernels plus their reorders at the benchmark
     sizes) or with oneDNN primitives. Returns the previous setting."""
     global _bn_numba
-    with _lock:
+    with _dnnl_lock:
         old, _bn_numba = _bn_numba, bool(enabled)
     return old
 
@@ -246,7 +246,7 @@ class _Primitive:
         """Execute on the caller's arrays (in arg_ids order), reordering where layouts differ."""
         if not self.reorders:
             return self._execute(arrays)
-        with _lock:
+        with _dnnl_lock:
             positions = [i for i, arg in enumerate(self.arg_ids) if arg in self.reorders]
             views = _arena_views([self.nbytes[i] for i in positions])
             inner = list(arrays)
@@ -265,7 +265,7 @@ class _Primitive:
         """Bind each array (in arg_ids order) to its memory object and execute synchronously."""
         # The hot path of every kernel: bound C functions and ffi.from_buffer (the address of a
         # C-contiguous array's first byte; ~7x cheaper than going through __array_interface__).
-        with _lock:
+        with _dnnl_lock:
             for mem, a, nbytes, arg in zip(self.mems, arrays, self.nbytes, self.arg_ids):
                 if a.nbytes != nbytes:
                     raise ValueError(f"{self.label}: argument {arg} has {a.nbytes} bytes (shape {a.shape}), "
@@ -292,7 +292,7 @@ def impl_info_of(pd) -> str:
 
 def _cached(key, build):
     """The cached primitive for key, built (and the cache trimmed) on first use."""
-    with _lock:
+    with _dnnl_lock:
         prim = _cache.get(key)
         if prim is None:
             prim = build()
@@ -307,7 +307,7 @@ def _cached(key, build):
 def clear_cache() -> None:
     """Drop every cached primitive and the library-owned buffers (rebuilt on next use)."""
     global _scratch, _arena
-    with _lock:
+    with _dnnl_lock:
         _cache.clear()
         _scratch = np.empty(0, dtype=np.uint8)
         _arena = np.empty(0, dtype=np.uint8)
@@ -320,7 +320,7 @@ def cache_size() -> int:
 
 def impl_info() -> dict:
     """Implementation names of all cached primitives, keyed by their cache key."""
-    with _lock:
+    with _dnnl_lock:
         return {key: impl_info_of(p.pd) for key, p in _cache.items()}
 
 

@@ -1,4 +1,4 @@
-"""Annotated CNN training on CachedArrays: rrule layers, VGG/ResNet/DenseNet, modes and tracing.
+"""Annotated CNN training on CachedArrays: rrule layers, VGG/ResNet/DenseNet, setups and tracing.
 
 ``build(model, depth, batch=, image=, channels=, classes=, width=)`` makes a model;
 ``Session(manager, backend)`` runs its kernels; ``train_step`` does one SGD iteration.
@@ -13,28 +13,31 @@ from .layers import (AvgPool2d, BatchNorm2d, Chain, Conv2d, Dense, Flatten, MaxP
                      softmax_cross_entropy)
 from .nets import (DenseLayer, Model, ResidualBlock, build, densenet, resnet, train_step, vgg,
                    MODELS)
-from .runner import MODES, Trainer, check_mode, make_policy, make_session, measure_footprint, run, synthetic_batch
+from .runner import (SETUPS, Trainer, check_setup, dram_budget, make_policy, make_session,
+                     measure_footprint, parse_budget, run, synthetic_batch)
 from .trace import FORMULA, KernelTracer, modelled_time
 
 __all__ = ["Session", "Param", "Unit", "SGD", "Conv2d", "BatchNorm2d", "ReLU", "MaxPool2d",
            "AvgPool2d", "Flatten", "Dense", "Chain", "add", "softmax_cross_entropy", "Model",
            "ResidualBlock", "DenseLayer", "build", "vgg", "resnet", "densenet", "train_step",
-           "MODELS", "MODES", "Trainer", "check_mode", "make_policy", "make_session", "measure_footprint",
-           "run", "synthetic_batch", "KernelTracer", "modelled_time", "FORMULA", "demo"]
+           "MODELS", "SETUPS", "Trainer", "check_setup", "dram_budget", "make_policy",
+           "make_session", "measure_footprint", "parse_budget", "run", "synthetic_batch",
+           "KernelTracer", "modelled_time", "FORMULA", "demo"]
 
 
-def demo(model="resnet", depth=18, iterations=2, fast="25%", mode="LM", backend="numpy",
+def demo(model="resnet", depth=18, iterations=2, budget="25%", setup="LM", backend="numpy",
          image=16, batch=8, width=4):
-    """A short training run under a 25% fast budget (for ``make demo``); returns the last
-    iteration's ``m.stats()`` with ``loss``, ``wall``, ``modelled`` and ``budget`` added."""
+    """A short training run under a 25% DRAM budget (for ``make demo``); returns the last
+    iteration's ``m.stats()`` with ``loss``, ``wall``, ``modelled`` and ``budget`` added.
+    ``budget`` is the setup's DRAM: its fast memory, or the 2LM setups' simulated DRAM cache."""
     t = time.perf_counter()
-    recs = run(model, depth, mode=mode, fast=fast, iterations=iterations, backend=backend,
-               batch=batch, image=image, width=width)
+    recs = run(model, depth, setup=setup, iterations=iterations, backend=backend,
+               batch=batch, image=image, width=width, **dram_budget(setup, budget))
     last = recs[-1]
     stats = dict(last["stats"])
     stats.update(loss=last["loss"], wall=last["wall"], modelled=last["modelled"],
                  budget=last["budget"], footprint=last["footprint"],
                  seconds=time.perf_counter() - t,
-                 title=f"{model}{depth} mode {mode}, {iterations} iterations, fast budget {fast} "
+                 title=f"{model}{depth} setup {setup}, {iterations} iterations, DRAM budget {budget} "
                        f"of the measured footprint")
     return stats

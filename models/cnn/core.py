@@ -21,27 +21,18 @@ F32 = np.dtype(np.float32)
 _perf = time.perf_counter
 
 
-def _overrides(policy, name, *defaults):
-    """True unless policy's method ``name`` is one of the given (no-op) implementations."""
-    fn = getattr(type(policy), name, None)
-    return fn is None or all(fn is not d for d in defaults)
-
-
 def _prefetch_matters(policy):
-    """False when ca.prefetch can have no effect under policy (so Session.kernel skips it)."""
-    if not getattr(policy, "allows_prefetch", True):
-        return False
-    from cachedarrays.policies.base import Policy
-    from cachedarrays.policies.simple import FastOnly, FirstTouch, SlowOnly
-    # ca.prefetch calls read_use for arrays already in fast memory, else policy.prefetch.
-    return (_overrides(policy, "read_use", Policy.read_use)
-            or _overrides(policy, "prefetch", FastOnly.prefetch, FirstTouch.prefetch, SlowOnly.prefetch))
+    """False when ca.prefetch can have no effect under policy (so Session.kernel skips it): its
+    prefetch switch is off, or its prefetch never moves data and its read_use records nothing
+    (ca.prefetch reports a read_use for an array already in fast memory). A policy that does
+    not say (not a ca.policies.Policy) gets every annotation."""
+    return getattr(policy, "allows_prefetch", True) and (
+        getattr(policy, "honours_prefetch", True) or getattr(policy, "tracks_reads", True))
 
 
 def _softevict_matters(policy):
     """False when ca.softevict is a no-op under policy (the base policy ignores it)."""
-    from cachedarrays.policies.base import Policy
-    return _overrides(policy, "softevict", Policy.softevict)
+    return getattr(policy, "honours_softevict", True)
 
 
 class Param:
@@ -65,13 +56,14 @@ class Param:
     def drop_grad(self):
         """Free the gradient array, if any."""
         g, self.grad = self.grad, None
-        if g is not None and not g.is_freed and not g.object.pins:
+        if g is not None and not g.is_freed and not g.manager.pinned(g.object):
             ca.unsafe_free(g)
 
     def __repr__(self):
         return f"<Param {self.name} {self.value.shape}>"
 
 
+@ca.register_leaf_type
 class Session:
     """What the layers run with: the manager, the backend module, the annotation switch, a tracer.
 
@@ -81,13 +73,9 @@ class Session:
     gradient is computed (``train_step`` sets it for the duration of a fused step).
     """
 
-    # Holds no arrays of its own: the annotation walkers (which meet the session in every
-    # pullback closure) need not look inside it.
-    __ca_leaf__ = True
-
     def __init__(self, manager, backend="numpy", annotations=True, tracer=None, dtype=F32):
-        # The annotation walkers visit closures that capture the session; they stop at the
-        # manager (it declares itself a leaf), so holding it here costs nothing.
+        # The annotation walkers meet the session in every pullback closure; it holds no arrays
+        # of its own, so it is registered as a leaf type and they never look inside it.
         self.m = manager
         self.be = get_backend(backend) if isinstance(backend, str) else backend
         self.annotations = bool(annotations)
@@ -95,10 +83,10 @@ class Session:
         self.dtype = np.dtype(dtype)
         self.fused = None
         # Skip annotation walks that cannot do anything under this policy (the results are the
-        # same: the calls would be no-ops). LRU in modes L/LM (prefetch switch off) never moves
+        # same: the calls would be no-ops). LRU in setups L/LM (prefetch switch off) never moves
         # an array on prefetch; the policies that never move data (FastOnly, SlowOnly,
-        # FirstTouch) only report a read use on prefetch, and ignore softevict, unless a
-        # subclass overrides those hooks.
+        # FirstTouch) declare that their prefetch moves nothing, their read_use records
+        # nothing and their softevict is ignored (see the capabilities in ca.policies.Policy).
         self._prefetches = _prefetch_matters(manager.policy)
         self._softevicts = _softevict_matters(manager.policy)
 
@@ -125,7 +113,7 @@ class Session:
         if not self.frees_early:
             return
         for a in arrays:
-            if a is not None and not a.is_freed and not a.object.pins:
+            if a is not None and not a.is_freed and not a.manager.pinned(a.object):
                 ca.unsafe_free(a)
 
     def grads_ready(self, *params):

@@ -317,7 +317,7 @@ def _free_all(things, keep):
     """Free every array reachable from things except the objects in keep (end of iteration)."""
     def free(a):
         obj = a.object
-        if obj.id not in keep and not obj.pins and not obj.freed:
+        if obj.id not in keep and not obj.freed and not a.manager.pinned(obj):
             ca.unsafe_free(a)
     ca.onobjects(free, things)
 

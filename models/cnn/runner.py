@@ -1,7 +1,9 @@
-"""Operating modes (dissertation Table 4.7 plus baselines) and a small training-loop runner.
+"""Setups of a training run (dissertation Table 4.7 plus baselines) and a small runner.
+
+A setup names a placement policy and, for the 2LM baselines, a simulated DRAM cache:
 
 =========  ==================================================================================
-mode       meaning
+setup      meaning
 =========  ==================================================================================
 none       CA:0 — LRU, new arrays start in slow memory and are cached in fast, no cleanup
 L          CA:L — LRU with local (fast-only) allocation of new arrays
@@ -11,6 +13,10 @@ fast-only  FastOnly policy, fast budget = everything (the all-DRAM reference)
 2lm        2LM:M — every array in slow memory behind a simulated DRAM cache, with cleanup
 2lm-none   2LM:0 — the same without cleanup / noescape
 =========  ==================================================================================
+
+The CachedArrays setups use the LRU policy's presets (``LRU(preset="CA:LM")``).
+Sizes: ``fast`` is always the manager's fast memory; ``dram_cache`` is the simulated DRAM
+cache of the 2LM setups (whose manager keeps every array in slow memory).
 """
 
 from __future__ import annotations
@@ -30,43 +36,90 @@ from .trace import KernelTracer, modelled_time
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MODES", "Trainer", "make_policy", "make_session", "measure_footprint", "run",
-           "synthetic_batch"]
+__all__ = ["SETUPS", "Trainer", "check_setup", "dram_budget", "make_policy", "make_session",
+           "measure_footprint", "parse_budget", "run", "synthetic_batch"]
 
-MODES = ("none", "L", "LM", "LMP", "fast-only", "2lm", "2lm-none")
-_LRU = {"none": "CA:0", "L": "CA:L", "LM": "CA:LM", "LMP": "CA:LMP"}
-
-
-def check_mode(mode):
-    """The canonical mode name; unknown names list the valid ones."""
-    for m in MODES:
-        if str(mode).lower() == m.lower():
-            return m
-    raise ValueError(f"unknown mode {mode!r}; valid modes: {', '.join(MODES)}")
+SETUPS = ("none", "L", "LM", "LMP", "fast-only", "2lm", "2lm-none")
+_LRU_PRESETS = {"none": "CA:0", "L": "CA:L", "LM": "CA:LM", "LMP": "CA:LMP"}
 
 
-def make_policy(mode):
-    """A fresh policy object for mode."""
-    mode = check_mode(mode)
-    if mode in _LRU:
-        return LRU(mode=_LRU[mode])
-    if mode == "fast-only":
+def check_setup(setup):
+    """The canonical setup name; unknown names list the valid ones."""
+    for name in SETUPS:
+        if str(setup).lower() == name.lower():
+            return name
+    raise ValueError(f"unknown setup {setup!r}; valid setups: {', '.join(SETUPS)}")
+
+
+def _is_2lm(setup):
+    return setup.startswith("2lm")
+
+
+def _is_percentage(size):
+    return isinstance(size, str) and size.strip().endswith("%")
+
+
+def parse_budget(size, footprint=None, what="fast memory budget"):
+    """Bytes of a budget given as bytes, a size string ("64MiB") or a percentage of the
+    measured footprint ("25%"); the one place a CNN budget is parsed."""
+    if not _is_percentage(size):
+        return ca.parse_size(size, what)
+    text = size.strip()[:-1]
+    try:
+        pct = float(text)
+    except ValueError:
+        pct = -1.0
+    if not 0 <= pct < float("inf"):
+        raise ValueError(f"{what} {size!r} is not a percentage; give e.g. '25%', 256MiB or "
+                         "a number of bytes")
+    if footprint is None:
+        raise ValueError(f"{what} {size!r} is a percentage of the footprint, but no footprint "
+                         "was given; pass footprint= or give a size such as 256MiB")
+    return int(footprint * pct / 100)
+
+
+def _no_dram_cache(setup, dram_cache):
+    return ValueError(f"setup {setup!r} simulates no DRAM cache, so dram_cache={dram_cache!r} "
+                      "has no meaning; give its DRAM as fast= (dram_cache is for the 2lm setups)")
+
+
+def dram_budget(setup, size):
+    """Keyword sizes that give setup ``size`` bytes of DRAM: the manager's fast memory, or in
+    the 2LM setups the simulated DRAM cache (the manager then has no fast memory)."""
+    return {"fast": 0, "dram_cache": size} if _is_2lm(check_setup(setup)) else {"fast": size}
+
+
+def make_policy(setup):
+    """A fresh policy object for setup."""
+    setup = check_setup(setup)
+    if setup in _LRU_PRESETS:
+        return LRU(preset=_LRU_PRESETS[setup])
+    if setup == "fast-only":
         return FastOnly()
     p = SlowOnly()
-    p.allows_cleanup = mode == "2lm"
+    p.allows_cleanup = setup == "2lm"
     return p
 
 
-def make_session(mode, fast, slow, backend="numpy", line_size=64, event_log=None,
-                 annotations=True):
-    """(manager, session) for mode; in the 2LM modes ``fast`` is the simulated cache's size."""
-    mode = check_mode(mode)
-    fast = ca.parse_size(fast, "fast memory budget")
+def make_session(setup, fast, slow, backend="numpy", line_size=64, event_log=None,
+                 annotations=True, dram_cache=None):
+    """(manager, session) for setup with ``fast`` bytes of fast memory and ``slow`` of slow.
+
+    dram_cache: the simulated DRAM cache's size, required by (and only by) the 2LM setups.
+    """
+    setup = check_setup(setup)
+    fast = ca.parse_size(fast, "fast memory size")
     cache = None
-    if mode.startswith("2lm"):
-        cache = MemoryModeCache(max(fast, line_size), line_size)
-        fast = 0
-    m = ca.Manager(fast=fast, slow=slow, policy=make_policy(mode), event_log=event_log)
+    if _is_2lm(setup):
+        if dram_cache is None:
+            raise ValueError(f"setup {setup!r} keeps every array in slow memory behind a "
+                             "simulated DRAM cache; give its size as dram_cache= "
+                             "(e.g. dram_cache='64MiB')")
+        cache = MemoryModeCache(max(ca.parse_size(dram_cache, "DRAM cache size"), line_size),
+                                line_size)
+    elif dram_cache is not None:
+        raise _no_dram_cache(setup, dram_cache)
+    m = ca.Manager(fast=fast, slow=slow, policy=make_policy(setup), event_log=event_log)
     s = Session(m, backend, annotations=annotations, tracer=KernelTracer(m, cache))
     return m, s
 
@@ -94,44 +147,57 @@ def measure_footprint(model_name, depth, backend="numpy", fused=True, **shape):
 
 
 class Trainer:
-    """One model training in one mode, an iteration at a time (so a benchmark can interleave
-    modes: each ``step()`` is one iteration; ``close()`` releases the manager's memory).
+    """One model training in one setup, an iteration at a time (so a benchmark can interleave
+    setups: each ``step()`` is one iteration; ``close()`` releases the manager's memory).
 
-    fast: bytes, a size string or a percentage of the measured footprint (e.g. "25%").
+    fast: the manager's fast memory; dram_cache: the simulated DRAM cache of the 2LM setups.
+    Each is bytes, a size string or a percentage of the measured footprint (e.g. "25%"); by
+    default the setup's DRAM (fast memory, or the 2LM cache) is 25% of the footprint and a
+    2LM manager has no fast memory. fast-only always gets fast memory for everything.
+    ``budget`` (and each record's "budget") is the setup's DRAM in bytes.
     fused: apply SGD inside the backward pass (the default; see ``train_step``).
     """
 
-    def __init__(self, model_name="resnet", depth=18, mode="LM", fast="25%", backend="numpy",
+    def __init__(self, model_name="resnet", depth=18, setup="LM", fast=None, backend="numpy",
                  batch=4, image=16, channels=3, classes=10, width=8, lr=0.01, seed=0,
                  profile=None, slow=None, event_log=None, line_size=64, fused=True,
-                 footprint=None):
+                 footprint=None, dram_cache=None):
+        setup = check_setup(setup)
+        if _is_2lm(setup):
+            fast = 0 if fast is None else fast
+            dram_cache = "25%" if dram_cache is None else dram_cache
+        else:
+            if dram_cache is not None:
+                raise _no_dram_cache(setup, dram_cache)
+            fast = "25%" if fast is None else fast
         shape = dict(batch=batch, image=image, channels=channels, classes=classes, width=width)
         model = build(model_name, depth, **shape)
-        mode = check_mode(mode)
-        if footprint is None and (isinstance(fast, str) and fast.strip().endswith("%")
-                                  or mode == "fast-only"):
+        if footprint is None and (_is_percentage(fast) or _is_percentage(dram_cache)
+                                  or setup == "fast-only"):
             footprint = measure_footprint(model_name, depth, backend, fused=fused, **shape)
-        if mode == "fast-only":
-            budget = int(model.footprint_estimate() * 1.5) + (16 << 20)
-        elif isinstance(fast, str) and fast.strip().endswith("%"):
-            budget = int(footprint * float(fast.strip()[:-1]) / 100)
+        if setup == "fast-only":
+            fast = int(model.footprint_estimate() * 1.5) + (16 << 20)
         else:
-            budget = ca.parse_size(fast, "fast memory budget")
+            fast = parse_budget(fast, footprint, "fast memory size")
+        if dram_cache is not None:
+            dram_cache = parse_budget(dram_cache, footprint, "DRAM cache size")
+        budget = fast if dram_cache is None else dram_cache
         need = model.footprint_estimate()
         if slow is None:
             slow = 3 * need + (64 << 20)
         slow = ca.parse_size(slow, "slow memory size")
-        room = slow + (0 if mode.startswith("2lm") else budget)
+        room = slow + (0 if _is_2lm(setup) else fast)
         if room < need:
+            held = (f"slow ({ca.format_size(slow)}) memory holds" if _is_2lm(setup) else
+                    f"fast ({ca.format_size(fast)}) plus slow ({ca.format_size(slow)}) memory hold")
             raise MemoryError(
                 f"{model.name} with batch {batch} and {image}x{image} images needs about "
-                f"{ca.format_size(need)} per training iteration, but fast ({ca.format_size(budget)}) "
-                f"plus slow ({ca.format_size(slow)}) memory hold only {ca.format_size(room)}; "
-                "use a larger slow size or a smaller batch")
-        self.model, self.mode, self.budget, self.footprint = model, mode, budget, footprint
+                f"{ca.format_size(need)} per training iteration, but {held} only "
+                f"{ca.format_size(room)}; use a larger slow size or a smaller batch")
+        self.model, self.setup, self.budget, self.footprint = model, setup, budget, footprint
         self.seed, self.profile, self.fused, self.iteration = seed, profile, fused, 0
-        self.m, self.s = make_session(mode, budget, slow, backend, line_size=line_size,
-                                      event_log=event_log)
+        self.m, self.s = make_session(setup, fast, slow, backend, line_size=line_size,
+                                      event_log=event_log, dram_cache=dram_cache)
         model.init(self.s, seed)
         self.opt = SGD(lr)
 
@@ -147,13 +213,13 @@ class Trainer:
         wall = time.perf_counter() - t
         stats = m.stats()
         self.iteration += 1
-        rec = {"iteration": it, "mode": self.mode, "loss": loss, "wall": wall,
+        rec = {"iteration": it, "setup": self.setup, "loss": loss, "wall": wall,
                "budget": self.budget, "footprint": self.footprint, "stats": stats,
                "trace": s.tracer.summary(),
                "modelled": modelled_time(wall, stats, s.tracer, self.profile),
                "modelled_sum": modelled_time(wall, stats, s.tracer, self.profile, combine="sum")}
-        log.debug("%s mode %s iteration %d: loss %.4f, wall %.3f s, modelled %.3f s",
-                  self.model.name, self.mode, it, loss, wall, rec["modelled"])
+        log.debug("%s setup %s iteration %d: loss %.4f, wall %.3f s, modelled %.3f s",
+                  self.model.name, self.setup, it, loss, wall, rec["modelled"])
         return rec
 
     def close(self):
@@ -161,15 +227,16 @@ class Trainer:
         self.m.close()
 
 
-def run(model_name="resnet", depth=18, mode="LM", fast="25%", iterations=2, backend="numpy",
+def run(model_name="resnet", depth=18, setup="LM", fast=None, iterations=2, backend="numpy",
         batch=4, image=16, channels=3, classes=10, width=8, lr=0.01, seed=0, profile=None,
-        slow=None, callback=None, event_log=None, line_size=64, fused=True):
-    """Train a model for some iterations in one mode; returns a list of per-iteration dicts.
+        slow=None, callback=None, event_log=None, line_size=64, fused=True, dram_cache=None):
+    """Train a model for some iterations in one setup; returns a list of per-iteration dicts.
 
-    fast: bytes, a size string or a percentage of the measured footprint (e.g. "25%").
+    fast, dram_cache: as for ``Trainer`` (bytes, a size string or a percentage of the measured
+    footprint such as "25%"); ``dram_budget(setup, size)`` gives every setup the same DRAM.
     """
-    tr = Trainer(model_name, depth, mode, fast, backend, batch, image, channels, classes, width,
-                 lr, seed, profile, slow, event_log, line_size, fused)
+    tr = Trainer(model_name, depth, setup, fast, backend, batch, image, channels, classes, width,
+                 lr, seed, profile, slow, event_log, line_size, fused, dram_cache=dram_cache)
     out = []
     try:
         for _ in range(iterations):

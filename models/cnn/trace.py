@@ -1,13 +1,13 @@
 """Kernel tracing: each kernel's read and write sets, slow-memory traffic and the modelled time.
 
 One hook (``KernelTracer.record``, called by ``Session.kernel`` while the arrays are pinned)
-serves both baselines: in the CachedArrays modes it counts the bytes kernels read from and write
+serves both baselines: in the CachedArrays setups it counts the bytes kernels read from and write
 to arrays whose primary is in slow memory; in the memory-mode (2LM) baseline every array lives
 in slow memory and each range (slow-heap offset of the view) goes through a ``MemoryModeCache``.
 
 Modelled time of one iteration on a slow-device profile (R = read, W = write bandwidth):
 
-  CA modes:  T = T_wall' + B(s->f)*(1/R_slow - 1/R_dram) + B(f->s)*(1/W_slow - 1/W_dram)
+  CA setups: T = T_wall' + B(s->f)*(1/R_slow - 1/R_dram) + B(f->s)*(1/W_slow - 1/W_dram)
                          + sum over kernels k of P_k
              P_k = r_k*(1/R_slow - 1/R_dram)                              no output in slow memory
              P_k = max(r_k*(1/R_slow - 1/R_dram) + w_k*(1/W_slow - 1/W_dram), (F - 1)*t_k)

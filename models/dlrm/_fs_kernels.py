@@ -1,10 +1,19 @@
-"""The embedding kernels' feature loops: the one source of every kernel body (a template).
+"""The embedding kernels' numba code: ``make_kernels(fs)`` builds every kernel for one feature
+size, from the one source of every kernel body.
 
-``kernels.generated_module`` imports a copy of this file per feature size with ``FS`` replaced,
-so the feature loops have constant trip counts (unrolled, vectorised, no aliasing re-checks)
-and numba caches the copy's kernels on disk like any module's.  The copy with ``FS = 0`` is
-the generic variant: it reads the feature size from the arrays at run time (rows wider than
+``make_kernels(FS)`` defines the kernels as closures over ``FS``.  numba freezes a closure
+variable as a compile-time constant, so in a specialised set (``FS > 0``) the feature loops
+have constant trip counts (unrolled, vectorised, no aliasing re-checks).  ``FS = 0`` gives
+the generic set, which reads the feature size from the arrays at run time (rows wider than
 ``kernels.MAX_SPECIALISED_FS``, ensembles of mixed sizes, ``kernels.set_specialised(False)``).
+The helpers below take the feature size ``fs`` as an argument; numba inlines those with a
+feature loop into the kernels (``inline="always"``), where ``fs`` is that constant.
+
+numba caches a closure over an int like any function (its cache key includes the closure's
+values), so each set compiles once, not in every process.  That holds because the kernels
+capture nothing but ints and bools and call only functions of this file: a closure over a
+function gets a new cache key in every process, and numba checks a cached kernel against its
+own file only.
 
 Outputs and gradients are flat 1-D buffers with a row stride, so that a column block of a
 wider array (``big[:, 64:128]``) is written in place and the inner loop over features is a
@@ -19,42 +28,133 @@ is passed as its own cache, so one kernel serves both.
 """
 
 import numpy as np
-from numba import njit, prange
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
-from cachedarrays.models.dlrm.kernels import (
-    _BAGS_PER_ITEM, _PARALLEL, _PREFETCH_AHEAD, _ROW_PREFETCH, _ROWS_PER_ITEM, _SERIAL,
-    _bag_bounds, _prefetch_read, _prefetch_write, _reindex)
+PARALLEL = dict(parallel=True, cache=True, fastmath=False, nogil=True)
+SERIAL = dict(cache=True, fastmath=False, nogil=True)
+#: Helpers on the paths from the parallel loops to the feature loops: inlined by numba, so
+#: the feature size is a constant in them (as calls, the SGD measured 5-30% slower and the
+#: generic ensemble lookup/update ~40% slower).
+INLINE = dict(inline="always", **SERIAL)
+#: Bags handled by one parallel work item; big enough to amortise scheduling, small enough to balance.
+BAGS_PER_ITEM = 64
+#: Unique rows updated by one parallel work item.
+ROWS_PER_ITEM = 256
+#: Rows ahead that the update prefetches (with write intent): halves the random RMW time.
+PREFETCH_AHEAD = 16
+#: Indices ahead whose rows the bag sums prefetch.
+ROW_PREFETCH = 16
+BPI = BAGS_PER_ITEM
+RPI = ROWS_PER_ITEM
+AHEAD = PREFETCH_AHEAD
+RAHEAD = ROW_PREFETCH
 
-FS = 0  # @const: the feature size; 0 = read it from the arrays at run time (generic)
-BPI = _BAGS_PER_ITEM
-RPI = _ROWS_PER_ITEM
-AHEAD = _PREFETCH_AHEAD
-RAHEAD = _ROW_PREFETCH
-#: Specialised copies prefetch bag rows RAHEAD indices ahead and take indirect bags 8 rows at
-#: a time; the generic copy (ensembles of one-row bags, rows wider than 512) measured faster
-#: without either.  The order of additions is the same.
-SPECIALISED = FS > 0
 
-# Helpers take the run-time feature size ``fs`` and use ``FS or fs``: a constant in a
-# specialised copy whether or not LLVM inlines the call.  The helpers on the paths from the
-# parallel loops to the feature loops are inlined by numba itself (``inline="always"``): as
-# calls, the SGD measured 5-30% slower and the generic ensemble lookup/update ~40% slower.
+def _make_prefetch(rw):
+    @intrinsic
+    def prefetch(typingctx, arr, idx):
+        sig = types.void(arr, idx)
+
+        def codegen(context, builder, signature, args):
+            aryty = signature.args[0]
+            ary = context.make_array(aryty)(context, builder, args[0])
+            ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [args[1]],
+                                           wraparound=False)
+            i32 = ir.IntType(32)
+            # one declaration for every element type: prefetches of several arrays can
+            # share an LLVM module once numba inlines the helpers
+            ptr = builder.bitcast(ptr, cgutils.voidptr_t)
+            fnty = ir.FunctionType(ir.VoidType(), [cgutils.voidptr_t, i32, i32, i32])
+            fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
+            builder.call(fn, [ptr, i32(rw), i32(3), i32(1)])  # locality 3, data cache
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return prefetch
 
 
-@njit(**_SERIAL)
+#: ``prefetch_read(arr, i)`` / ``prefetch_write(arr, i)``: an ``llvm.prefetch`` hint for
+#: ``arr[i]``; a hint never faults, so no bounds check is needed.
+prefetch_read = _make_prefetch(0)
+prefetch_write = _make_prefetch(1)
+
+
+# ---- helpers without a feature loop -------------------------------------------------------
+
+
+@njit(**SERIAL)
+def bag_bounds(offsets, b, nidx):
+    start = offsets[b]
+    end = offsets[b + 1] if b + 1 < offsets.shape[0] else nidx
+    return start, end
+
+
+@njit(**SERIAL)
+def reindex(indices, offsets, nbags, slot, rows, bounds, occ):
+    """CSR re-indexing of one table's occurrences, grouped by unique row in first-seen order.
+
+    Fills ``rows[:nu]`` (unique rows), ``occ`` (the bag of every occurrence, grouped by row,
+    occurrence order inside a group) and ``bounds`` so that group u is
+    ``occ[bounds[u + 1]:bounds[u + 2]]``.  ``slot`` (one int32 per table row) must be zero on
+    entry and is zero again on exit, so one scratch buffer serves every call.  Returns nu.
+    """
+    nidx = indices.shape[0]
+    nu = 0
+    for j in range(nidx):  # histogram: slot[r] = 1 + unique id of r, bounds[u + 2] = count
+        if j + AHEAD < nidx:
+            prefetch_write(slot, indices[j + AHEAD])
+        r = indices[j]
+        s = slot[r]
+        if s == 0:
+            rows[nu] = r
+            nu += 1
+            slot[r] = nu
+            bounds[nu + 1] = 1
+        else:
+            bounds[s + 1] += 1
+    bounds[0] = 0
+    bounds[1] = 0
+    for u in range(nu):  # prefix sum: bounds[u + 2] = end of group u
+        bounds[u + 2] += bounds[u + 1]
+    for u in range(nu):  # shift so that bounds[u + 1] = end of group u
+        bounds[u + 1] = bounds[u + 2]
+    bounds[nu + 1] = nidx
+    for b in range(nbags - 1, -1, -1):  # scatter backwards: groups fill in occurrence order
+        start, end = bag_bounds(offsets, b, nidx)
+        for j in range(end - 1, start - 1, -1):
+            if j >= AHEAD:
+                prefetch_read(slot, indices[j - AHEAD])
+            g = slot[indices[j]]
+            bounds[g] -= 1
+            occ[bounds[g]] = b
+    for u in range(nu):
+        if u + AHEAD < nu:
+            prefetch_write(slot, rows[u + AHEAD])
+        slot[rows[u]] = 0
+    return nu
+
+
+@njit(**SERIAL)
 def span(it, per, n):
     """Bounds of parallel work item ``it`` of ``per`` consecutive items out of ``n``."""
     lo = it * per
     return lo, min(n, lo + per)
 
 
-@njit(inline="always", **_SERIAL)
+# ---- helpers with a feature loop: ``fs`` is the kernel's (constant) feature size ----------
+
+
+@njit(**INLINE)
 def at(r, fs):
     """Flat start of row r."""
-    return np.uint64(r) * np.uint64(FS or fs)
+    return np.uint64(r) * np.uint64(fs)
 
 
-@njit(inline="always", **_SERIAL)
+@njit(**INLINE)
 def addr(where, r, fs):
     """(0 = base / 1 = cache, flat start) of logical row r."""
     w = where[r]
@@ -63,7 +163,7 @@ def addr(where, r, fs):
     return 0, at(r, fs)
 
 
-@njit(inline="always", **_SERIAL)
+@njit(**INLINE)
 def locate(bflat, cflat, where, r, fs):
     """(flat buffer, start) of logical row r: base or cache; the base for a plain table."""
     if where is None:
@@ -72,67 +172,69 @@ def locate(bflat, cflat, where, r, fs):
     return (cflat if c else bflat), p
 
 
-@njit(**_SERIAL)
+@njit(**INLINE)
 def prefetch_row(flat, p, fs):
     step = max(1, 64 // flat.itemsize)
-    for f in range(0, FS or fs, step):
-        _prefetch_read(flat, p + np.uint64(f))
+    for f in range(0, fs, step):
+        prefetch_read(flat, p + np.uint64(f))
 
 
-@njit(**_SERIAL)
+@njit(**INLINE)
 def prefetch_row_write(flat, p, fs):
     step = max(1, 64 // flat.itemsize)
-    for f in range(0, FS or fs, step):
-        _prefetch_write(flat, p + np.uint64(f))
+    for f in range(0, fs, step):
+        prefetch_write(flat, p + np.uint64(f))
 
 
-@njit(**_SERIAL)
+@njit(**INLINE)
 def add8(acc, t, p0, p1, p2, p3, p4, p5, p6, p7, fs):
-    for f in range(FS or fs):
+    for f in range(fs):
         uf = np.uint64(f)
         acc[uf] = (acc[uf] + t[p0 + uf] + t[p1 + uf] + t[p2 + uf] + t[p3 + uf]
                    + t[p4 + uf] + t[p5 + uf] + t[p6 + uf] + t[p7 + uf])
 
 
-@njit(**_SERIAL)
+@njit(**INLINE)
 def add4(acc, t, p0, p1, p2, p3, fs):
-    for f in range(FS or fs):
+    for f in range(fs):
         uf = np.uint64(f)
         acc[uf] = acc[uf] + t[p0 + uf] + t[p1 + uf] + t[p2 + uf] + t[p3 + uf]
 
 
-@njit(**_SERIAL)
+@njit(**INLINE)
 def add1(acc, t, p0, fs):
-    for f in range(FS or fs):
+    for f in range(fs):
         uf = np.uint64(f)
         acc[uf] += t[p0 + uf]
 
 
-@njit(**_SERIAL)
+@njit(**INLINE)
 def zero(acc, fs):
-    for f in range(FS or fs):
+    for f in range(fs):
         acc[np.uint64(f)] = 0
 
 
-@njit(**_SERIAL)
+@njit(**INLINE)
 def store(acc, out, o, fs):
-    for f in range(FS or fs):
+    for f in range(fs):
         uf = np.uint64(f)
         out[o + uf] = acc[uf]
 
 
-@njit(inline="always", **_SERIAL)
-def sum_bag(t, indices, start, end, acc, fs):
+@njit(**INLINE)
+def sum_bag(t, indices, start, end, acc, fs, specialised):
     """acc = rows indices[start:end] summed in index order.
 
     Rows are taken 8 (then 4, then 1) at a time: the element-wise order of additions is
-    unchanged, but acc is loaded and stored once per group and 8 rows are in flight."""
+    unchanged, but acc is loaded and stored once per group and 8 rows are in flight.
+    With ``specialised`` the rows RAHEAD indices ahead are prefetched; the generic set
+    (ensembles of one-row bags, rows wider than 512) measured faster without."""
     nidx = indices.shape[0]
     zero(acc, fs)
     j = start
     while j < end:
         n = 8 if j + 8 <= end else (4 if j + 4 <= end else 1)
-        if SPECIALISED:
+        if specialised:
             for q in range(j + RAHEAD, min(j + RAHEAD + n, nidx)):
                 prefetch_row(t, at(indices[q], fs), fs)
         if n == 8:
@@ -147,17 +249,22 @@ def sum_bag(t, indices, start, end, acc, fs):
         j += n
 
 
-@njit(**_SERIAL)
-def sum_bag_indirect(bflat, cflat, where, indices, start, end, acc, fs):
-    """Like sum_bag, row r read from cache[where[r]] when where[r] >= 0, 8 rows at a time."""
+@njit(**SERIAL)
+def sum_bag_indirect(bflat, cflat, where, indices, start, end, acc, fs, specialised):
+    """Like sum_bag, row r read from cache[where[r]] when where[r] >= 0; specialised sets
+    take 8 rows at a time and prefetch, the generic set one row at a time (measured faster
+    there).  The order of additions is the same.
+
+    A call, not inlined by numba: LLVM inlines it and folds the constants, and inlined by
+    numba it doubled the compile time of the bag sums for no measured gain."""
     nidx = indices.shape[0]
     zero(acc, fs)
     j = start
     while j < end:
-        n = min(8, end - j) if SPECIALISED else 1
-        if SPECIALISED:
+        n = min(8, end - j) if specialised else 1
+        if specialised:
             for q in range(j + 2 * RAHEAD, min(j + 2 * RAHEAD + n, nidx)):
-                _prefetch_read(where, np.uint64(indices[q]))
+                prefetch_read(where, np.uint64(indices[q]))
             for q in range(j + RAHEAD, min(j + RAHEAD + n, nidx)):
                 flat, p = locate(bflat, cflat, where, indices[q], fs)
                 prefetch_row(flat, p, fs)
@@ -184,20 +291,21 @@ def sum_bag_indirect(bflat, cflat, where, indices, start, end, acc, fs):
         j += n
 
 
-@njit(inline="always", **_SERIAL)
-def bag_sums(bflat, cflat, where, indices, offsets, lo, hi, out, ostride, ocol, acc, fs):
+@njit(**INLINE)
+def bag_sums(bflat, cflat, where, indices, offsets, lo, hi, out, ostride, ocol, acc, fs,
+             specialised):
     """out rows lo..hi (at column ocol of a row-strided flat buffer) = those bags' sums."""
     nidx = indices.shape[0]
     for b in range(lo, hi):
-        start, end = _bag_bounds(offsets, b, nidx)
+        start, end = bag_bounds(offsets, b, nidx)
         if where is None:
-            sum_bag(bflat, indices, start, end, acc, fs)
+            sum_bag(bflat, indices, start, end, acc, fs, specialised)
         else:
-            sum_bag_indirect(bflat, cflat, where, indices, start, end, acc, fs)
+            sum_bag_indirect(bflat, cflat, where, indices, start, end, acc, fs, specialised)
         store(acc, out, np.uint64(b * ostride + ocol), fs)
 
 
-@njit(**_SERIAL)
+@njit(**INLINE)
 def sum_grad(dout, gstride, gcol, occ, lo, hi, acc, fs):
     """acc = sum of gradient rows occ[lo:hi] (a row-strided flat buffer), in order."""
     zero(acc, fs)
@@ -205,7 +313,7 @@ def sum_grad(dout, gstride, gcol, occ, lo, hi, acc, fs):
         add1(acc, dout, np.uint64(occ[k] * gstride + gcol), fs)
 
 
-@njit(inline="always", **_SERIAL)
+@njit(**INLINE)
 def sgd_row(flat, p, lr, dout, gstride, gcol, occ, lo, hi, acc, fs):
     """flat[p:p+fs] -= lr * (sum of gradient rows occ[lo:hi]): one read-modify-write of a row.
 
@@ -213,19 +321,17 @@ def sgd_row(flat, p, lr, dout, gstride, gcol, occ, lo, hi, acc, fs):
     identical because 0 + g == g."""
     if hi - lo == 1:
         g = np.uint64(occ[lo] * gstride + gcol)
-        for f in range(FS or fs):
+        for f in range(fs):
             uf = np.uint64(f)
             flat[p + uf] -= lr * dout[g + uf]
-    else:  # sum_grad written out: one call level less measured faster
-        zero(acc, fs)
-        for k in range(lo, hi):
-            add1(acc, dout, np.uint64(occ[k] * gstride + gcol), fs)
-        for f in range(FS or fs):
+    else:
+        sum_grad(dout, gstride, gcol, occ, lo, hi, acc, fs)
+        for f in range(fs):
             uf = np.uint64(f)
             flat[p + uf] -= lr * acc[uf]
 
 
-@njit(inline="always", **_SERIAL)
+@njit(**INLINE)
 def sgd_rows(bflat, cflat, where, rows, bounds, occ, lo, hi, dout, gstride, gcol, lr, acc, fs):
     """SGD of unique rows lo..hi (group u's occurrences are occ[bounds[u+1]:bounds[u+2]]),
     prefetching (with write intent) the row AHEAD positions on."""
@@ -237,113 +343,119 @@ def sgd_rows(bflat, cflat, where, rows, bounds, occ, lo, hi, dout, gstride, gcol
         sgd_row(flat, p, lr, dout, gstride, gcol, occ, bounds[u + 1], bounds[u + 2], acc, fs)
 
 
-# ---- parallel kernels --------------------------------------------------------------------
+# ---- the kernels ----------------------------------------------------------------------------
 
 
-@njit(**_PARALLEL)
-def gather(table, indices, out, ostride, ocol):
-    n = indices.shape[0]
-    fs = FS or table.shape[1]
-    tflat = table.reshape(-1)
-    for it in prange((n + BPI - 1) // BPI):
-        lo, hi = span(it, BPI, n)
-        for i in range(lo, hi):
-            if SPECIALISED and i + RAHEAD < n:
-                prefetch_row(tflat, at(indices[i + RAHEAD], fs), fs)
-            p = at(indices[i], fs)
-            o = np.uint64(i * ostride + ocol)
-            for f in range(FS or fs):
-                uf = np.uint64(f)
-                out[o + uf] = tflat[p + uf]
+def make_kernels(FS):
+    """Every parallel kernel for feature size ``FS`` (0: generic), by name.
 
+    Each kernel compiles (or loads from numba's cache) on its first call with a new signature,
+    so only the kernels in use are built."""
+    FS = int(FS)
+    if FS < 0:
+        raise ValueError(f"feature size must be >= 0 (0: generic), got {FS}")
+    SPECIALISED = FS > 0
 
-@njit(**_PARALLEL)
-def bag_sum(base, cache, where, indices, offsets, nbags, out, ostride, ocol):
-    """Bag sums into a row-strided flat ``out``; pass ``(table, table, None)`` for a plain table."""
-    fs = FS or base.shape[1]
-    bflat = base.reshape(-1)
-    cflat = cache.reshape(-1)
-    for it in prange((nbags + BPI - 1) // BPI):
-        acc = np.empty(fs, dtype=base.dtype)
-        lo, hi = span(it, BPI, nbags)
-        bag_sums(bflat, cflat, where, indices, offsets, lo, hi, out, ostride, ocol, acc, fs)
+    @njit(**PARALLEL)
+    def gather(table, indices, out, ostride, ocol):
+        n = indices.shape[0]
+        fs = FS or table.shape[1]
+        tflat = table.reshape(-1)
+        for it in prange((n + BPI - 1) // BPI):
+            lo, hi = span(it, BPI, n)
+            for i in range(lo, hi):
+                if SPECIALISED and i + RAHEAD < n:
+                    prefetch_row(tflat, at(indices[i + RAHEAD], fs), fs)
+                p = at(indices[i], fs)
+                o = np.uint64(i * ostride + ocol)
+                for f in range(fs):
+                    uf = np.uint64(f)
+                    out[o + uf] = tflat[p + uf]
 
+    @njit(**PARALLEL)
+    def bag_sum(base, cache, where, indices, offsets, nbags, out, ostride, ocol):
+        """Bag sums into a row-strided flat ``out``; ``(table, table, None)`` for a plain table."""
+        fs = FS or base.shape[1]
+        bflat = base.reshape(-1)
+        cflat = cache.reshape(-1)
+        for it in prange((nbags + BPI - 1) // BPI):
+            acc = np.empty(fs, dtype=base.dtype)
+            lo, hi = span(it, BPI, nbags)
+            bag_sums(bflat, cflat, where, indices, offsets, lo, hi, out, ostride, ocol, acc, fs,
+                     SPECIALISED)
 
-@njit(**_PARALLEL)
-def bag_sum_many(tables, indices, offsets, nbags, out, ostride, cols, chunk):
-    """All tables into one concatenated output; work items are (bag chunk, table) pairs."""
-    ntables = len(tables)
-    nchunks = (nbags + chunk - 1) // chunk
-    for it in prange(nchunks * ntables):
-        c = it // ntables
-        t = it - c * ntables  # tables vary fastest so each thread gets a mix of tables
-        fs = FS or tables[t].shape[1]
-        tflat = tables[t].reshape(-1)
-        acc = np.empty(fs, dtype=tflat.dtype)
-        lo, hi = span(c, chunk, nbags)
-        bag_sums(tflat, tflat, None, indices[t], offsets[t], lo, hi, out, ostride, cols[t],
-                 acc, fs)
-
-
-@njit(**_PARALLEL)
-def apply_sgd(base, cache, where, rows, bounds, occ, nu, dout, gstride, gcol, lr):
-    """SGD of the re-indexed unique rows; pass ``(table, table, None)`` for a plain table."""
-    fs = FS or base.shape[1]
-    bflat = base.reshape(-1)
-    cflat = cache.reshape(-1)
-    for it in prange((nu + RPI - 1) // RPI):
-        acc = np.empty(fs, dtype=base.dtype)
-        lo, hi = span(it, RPI, nu)
-        sgd_rows(bflat, cflat, where, rows, bounds, occ, lo, hi, dout, gstride, gcol, lr, acc,
-                 fs)
-
-
-@njit(**_PARALLEL)
-def grad(rows, bounds, occ, nu, dout, gstride, gcol, grads):
-    """grads[u] = the summed gradient of unique row u."""
-    fs = FS or grads.shape[1]
-    for it in prange((nu + RPI - 1) // RPI):
-        lo, hi = span(it, RPI, nu)
-        for u in range(lo, hi):
-            sum_grad(dout, gstride, gcol, occ, bounds[u + 1], bounds[u + 2], grads[u], fs)
-
-
-@njit(**_PARALLEL)
-def update_many(tables, indices, offsets, nbags, dout, gstride, cols, lr, slots,
-                nworkers, idx_base):
-    """Re-index every table (worker w takes tables w, w + nworkers, ...; one scratch row of
-    ``slots`` each), then apply SGD over flattened (row chunk, table) items.
-    Returns the unique-row counts and the concatenated unique rows."""
-    ntables = len(tables)
-    total = idx_base[ntables]
-    rows = np.empty(total, dtype=np.int64)
-    occ = np.empty(total, dtype=np.int64)
-    bounds = np.empty(total + 2 * ntables, dtype=np.int64)
-    nus = np.zeros(ntables, dtype=np.int64)
-    for w in prange(nworkers):
-        for t in range(w, ntables, nworkers):
-            lo = idx_base[t]
-            hi = idx_base[t + 1]
-            nus[t] = _reindex(indices[t], offsets[t], nbags, slots[w], rows[lo:hi],
-                              bounds[lo + 2 * t:hi + 2 * t + 2], occ[lo:hi])
-    maxitems = 0
-    for t in range(ntables):
-        maxitems = max(maxitems, (nus[t] + RPI - 1) // RPI)
-    for it in prange(maxitems * ntables):
-        c = it // ntables
-        t = it - c * ntables
-        nu = nus[t]
-        if c * RPI < nu:
+    @njit(**PARALLEL)
+    def bag_sum_many(tables, indices, offsets, nbags, out, ostride, cols, chunk):
+        """All tables into one concatenated output; work items are (bag chunk, table) pairs."""
+        ntables = len(tables)
+        nchunks = (nbags + chunk - 1) // chunk
+        for it in prange(nchunks * ntables):
+            c = it // ntables
+            t = it - c * ntables  # tables vary fastest so each thread gets a mix of tables
             fs = FS or tables[t].shape[1]
             tflat = tables[t].reshape(-1)
             acc = np.empty(fs, dtype=tflat.dtype)
-            lo, hi = span(c, RPI, nu)
-            base = idx_base[t]
-            end = idx_base[t + 1]
-            sgd_rows(tflat, tflat, None, rows[base:base + nu], bounds[base + 2 * t:end + 2 * t + 2],
-                     occ[base:end], lo, hi, dout, gstride, cols[t], lr, acc, fs)
-    return nus, rows
+            lo, hi = span(c, chunk, nbags)
+            bag_sums(tflat, tflat, None, indices[t], offsets[t], lo, hi, out, ostride, cols[t],
+                     acc, fs, SPECIALISED)
 
+    @njit(**PARALLEL)
+    def apply_sgd(base, cache, where, rows, bounds, occ, nu, dout, gstride, gcol, lr):
+        """SGD of the re-indexed unique rows; ``(table, table, None)`` for a plain table."""
+        fs = FS or base.shape[1]
+        bflat = base.reshape(-1)
+        cflat = cache.reshape(-1)
+        for it in prange((nu + RPI - 1) // RPI):
+            acc = np.empty(fs, dtype=base.dtype)
+            lo, hi = span(it, RPI, nu)
+            sgd_rows(bflat, cflat, where, rows, bounds, occ, lo, hi, dout, gstride, gcol, lr,
+                     acc, fs)
 
-KERNELS = dict(gather=gather, bag_sum=bag_sum, bag_sum_many=bag_sum_many, apply_sgd=apply_sgd,
-               grad=grad, update_many=update_many)
+    @njit(**PARALLEL)
+    def grad(rows, bounds, occ, nu, dout, gstride, gcol, grads):
+        """grads[u] = the summed gradient of unique row u."""
+        fs = FS or grads.shape[1]
+        for it in prange((nu + RPI - 1) // RPI):
+            lo, hi = span(it, RPI, nu)
+            for u in range(lo, hi):
+                sum_grad(dout, gstride, gcol, occ, bounds[u + 1], bounds[u + 2], grads[u], fs)
+
+    @njit(**PARALLEL)
+    def update_many(tables, indices, offsets, nbags, dout, gstride, cols, lr, slots,
+                    nworkers, idx_base):
+        """Re-index every table (worker w takes tables w, w + nworkers, ...; one scratch row of
+        ``slots`` each), then apply SGD over flattened (row chunk, table) items.
+        Returns the unique-row counts and the concatenated unique rows."""
+        ntables = len(tables)
+        total = idx_base[ntables]
+        rows = np.empty(total, dtype=np.int64)
+        occ = np.empty(total, dtype=np.int64)
+        bounds = np.empty(total + 2 * ntables, dtype=np.int64)
+        nus = np.zeros(ntables, dtype=np.int64)
+        for w in prange(nworkers):
+            for t in range(w, ntables, nworkers):
+                lo = idx_base[t]
+                hi = idx_base[t + 1]
+                nus[t] = reindex(indices[t], offsets[t], nbags, slots[w], rows[lo:hi],
+                                 bounds[lo + 2 * t:hi + 2 * t + 2], occ[lo:hi])
+        maxitems = 0
+        for t in range(ntables):
+            maxitems = max(maxitems, (nus[t] + RPI - 1) // RPI)
+        for it in prange(maxitems * ntables):
+            c = it // ntables
+            t = it - c * ntables
+            nu = nus[t]
+            if c * RPI < nu:
+                fs = FS or tables[t].shape[1]
+                tflat = tables[t].reshape(-1)
+                acc = np.empty(fs, dtype=tflat.dtype)
+                lo, hi = span(c, RPI, nu)
+                base = idx_base[t]
+                end = idx_base[t + 1]
+                sgd_rows(tflat, tflat, None, rows[base:base + nu],
+                         bounds[base + 2 * t:end + 2 * t + 2], occ[base:end], lo, hi, dout,
+                         gstride, cols[t], lr, acc, fs)
+        return nus, rows
+
+    return dict(gather=gather, bag_sum=bag_sum, bag_sum_many=bag_sum_many,
+                apply_sgd=apply_sgd, grad=grad, update_many=update_many)

@@ -15,10 +15,10 @@ Every table has ``name``, ``nvectors``, ``featuresize``, ``dtype``, a row-addres
   bump-allocate slots, copy the rows in parallel, swap the pointers, then look up.  The result
   is the state the dissertation's lock-bit protocol reaches, deterministically.
 
-Policies of §5.6.1 (see :func:`make_table`): ``simple`` (a SimpleTable in slow memory),
-``static`` (fill the cache once with random rows, then freeze it) and ``dynamic`` (cache every
-row a lookup touches; ``maintain()`` flushes the oldest pages, writing dirty rows back, when the
-cache is full).
+Table kinds (the dissertation's §5.6.1 "policies"; see :func:`make_table`): ``fast`` and
+``simple`` (a SimpleTable in fast or slow memory), ``static`` (fill the cache once with random
+rows, then freeze it) and ``dynamic`` (cache every row a lookup touches; ``maintain()`` flushes
+the oldest pages, writing dirty rows back, when the cache is full).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from . import kernels
 
 __all__ = [
     "FORWARD", "UPDATE", "EmbeddingTable", "SimpleTable", "CachedEmbeddingTable",
-    "make_table", "lookup_tables", "update_tables", "TABLE_POLICIES",
+    "make_table", "lookup_tables", "update_tables", "TABLE_KINDS",
 ]
 
 log = logging.getLogger(__name__)
@@ -45,7 +45,8 @@ log = logging.getLogger(__name__)
 FORWARD = "forward"
 UPDATE = "update"
 _CONTEXTS = (None, FORWARD, UPDATE)
-TABLE_POLICIES = ("fast", "simple", "static", "dynamic")
+#: Kinds of table ``make_table`` builds (§5.6.1).
+TABLE_KINDS = ("fast", "simple", "static", "dynamic")
 _DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 #: Rows per cache page unless the table says otherwise (a page is the unit of flushing).
 DEFAULT_PAGE_ROWS = 1024
@@ -346,13 +347,13 @@ class CachedEmbeddingTable(EmbeddingTable):
     ``cachelower`` / ``cacheslack`` are fractions of the table (float) or bytes (int or
     "64MiB"). The page pool is one fast CachedArray of ``ceil((lower + slack) / page)`` pages,
     reserved up front; flushing frees whole pages, oldest first, until at most ``cachelower``
-    bytes of pages remain. ``mode`` is "dynamic" (cache on every FORWARD access) or "static"
+    bytes of pages remain. ``caching`` is "dynamic" (cache on every FORWARD access) or "static"
     (``prepopulate`` once, then never cache more). The base is created and filled directly
     in slow memory (a ``placement="slow"`` allocation), so building a table evicts nothing.
     """
 
     def __init__(self, nvectors, featuresize, dtype=np.float32, *, manager=None,
-                 cachelower=0.25, cacheslack=0.05, page_rows=DEFAULT_PAGE_ROWS, mode="dynamic",
+                 cachelower=0.25, cacheslack=0.05, page_rows=DEFAULT_PAGE_ROWS, caching="dynamic",
                  init=None, seed=0, name="table"):
         self.name = str(name)
         self.dtype = _check_dtype(dtype, self.name)
@@ -360,12 +361,13 @@ class CachedEmbeddingTable(EmbeddingTable):
         if self.nvectors < 1 or self.featuresize < 1:
             raise ValueError(f"table {self.name!r}: need at least one row and one feature, got "
                              f"{nvectors}x{featuresize}")
-        if mode not in ("dynamic", "static"):
-            raise ValueError(f"table {self.name!r}: mode must be 'dynamic' or 'static', got {mode!r}")
+        if caching not in ("dynamic", "static"):
+            raise ValueError(f"table {self.name!r}: caching must be 'dynamic' or 'static', "
+                             f"got {caching!r}")
         if int(page_rows) < 1:
             raise ValueError(f"table {self.name!r}: page_rows must be >= 1, got {page_rows}")
         self.manager = manager if manager is not None else ca.default_manager()
-        self.mode = mode
+        self.caching = caching
         self.frozen = False
         self._page_rows_wanted = int(page_rows)
         self.base = ca.empty(self.shape, dtype=self.dtype, manager=self.manager, placement="slow")
@@ -397,7 +399,7 @@ class CachedEmbeddingTable(EmbeddingTable):
         self.cache = ca.empty((slots, self.featuresize), dtype=self.dtype, manager=self.manager)
         ca.prefetch(self.cache, force=True)
         self.backedge = np.full(slots, -1, dtype=np.int64)
-        self.dirty = np.zeros(slots, dtype=np.uint8)
+        self.dirty_slots = np.zeros(slots, dtype=np.uint8)
         self._pages = deque()                      # pages in use, oldest first
         self._free_pages = list(range(self.npages - 1, -1, -1))
         self._insert = self.page_rows              # bump pointer into the newest page
@@ -493,7 +495,7 @@ class CachedEmbeddingTable(EmbeddingTable):
     def rowpointer(self, i, context=None):
         _check_context(context, self.name)
         i = self._row_index(i)
-        if context == FORWARD and self.mode == "dynamic" and not self.frozen and self.where[i] < 0:
+        if context == FORWARD and self.caching == "dynamic" and not self.frozen and self.where[i] < 0:
             idx = np.array([i], dtype=np.int64)
             with contextlib.ExitStack() as stack:
                 base_view = stack.enter_context(ca.readable(self.base))
@@ -512,7 +514,7 @@ class CachedEmbeddingTable(EmbeddingTable):
 
     def lookup(self, indices, offsets=None, out=None, context=FORWARD):
         _check_context(context, self.name)
-        cache = context == FORWARD and self.mode == "dynamic" and not self.frozen
+        cache = context == FORWARD and self.caching == "dynamic" and not self.frozen
         return self._lookup(indices, offsets, out, cache=cache)
 
     def _lookup(self, indices, offsets, out, cache):
@@ -545,16 +547,16 @@ class CachedEmbeddingTable(EmbeddingTable):
                                                name=self.name, check=False)
         slots = self.where[rows]
         slots = slots[slots >= 0]
-        self.dirty[slots] = 1
+        self.dirty_slots[slots] = 1
         self._stats["updates"] += 1
         self._stats["rows_updated"] += rows.shape[0]
         self._stats["update_hits"] += slots.shape[0]
         return rows
 
-    # ---- policies and flushing -----------------------------------------------------------
+    # ---- static and dynamic caching, flushing ---------------------------------------------
 
     def prepopulate(self, rows=None, seed=0, freeze=True):
-        """Static policy: cache ``rows`` (default: random rows up to ``cachelower``), then freeze."""
+        """Static caching: cache ``rows`` (default: random rows up to ``cachelower``), then freeze."""
         if rows is None:
             k = min(self.nvectors, max(self._lower_rows, 0), self.npages * self.page_rows)
             rows = np.random.default_rng(seed).choice(self.nvectors, size=k, replace=False)
@@ -566,7 +568,7 @@ class CachedEmbeddingTable(EmbeddingTable):
 
     def maintain(self):
         """Between iterations: a full dynamic cache is flushed (dirty) down to ``cachelower``."""
-        if self.mode == "dynamic" and not self.frozen and self._full:
+        if self.caching == "dynamic" and not self.frozen and self._full:
             self.flush_dirty()
 
     def _flush(self, target_rows, writeback):
@@ -579,16 +581,16 @@ class CachedEmbeddingTable(EmbeddingTable):
             return 0
         slots = np.concatenate([np.arange(p * self.page_rows, (p + 1) * self.page_rows,
                                           dtype=np.int64) for p in popped])
-        if not writeback and self.dirty[slots].any():
+        if not writeback and self.dirty_slots[slots].any():
             self._pages.extendleft(reversed(popped))
-            n = int(np.count_nonzero(self.dirty[slots]))
+            n = int(np.count_nonzero(self.dirty_slots[slots]))
             raise RuntimeError(f"table {self.name!r}: flush_clean would drop {n} updated rows "
                                f"that base memory does not have; use flush_dirty()")
         held = self.backedge[slots]
         nrows = int(np.count_nonzero(held >= 0))
         if writeback:
             with ca.writable(self.base) as b, ca.readable(self.cache) as c:
-                copied = _drop_slots(b, c, self.where, self.backedge, self.dirty, slots)
+                copied = _drop_slots(b, c, self.where, self.backedge, self.dirty_slots, slots)
         else:
             self.where[held[held >= 0]] = -1
             self.backedge[slots] = -1
@@ -615,11 +617,11 @@ class CachedEmbeddingTable(EmbeddingTable):
 
     def writeback(self):
         """Copy every dirty cached row home and mark it clean; rows stay cached."""
-        slots = np.flatnonzero(self.dirty).astype(np.int64)
+        slots = np.flatnonzero(self.dirty_slots).astype(np.int64)
         if slots.size:
             with ca.writable(self.base) as b, ca.readable(self.cache) as c:
                 _copy_home(b, c, self.backedge, slots)
-            self.dirty[slots] = 0
+            self.dirty_slots[slots] = 0
             self._stats["rows_written_back"] += int(slots.size)
         return int(slots.size)
 
@@ -653,7 +655,7 @@ class CachedEmbeddingTable(EmbeddingTable):
             live.update(range(p * self.page_rows, (p + 1) * self.page_rows))
         if not set(used.tolist()) <= live:
             errors.append("a row sits in a page that is not in use")
-        if np.any(self.dirty[self.backedge < 0]):
+        if np.any(self.dirty_slots[self.backedge < 0]):
             errors.append("an empty slot is marked dirty")
         if clean and slots.size:
             with ca.readable(self.base) as b, ca.readable(self.cache) as c:
@@ -678,23 +680,23 @@ class CachedEmbeddingTable(EmbeddingTable):
         return s
 
 
-# ---- policies and ensembles --------------------------------------------------------------
+# ---- table kinds and ensembles -----------------------------------------------------------
 
-def make_table(policy, nvectors, featuresize, dtype=np.float32, *, manager=None, cache=0.25,
+def make_table(kind, nvectors, featuresize, dtype=np.float32, *, manager=None, cache=0.25,
                slack=0.05, page_rows=DEFAULT_PAGE_ROWS, init=None, seed=0, name="table"):
-    """A table for a §5.6.1 policy: "simple" (slow, uncached), "static", "dynamic", or "fast"."""
-    if policy == "fast":
+    """A table of a §5.6.1 kind: "simple" (slow, uncached), "static", "dynamic", or "fast"."""
+    if kind == "fast":
         return SimpleTable(nvectors, featuresize, dtype, manager=manager, placement="fast",
                            init=init, seed=seed, name=name)
-    if policy == "simple":
+    if kind == "simple":
         return SimpleTable(nvectors, featuresize, dtype, manager=manager, placement="slow",
                            init=init, seed=seed, name=name)
-    if policy not in ("static", "dynamic"):
-        raise ValueError(f"table {name!r}: unknown policy {policy!r}; use one of {TABLE_POLICIES}")
+    if kind not in ("static", "dynamic"):
+        raise ValueError(f"table {name!r}: unknown table kind {kind!r}; use one of {TABLE_KINDS}")
     t = CachedEmbeddingTable(nvectors, featuresize, dtype, manager=manager, cachelower=cache,
-                             cacheslack=0.0 if policy == "static" else slack, page_rows=page_rows,
-                             mode=policy, init=init, seed=seed, name=name)
-    if policy == "static":
+                             cacheslack=0.0 if kind == "static" else slack, page_rows=page_rows,
+                             caching=kind, init=init, seed=seed, name=name)
+    if kind == "static":
         t.prepopulate(seed=seed + 1)
     return t
 

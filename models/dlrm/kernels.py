@@ -9,23 +9,16 @@ obtained from tiered memory inside a pinned scope.
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import logging
 import math
-import os
-import re
-import sys
-import tempfile
 import threading
 
 import numba
 import numpy as np
-from llvmlite import ir
-from numba import njit, types
-from numba.core import cgutils
-from numba.extending import intrinsic
 from numba.typed import List as TypedList
+
+from ._fs_kernels import BAGS_PER_ITEM as _BAGS_PER_ITEM
+from ._fs_kernels import make_kernels, reindex
 
 __all__ = [
     "lookup",
@@ -43,121 +36,20 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-_PARALLEL = dict(parallel=True, cache=True, fastmath=False, nogil=True)
-_SERIAL = dict(cache=True, fastmath=False, nogil=True)
 _FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
-#: Bags handled by one parallel work item; big enough to amortise scheduling, small enough to balance.
-_BAGS_PER_ITEM = 64
-#: Unique rows updated by one parallel work item.
-_ROWS_PER_ITEM = 256
-#: Rows ahead that the update prefetches (with write intent): halves the random RMW time.
-_PREFETCH_AHEAD = 16
 
 
 # ----------------------------------------------------------------------------------------
-# numba building blocks without a feature loop.  The kernels themselves live once, in the
-# template ``_fs_kernels.py`` (see "Kernels per feature size" below).
-# ----------------------------------------------------------------------------------------
-
-
-def _make_prefetch(rw):
-    @intrinsic
-    def prefetch(typingctx, arr, idx):
-        sig = types.void(arr, idx)
-
-        def codegen(context, builder, signature, args):
-            aryty = signature.args[0]
-            ary = context.make_array(aryty)(context, builder, args[0])
-            ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [args[1]],
-                                           wraparound=False)
-            i32 = ir.IntType(32)
-            fnty = ir.FunctionType(ir.VoidType(), [ptr.type, i32, i32, i32])
-            fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
-            builder.call(fn, [ptr, i32(rw), i32(3), i32(1)])  # locality 3, data cache
-            return context.get_dummy_value()
-
-        return sig, codegen
-
-    return prefetch
-
-
-#: ``_prefetch_read(arr, i)`` / ``_prefetch_write(arr, i)``: an ``llvm.prefetch`` hint for
-#: ``arr[i]``; a hint never faults, so no bounds check is needed.
-_prefetch_read = _make_prefetch(0)
-_prefetch_write = _make_prefetch(1)
-
-
-@njit(**_SERIAL)
-def _bag_bounds(offsets, b, nidx):
-    start = offsets[b]
-    end = offsets[b + 1] if b + 1 < offsets.shape[0] else nidx
-    return start, end
-
-
-@njit(**_SERIAL)
-def _reindex(indices, offsets, nbags, slot, rows, bounds, occ):
-    """CSR re-indexing of one table's occurrences, grouped by unique row in first-seen order.
-
-    Fills ``rows[:nu]`` (unique rows), ``occ`` (the bag of every occurrence, grouped by row,
-    occurrence order inside a group) and ``bounds`` so that group u is
-    ``occ[bounds[u + 1]:bounds[u + 2]]``.  ``slot`` (one int32 per table row) must be zero on
-    entry and is zero again on exit, so one scratch buffer serves every call.  Returns nu.
-    """
-    nidx = indices.shape[0]
-    nu = 0
-    for j in range(nidx):  # histogram: slot[r] = 1 + unique id of r, bounds[u + 2] = count
-        if j + _PREFETCH_AHEAD < nidx:
-            _prefetch_write(slot, indices[j + _PREFETCH_AHEAD])
-        r = indices[j]
-        s = slot[r]
-        if s == 0:
-            rows[nu] = r
-            nu += 1
-            slot[r] = nu
-            bounds[nu + 1] = 1
-        else:
-            bounds[s + 1] += 1
-    bounds[0] = 0
-    bounds[1] = 0
-    for u in range(nu):  # prefix sum: bounds[u + 2] = end of group u
-        bounds[u + 2] += bounds[u + 1]
-    for u in range(nu):  # shift so that bounds[u + 1] = end of group u
-        bounds[u + 1] = bounds[u + 2]
-    bounds[nu + 1] = nidx
-    for b in range(nbags - 1, -1, -1):  # scatter backwards: groups fill in occurrence order
-        start, end = _bag_bounds(offsets, b, nidx)
-        for j in range(end - 1, start - 1, -1):
-            if j >= _PREFETCH_AHEAD:
-                _prefetch_read(slot, indices[j - _PREFETCH_AHEAD])
-            g = slot[indices[j]]
-            bounds[g] -= 1
-            occ[bounds[g]] = b
-    for u in range(nu):
-        if u + _PREFETCH_AHEAD < nu:
-            _prefetch_write(slot, rows[u + _PREFETCH_AHEAD])
-        slot[rows[u]] = 0
-    return nu
-
-
-@njit(**_SERIAL)
-def _reindex_kernel(indices, offsets, nbags, slot, rows, bounds, occ):
-    return _reindex(indices, offsets, nbags, slot, rows, bounds, occ)
-
-
-# ----------------------------------------------------------------------------------------
-# Kernels per feature size.  ``_kernels(fs)`` imports, once per process and size, a copy of
-# the template ``_fs_kernels.py`` with the feature size as a module constant: numba then sees
-# constant trip counts, unrolls and vectorises the feature loops without aliasing re-checks.
-# The copy with ``FS = 0`` is the generic variant (feature size read at run time) for rows
-# wider than MAX_SPECIALISED_FS, ensembles and ``set_specialised(False)``.  Both come from
-# the same source and add in the same order, so results are bit-identical.  numba cannot cache
-# closures on disk, hence a generated file (compiled once, then loaded from numba's cache).
+# Kernels per feature size.  ``_kernels_for(fs)`` builds, once per process and size, the
+# kernels of ``_fs_kernels.make_kernels(fs)``: closures over the feature size, which numba
+# compiles with constant trip counts (unrolled, vectorised loops without aliasing re-checks).
+# ``fs = 0`` is the generic set (feature size read at run time) for rows wider than
+# MAX_SPECIALISED_FS, ensembles and ``set_specialised(False)``.  Both come from the same
+# source and add in the same order, so results are bit-identical.
 # ----------------------------------------------------------------------------------------
 
 #: Feature sizes up to this get specialised kernels; wider rows use the generic ones.
 MAX_SPECIALISED_FS = 512
-#: Indices ahead whose rows the bag sums prefetch.
-_ROW_PREFETCH = 16
 _specialised_cache = {}
 _specialised_lock = threading.RLock()
 _USE_SPECIALISED = True
@@ -165,77 +57,14 @@ _USE_SPECIALISED = True
 _SPECIALISE_ENSEMBLES = False
 
 
-def _kernel_dir():
-    """Where generated kernel modules (and numba's cache of them) live: $CACHEDARRAYS_KERNEL_DIR,
-    else ~/.cache/cachedarrays/kernels, else a fresh temporary directory."""
-    d = os.environ.get("CACHEDARRAYS_KERNEL_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "cachedarrays",
-        "kernels")
-    try:
-        os.makedirs(d, exist_ok=True)
-        if os.access(d, os.W_OK):
-            return d
-    except OSError:
-        pass
-    return tempfile.mkdtemp(prefix="cachedarrays-kernels-")
-
-
-_generated = {}
-
-
-def generated_module(template, consts):
-    """Import a copy of the template module ``template`` (a file next to this one) with each
-    ``NAME = ...  # @const`` line set to ``consts[NAME]``.
-
-    The copy is a real file, so numba's ``cache=True`` keeps its compiled kernels across
-    processes; its name carries a hash of the template and of this file, so an edit of either
-    gives a fresh copy (numba does not track dependencies across files itself)."""
-    key = (template, tuple(sorted(consts.items())))
-    mod = _generated.get(key)
-    if mod is not None:
-        return mod
-    with _specialised_lock:
-        mod = _generated.get(key)
-        if mod is not None:
-            return mod
-        here = os.path.dirname(os.path.abspath(__file__))
-        with open(os.path.join(here, template + ".py")) as f:
-            src = f.read()
-        for name, value in consts.items():
-            src, n = re.subn(rf"^{name} = .*# @const.*$", f"{name} = {int(value)}  # generated",
-                             src, count=1, flags=re.M)
-            if n != 1:
-                raise RuntimeError(f"template {template!r} has no '{name} = ...  # @const' line")
-        with open(__file__, "rb") as f:
-            digest = hashlib.sha1(src.encode() + f.read()).hexdigest()[:12]
-        tag = "_".join(f"{k.lower()}{int(v)}" for k, v in sorted(consts.items()))
-        modname = f"_cachedarrays{template}_{tag}_{digest}"
-        path = os.path.join(_kernel_dir(), modname + ".py")
-        try:
-            with open(path) as f:
-                same = f.read() == src
-        except OSError:
-            same = False
-        if not same:  # write once: a rewrite would change the mtime and void numba's cache
-            tmp = f"{path}.{os.getpid()}.tmp"
-            with open(tmp, "w") as f:
-                f.write(src)
-            os.replace(tmp, path)
-        spec = importlib.util.spec_from_file_location(modname, path)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[modname] = mod
-        spec.loader.exec_module(mod)
-        _generated[key] = mod
-        log.debug("generated %s from %s with %s", path, template, consts)
-        return mod
-
-
 def _kernels_for(fs):
-    """The template's kernels with ``FS = fs`` (0: generic), built once per process and size."""
+    """The kernels with feature size ``fs`` (0: generic), built once per process and size."""
     ks = _specialised_cache.get(fs)
     if ks is None:
-        ks = generated_module("_fs_kernels", {"FS": fs}).KERNELS
-        _specialised_cache[fs] = ks
+        with _specialised_lock:
+            ks = _specialised_cache.get(fs)
+            if ks is None:
+                ks = _specialised_cache[fs] = make_kernels(fs)
     return ks
 
 
@@ -272,18 +101,18 @@ class _SlotPool:
     tables of ~10M rows; each buffer is 4 bytes per row of the largest table seen."""
 
     def __init__(self):
-        self._lock = threading.Lock()
+        self._pool_lock = threading.Lock()
         self._free = []
 
     def take(self, count, nrows):
-        with self._lock:
+        with self._pool_lock:
             for i, buf in enumerate(self._free):
                 if buf.shape[0] >= count and buf.shape[1] >= nrows:
                     return self._free.pop(i)
         return np.zeros((count, nrows), dtype=np.int32)
 
     def give(self, buf):
-        with self._lock:
+        with self._pool_lock:
             self._free.append(buf)
             if len(self._free) > 4:  # keep the few largest
                 self._free.sort(key=lambda b: b.size, reverse=True)
@@ -552,7 +381,7 @@ def _reindexed(nrows, idx, off, nbags):
     nu = 0
     if n:
         slot = _slots.take(1, nrows)
-        nu = _reindex_kernel(idx, off, nbags, slot[0], rows, bounds, occ)
+        nu = reindex(idx, off, nbags, slot[0], rows, bounds, occ)
         _slots.give(slot)  # not on error: a half-used histogram is not zero
     return rows, bounds, occ, nu
 

@@ -11,6 +11,7 @@ loss and the dense SGD) and ``update`` (embedding SGD plus cache maintenance).
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import numpy as np
@@ -21,6 +22,7 @@ from cachedarrays.models.backend import get_backend
 
 from . import embedding as emb
 from . import kernels
+from ._interaction_kernels import make_forward
 from .configs import DLRMConfig, get_config
 from .data import Batch, SyntheticDataset
 
@@ -81,6 +83,8 @@ def _dot_backward(t, dr, nfeat, fs, dt):
 MAX_SPECIALISED_NFEAT = 128
 MAX_SPECIALISED_FS = 512
 _use_specialised = True
+_forward_kernels = {}     # (nfeat, fs) -> jitted forward kernel
+_forward_lock = threading.Lock()
 
 
 def set_specialised(enabled: bool) -> bool:
@@ -105,7 +109,14 @@ def _specialised(nfeat, fs, t, *arrays):
     width = fs + nfeat * (nfeat - 1) // 2
     if any(a.shape[1] != (width if k == 0 else nfeat * fs) for k, a in enumerate(arrays)):
         return None
-    return kernels.generated_module("_interaction_kernels", {"NF": nfeat, "FS": fs})
+    key = (nfeat, fs)
+    k = _forward_kernels.get(key)
+    if k is None:
+        with _forward_lock:
+            k = _forward_kernels.get(key)
+            if k is None:
+                k = _forward_kernels[key] = make_forward(nfeat, fs)
+    return k
 
 
 def dot_interaction(t, nfeat, fs, out=None):
@@ -115,7 +126,7 @@ def dot_interaction(t, nfeat, fs, out=None):
         out = np.empty((t.shape[0], fs + nfeat * (nfeat - 1) // 2), dtype=t.dtype)
     k = _specialised(nfeat, fs, t, out)
     if k is not None:
-        k.forward(t, out)
+        k(t, out)
     else:
         _dot_forward(t, nfeat, fs, out)
     return out
@@ -166,21 +177,21 @@ class _Dense:
 
 
 class DLRM:
-    """DLRM whose tables follow ``policy`` ("fast", "simple", "static", "dynamic").
+    """DLRM whose tables are of ``table_kind`` ("fast", "simple", "static", "dynamic").
 
     ``cache`` is each cached table's ``cachelower`` (fraction of the table), ``slack`` its
     ``cacheslack``; ``backend`` "onednn" or "numpy" runs the MLPs.
     """
 
-    def __init__(self, config, *, manager=None, policy="fast", cache=0.25, slack=0.05,
+    def __init__(self, config, *, manager=None, table_kind="fast", cache=0.25, slack=0.05,
                  backend="onednn", seed=51234, page_rows=emb.DEFAULT_PAGE_ROWS):
         if isinstance(config, str):
             config = get_config(config)
         if not isinstance(config, DLRMConfig):
             raise TypeError(f"config must be a DLRMConfig or a config name, got {type(config).__name__}")
-        if policy not in emb.TABLE_POLICIES:
-            raise ValueError(f"unknown table policy {policy!r}; use one of {emb.TABLE_POLICIES}")
-        self.config, self.policy = config, policy
+        if table_kind not in emb.TABLE_KINDS:
+            raise ValueError(f"unknown table kind {table_kind!r}; use one of {emb.TABLE_KINDS}")
+        self.config, self.table_kind = config, table_kind
         self.manager = manager if manager is not None else ca.default_manager()
         self.backend = get_backend(backend)
         rng = np.random.default_rng(seed)
@@ -191,7 +202,7 @@ class DLRM:
         widths = (cfg.interaction_width,) + tuple(cfg.top)
         self.top = [_Dense(f"top.{i}", widths[i], widths[i + 1], i < len(cfg.top) - 1, rng, m)
                     for i in range(len(cfg.top))]
-        self.tables = [emb.make_table(policy, n, cfg.featuresize, manager=m, cache=cache,
+        self.tables = [emb.make_table(table_kind, n, cfg.featuresize, manager=m, cache=cache,
                                       slack=slack, page_rows=page_rows, seed=seed + 1 + t,
                                       name=f"emb.{t}")
                        for t, n in enumerate(cfg.table_sizes)]
@@ -402,15 +413,15 @@ class DLRM:
                 "manager": self.manager.stats()}
 
 
-def demo(iterations=8, policy="dynamic", seed=0):
+def demo(iterations=8, table_kind="dynamic", seed=0):
     """A short DLRM run with CachedEmbeddings: losses, table hit rate and manager stats."""
     from .configs import small
 
     cfg = small(scale=0.002, width_scale=0.25, batch_size=1024)
     with ca.Manager(fast="256MiB", slow="1GiB") as m:
-        model = DLRM(cfg, manager=m, policy=policy, cache=0.25, backend="onednn", seed=seed)
+        model = DLRM(cfg, manager=m, table_kind=table_kind, cache=0.25, backend="onednn", seed=seed)
         data = synthetic_dataset(cfg, "zipf", seed=seed, num_batches=iterations)
         losses = model.train(data)
-        return {"config": cfg.name, "policy": policy, "losses": losses,
+        return {"config": cfg.name, "table_kind": table_kind, "losses": losses,
                 "hit_rate": model.table_stats()["hit_rate"], "tables": model.table_stats(),
                 "phases": model.phase_medians(), "manager": m.stats()}

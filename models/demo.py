@@ -1,4 +1,4 @@
-"""The end-to-end demo behind `make demo`: run with ``python -m cachedarrays.demo``.
+"""The end-to-end demo behind `make demo`: run with ``python -m cachedarrays.models.demo``.
 
 Uses the embedded default slow device (a temporary file) and small sizes so it finishes fast.
 """
@@ -9,7 +9,11 @@ import time
 import numpy as np
 
 import cachedarrays as ca
+from cachedarrays.sizes import format_size as fs
 from cachedarrays.telemetry import format_stats
+
+from . import cnn
+from .dlrm import demo as dlrm_demo
 
 
 def matmul_example(n=1500):
@@ -59,42 +63,37 @@ def lru_example():
 
 
 def cnn_example():
-    """ResNet-18 (small images, narrow) trained under a 25% fast budget: LM against memory mode."""
-    from cachedarrays.models import cnn
-    from cachedarrays.sizes import format_size as fs
-
+    """ResNet-18 (small images, narrow) trained under a 25% DRAM budget: LM against memory mode."""
     t = time.perf_counter()
     rows = []
-    for mode in ("2lm", "LM", "fast-only"):
-        rec = cnn.run("resnet", 18, mode=mode, fast="25%", iterations=2, batch=8, image=32,
-                      width=4)[-1]
+    for setup in ("2lm", "LM", "fast-only"):
+        rec = cnn.run("resnet", 18, setup=setup, iterations=2, batch=8, image=32, width=4,
+                      **cnn.dram_budget(setup, "25%"))[-1]
         tr, moved = rec["trace"], rec["stats"]["moved"]
         mm = tr.get("memory_mode")
         slow_rd = mm["slow_read_bytes"] if mm else tr["slow_read_bytes"] + \
             moved.get("slow->fast", {}).get("bytes", 0)
         slow_wr = mm["slow_write_bytes"] if mm else tr["slow_write_bytes"] + \
             moved.get("fast->slow", {}).get("bytes", 0)
-        rows.append((mode, rec["loss"], slow_rd, slow_wr, rec["modelled"], rec["budget"],
+        rows.append((setup, rec["loss"], slow_rd, slow_wr, rec["modelled"], rec["budget"],
                      rec["footprint"]))
-    print(f"\nResNet-18 (batch 8, 32x32, width/4), 2 iterations, fast budget "
+    print(f"\nResNet-18 (batch 8, 32x32, width/4), 2 iterations, DRAM budget "
           f"{fs(rows[0][5])} = 25% of the {fs(rows[0][6])} footprint "
           f"({time.perf_counter() - t:.1f} s):")
-    print(f"  {'mode':10}{'loss':>9}{'slow read':>12}{'slow write':>12}{'modelled':>11}")
-    for mode, loss, rd, wr, modelled, _, _ in rows:
-        print(f"  {mode:10}{loss:>9.4f}{fs(rd):>12}{fs(wr):>12}{modelled * 1e3:>9.1f}ms")
+    print(f"  {'setup':10}{'loss':>9}{'slow read':>12}{'slow write':>12}{'modelled':>11}")
+    for setup, loss, rd, wr, modelled, _, _ in rows:
+        print(f"  {setup:10}{loss:>9.4f}{fs(rd):>12}{fs(wr):>12}{modelled * 1e3:>9.1f}ms")
     print("  (2lm: a simulated hardware DRAM cache of the same size; LM: this library's policy "
           "with annotations; modelled time on the Optane profile)")
 
 
 def dlrm_example():
     """A short DLRM run whose embedding tables are CachedEmbeddings (25% of rows cacheable)."""
-    from cachedarrays.models.dlrm import demo
-
     t = time.perf_counter()
-    r = demo()
+    r = dlrm_demo()
     losses = ", ".join(f"{x:.4f}" for x in r["losses"])
     phases = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in r["phases"].items())
-    print(f"\nDLRM ({r['config']} config, {r['policy']} CachedEmbeddings) in "
+    print(f"\nDLRM ({r['config']} config, {r['table_kind']} CachedEmbeddings) in "
           f"{time.perf_counter() - t:.1f} s: losses {losses}")
     print(f"embedding hit rate {r['hit_rate']:.1%}; median phase times: {phases}")
     print(format_stats(r["manager"]))

@@ -1,0 +1,165 @@
+"""NEP 18 dispatch: NumPy functions called on CachedArrays.
+
+``implements`` registers a dedicated implementation of NumPy functions (those in
+``cachedarrays.routines``, and any a user adds); every other NumPy function runs on pinned views
+of the arrays' current bytes (``_call_on_views``), with what it writes (its out, or the input an
+in-place function changes) acquired as a write, and its result wrapped as CachedArrays.
+Importing this module installs its handler behind ``CachedArray.__array_function__``.
+"""
+
+import inspect
+
+import numpy as np
+
+from .array import (CachedArray, _acquire_grouped, _first_manager, _objects_in,
+                    _release_grouped, _wrap, set_function_handler)
+
+HANDLED_FUNCTIONS = {}         # NumPy function -> its dedicated implementation
+# NumPy functions that write their first argument, always or when a flag has the given truth:
+# nan_to_num(x, copy=False) replaces in x, and overwrite_input=True lets the median family
+# reorder its input.
+_INPLACE_FIRST = {np.copyto, np.put, np.place, np.putmask, np.fill_diagonal,
+                  np.put_along_axis}
+_INPLACE_WHEN = {np.nan_to_num: ("copy", False),
+                 **dict.fromkeys((np.median, np.nanmedian, np.percentile, np.nanpercentile,
+                                  np.quantile, np.nanquantile), ("overwrite_input", True))}
+
+
+def implements(*numpy_functions):
+    """Register a dedicated implementation of NumPy functions for CachedArray."""
+    def decorator(fn):
+        for f in numpy_functions:
+            HANDLED_FUNCTIONS[f] = fn
+        return fn
+    return decorator
+
+
+def _array_function(func, types, args, kwargs):
+    """CachedArray.__array_function__: the dedicated implementation, else the general path.
+
+    Types other than CachedArray and ndarray (and their subclasses) get NotImplemented, so NumPy
+    tries them next.
+    """
+    for t in types:
+        if not (issubclass(t, CachedArray) or issubclass(t, np.ndarray)):
+            return NotImplemented
+    impl = HANDLED_FUNCTIONS.get(func)
+    if impl is not None:
+        return impl(*args, **kwargs)
+    return _call_on_views(func, args, kwargs)
+
+
+def _to_views_recording(x, views):
+    """Replace CachedArrays in x by ndarray views (pinned by the caller), noting each pair.
+
+    Views are writable: NumPy runs some kernels (argmax, ...) several times slower on read-only
+    arrays. Functions that write an input are the known in-place ones and out= targets, which
+    the caller reports as writes.
+    """
+    if isinstance(x, CachedArray):
+        v = x._view()
+        views.append((x, v))
+        return v
+    if isinstance(x, list):
+        return [_to_views_recording(y, views) for y in x]
+    if isinstance(x, tuple):
+        return tuple(_to_views_recording(y, views) for y in x)
+    return x
+
+
+_WRITES = {}      # NumPy function -> where its written arguments sit in a call (_writes_of)
+
+
+def _writes_of(func):
+    """Where func's written arguments sit in a call: (out, target, flag, flag truth).
+
+    out and target (what an in-place function writes) are (position, keyword) pairs read from
+    the signature of func or of its implementation, either part None when the argument cannot
+    be given that way; target is written when flag (a pair too) has the given truth, or
+    always when flag is None. Cached per function, as the signature is slow to read.
+    """
+    params = None
+    for f in (func, getattr(func, "_implementation", None), getattr(func, "__wrapped__", None)):
+        if f is not None:
+            try:
+                params = list(inspect.signature(f).parameters.values())
+                break
+            except (TypeError, ValueError):
+                pass
+
+    def slot(name, index=None):
+        for i, p in enumerate(params or ()):
+            if p.name == name or i == index:
+                positional = p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+                named = p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+                return (i if positional else None, p.name if named else None)
+        if params is None or any(p.kind is p.VAR_KEYWORD for p in params):
+            return (index, name)                   # unknown layout: as given
+        return None
+
+    out = slot("out")
+    target = flag = truth = None
+    if func in _INPLACE_FIRST or func in _INPLACE_WHEN:
+        target = slot(None, 0)
+    if func in _INPLACE_WHEN:
+        name, truth = _INPLACE_WHEN[func]
+        flag = slot(name)
+    spec = (out, target, flag, truth)
+    if len(_WRITES) < 4096:
+        _WRITES[func] = spec
+    return spec
+
+
+def _given(args, kwargs, at, missing=None):
+    """The argument at `at` (position, keyword) of a call, or `missing`."""
+    pos, name = at
+    if pos is not None and pos < len(args):
+        return args[pos]
+    return kwargs.get(name, missing) if name is not None else missing
+
+
+def _call_on_views(func, args, kwargs):
+    """Run a NumPy function on views of the current primary regions, then wrap the result.
+
+    What the function writes (its out, or the array an in-place function changes), given by
+    position or by keyword, is acquired as a write, which marks it dirty.
+    """
+    out_at, target_at, flag_at, truth = _WRITES.get(func) or _writes_of(func)
+    out = _given(args, kwargs, out_at) if out_at is not None else None
+    target = None
+    if target_at is not None and (flag_at is None or
+                                  bool(_given(args, kwargs, flag_at, not truth)) is truth):
+        target = _given(args, kwargs, target_at)       # an absent flag never writes
+    written = list(_objects_in(out)) if out is not None else []
+    if target is not None:
+        written += list(_objects_in(target))
+    rest = args
+    if out is not None and out_at[0] is not None and out_at[0] < len(args):
+        rest = args[:out_at[0]] + args[out_at[0] + 1:]
+    read = list(_objects_in(list(rest) + [v for k, v in kwargs.items() if k != "out"]))
+    like = kwargs.pop("like", None)
+    m = _first_manager(list(args) + list(kwargs.values())) or \
+        (like._m if isinstance(like, CachedArray) else None)
+    done = _acquire_grouped(read, written)
+    try:
+        views = []
+
+        nargs = [_to_views_recording(a, views) for a in args]
+        nkwargs = {k: _to_views_recording(v, views) for k, v in kwargs.items()}
+        res = func(*nargs, **nkwargs)
+        if out is not None:
+            if isinstance(out, tuple) and len(out) == 1:
+                return out[0]
+            return out
+        if target is not None:
+            for arr, v in views:
+                if res is v:
+                    return arr                     # NumPy returned the written array itself
+        if func in _INPLACE_FIRST:
+            return res
+        return _wrap(m, res, views) if m is not None else res
+    finally:
+        _release_grouped(done)
+
+
+set_function_handler(_array_function)

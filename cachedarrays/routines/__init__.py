@@ -1,0 +1,13 @@
+"""Dedicated implementations of NumPy functions for CachedArrays, one module per group.
+
+Each module registers its routines with ``cachedarrays.dispatch.implements`` when imported (the
+package's ``__init__`` imports this package); NumPy functions without one take the general path
+(``cachedarrays.dispatch._call_on_views``).
+
+- ``creation``: the *_like forms and ``like=`` (NEP 35)
+- ``joining``: concatenate
+"""
+
+from . import creation, joining
+
+__all__ = ["creation", "joining"]

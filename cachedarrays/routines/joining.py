@@ -1,0 +1,39 @@
+"""Joining NumPy arrays: np.concatenate on CachedArrays.
+
+The result is allocated by the policy first and NumPy writes into it (``out=``), so the joined
+array is never built in ordinary memory and copied in.
+"""
+
+import numpy as np
+
+from ..array import CachedArray, _unpin, new_pinned
+from ..dispatch import _call_on_views, implements
+
+
+@implements(np.concatenate)
+def concatenate(arrays, axis=0, out=None, *, dtype=None, casting="same_kind"):
+    """np.concatenate writing straight into a policy-placed result (no extra copy)."""
+    arrays = list(arrays)
+    first = next((a for a in arrays if isinstance(a, CachedArray)), None)
+    if out is not None or first is None or axis is None or not arrays:
+        return _call_on_views(np.concatenate, (arrays,), dict(axis=axis, out=out, dtype=dtype,
+                                                               casting=casting))
+    shapes = [np.shape(a) for a in arrays]
+    nd = len(shapes[0])
+    if nd == 0 or any(len(s) != nd for s in shapes):
+        return _call_on_views(np.concatenate, (arrays,), dict(axis=axis, dtype=dtype,
+                                                               casting=casting))
+    ax = axis + nd if axis < 0 else axis
+    if not 0 <= ax < nd:
+        return _call_on_views(np.concatenate, (arrays,), dict(axis=axis, dtype=dtype,
+                                                               casting=casting))
+    shape = list(shapes[0])
+    shape[ax] = sum(s[ax] for s in shapes)
+    dt = np.dtype(dtype) if dtype is not None else np.result_type(
+        *[a.dtype if hasattr(a, "dtype") else np.asarray(a).dtype for a in arrays])
+    res = new_pinned(first.manager, tuple(shape), dt)
+    try:
+        return _call_on_views(np.concatenate, (arrays,), dict(axis=axis, out=res,
+                                                               dtype=dtype, casting=casting))
+    finally:
+        _unpin(res)

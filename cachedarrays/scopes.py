@@ -1,0 +1,68 @@
+"""Access scopes: pinned ndarray views of CachedArrays for code that needs plain ndarrays.
+
+``readable`` and ``writable`` pin one array; ``access`` pins several at once, one use report per
+array. Nothing moves a pinned array, so the views stay valid inside the with-block; after it the
+array may move and a kept view would show (or overwrite) another array's bytes.
+"""
+
+from .array import CachedArray, _Scope, _acquire_grouped, _release_grouped
+
+
+def readable(x):
+    """``with readable(x) as a``: a read-only ndarray view of x; x is pinned meanwhile.
+
+    The view is valid inside the with-block only: afterwards x may move and the view would
+    show another array's bytes.
+    """
+    return _Scope(x, False)
+
+
+def writable(x):
+    """``with writable(x) as a``: a writable ndarray view of x, pinned; marks x dirty.
+
+    The view is valid inside the with-block only: once x moves, writes through it would land
+    in memory that belongs to another array (``Manager(debug=True)`` reports them).
+    """
+    return _Scope(x, True)
+
+
+class access:
+    """``with ca.access(reads, writes) as views``: pinned ndarray views of several arrays.
+
+    One pin and one use report per array (reads as ``read_use``, writes as ``write_use``, which
+    marks them dirty), taken together; ``views`` lists the read views then the write views,
+    with None passed through for None entries. Read views are read-only. Arrays may belong to
+    different managers; an array may appear in both lists. The views are valid inside the
+    with-block only.
+    """
+
+    __slots__ = ("reads", "writes", "done")
+
+    def __init__(self, reads=(), writes=()):
+        for a in (*reads, *writes):
+            if a is not None and not isinstance(a, CachedArray):
+                raise TypeError(f"ca.access takes CachedArrays (or None), got {type(a).__name__}")
+        self.reads, self.writes = reads, writes
+        self.done = None
+
+    def __enter__(self):
+        r = [a._obj for a in self.reads if a is not None]
+        w = [a._obj for a in self.writes if a is not None]
+        self.done = _acquire_grouped(r, w)
+        try:
+            views = [None if a is None else a._view(readonly=True) for a in self.reads] + \
+                [None if a is None else a._view() for a in self.writes]
+            arrays = [a for a in (*self.reads, *self.writes) if a is not None]
+            for m, _ in self.done:
+                m.scope_opened(self, tuple((a._obj, a._shape) for a in arrays if a._m is m))
+            return views
+        except BaseException:
+            for m, _ in self.done:
+                m.scope_closed(self)
+            _release_grouped(self.done)
+            raise
+
+    def __exit__(self, *exc):
+        for m, _ in self.done:
+            m.scope_closed(self)
+        _release_grouped(self.done)

@@ -1,0 +1,49 @@
+"""Checks shared by the tests: ``assert_eq`` compares a CachedArray with NumPy's result.
+
+Imported as ``from helpers import assert_eq``: pytest puts this folder on ``sys.path`` for the
+test modules and conftest.py (the default "prepend" import mode).
+"""
+
+import numpy as np
+
+import cachedarrays as ca
+
+__all__ = ["assert_eq", "RTOL"]
+
+# Relative tolerance of inexact comparisons, by the byte size of one real component: a few
+# thousand units in the last place, enough for a reordered sum, too little for a wrong value.
+RTOL = {2: 1e-3, 4: 1e-6, 8: 1e-12}
+
+
+def assert_eq(cached, expected, check_manager=True, *, exact=False, rtol=None, atol=0.0):
+    """Assert that a CachedArray holds NumPy's result: same dtype, same shape, same values.
+
+    Integers, booleans, strings, dates and structured fields compare exactly; floating and
+    complex values compare with a tight relative tolerance (``RTOL``, or ``rtol``/``atol``),
+    or exactly with ``exact=True``. NaN equals NaN. With ``check_manager`` the array's manager
+    then checks its heaps and records (``m.check()``). The values are read in a read-only
+    scope, so the check adds no ``np.asarray`` copy to the manager's telemetry.
+    """
+    assert isinstance(cached, ca.CachedArray), f"expected a CachedArray, got {type(cached)}"
+    assert isinstance(expected, np.ndarray), f"expected must be an ndarray, got {type(expected)}"
+    assert cached.dtype == expected.dtype, f"dtype {cached.dtype}, expected {expected.dtype}"
+    assert cached.shape == expected.shape, f"shape {cached.shape}, expected {expected.shape}"
+    with ca.readable(cached) as got:
+        _assert_values(got, expected, exact, rtol, atol)
+    if check_manager:
+        cached.manager.check()
+
+
+def _assert_values(got, expected, exact, rtol, atol):
+    """Compare two ndarrays of one dtype field by field (padding bytes are not compared)."""
+    if expected.dtype.names:
+        for name in expected.dtype.names:
+            _assert_values(got[name], expected[name], exact, rtol, atol)
+    elif exact or expected.dtype.kind not in "fc":
+        np.testing.assert_array_equal(got, expected, strict=True)
+    else:
+        if rtol is None:
+            component = expected.dtype.itemsize // (2 if expected.dtype.kind == "c" else 1)
+            rtol = RTOL.get(component, RTOL[8])
+        np.testing.assert_allclose(got, expected, rtol=rtol, atol=atol, equal_nan=True,
+                                   strict=True)
