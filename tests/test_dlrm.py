@@ -210,6 +210,21 @@ def test_configs_follow_the_tables():
         configs.get_config("huge")
 
 
+@pytest.mark.parametrize("lr", [float("nan"), float("inf"), -0.1, "0.1"])
+def test_a_bad_learning_rate_is_refused_before_any_parameter_changes(m, lr):
+    cfg = configs.tiny()
+    model = DLRM(cfg, manager=m, backend="numpy")
+    before = [np.asarray(layer.w) for layer in model.bottom + model.top]
+    tables = [np.asarray(t.snapshot()) for t in model.tables]
+    with pytest.raises((ValueError, TypeError), match="learning rate"):
+        model.train_step(random_batch(cfg), lr=lr)
+    for layer, w in zip(model.bottom + model.top, before):
+        np.testing.assert_array_equal(np.asarray(layer.w), w)
+    for t, values in zip(model.tables, tables):
+        np.testing.assert_array_equal(np.asarray(t.snapshot()), values)
+    assert np.isfinite(model.train_step(random_batch(cfg)))
+
+
 def test_bad_batches_are_refused(m):
     cfg = configs.tiny()
     model = DLRM(cfg, manager=m, backend="numpy")

@@ -338,7 +338,8 @@ class DLRM:
 
     def train_step(self, batch, lr=None):
         """One SGD iteration; returns the loss and appends phase times to ``timings``."""
-        lr = self.config.lr if lr is None else float(lr)
+        # Checked before any layer is touched: a bad rate must not half-update the model.
+        lr = kernels.check_lr(self.config.lr if lr is None else lr, "DLRM")
         batch = self._check_batch(batch)
         cfg, fs = self.config, self.config.featuresize
         times = dict.fromkeys(PHASES, 0.0)
