@@ -8,7 +8,7 @@ import numpy as np
 
 import cachedarrays as ca
 
-__all__ = ["assert_eq", "RTOL"]
+__all__ = ["assert_eq", "same", "RTOL"]
 
 # Relative tolerance of inexact comparisons, by the byte size of one real component: a few
 # thousand units in the last place, enough for a reordered sum, too little for a wrong value.
@@ -47,3 +47,19 @@ def _assert_values(got, expected, exact, rtol, atol):
             rtol = RTOL.get(component, RTOL[8])
         np.testing.assert_allclose(got, expected, rtol=rtol, atol=atol, equal_nan=True,
                                    strict=True)
+
+
+def same(got, want):
+    """Equal values and matching kinds: CachedArray <-> ndarray (exactly, via assert_eq),
+    tuples and lists item by item, anything else <-> a value of the same type (not a
+    CachedArray)."""
+    if isinstance(want, np.ndarray):
+        assert_eq(got, want, exact=True)
+    elif isinstance(want, (tuple, list)):
+        assert type(got) is type(want) and len(got) == len(want)
+        for g, w in zip(got, want):
+            same(g, w)
+    else:
+        assert not isinstance(got, ca.CachedArray)
+        assert type(got) is type(want), (type(got), type(want))
+        np.testing.assert_array_equal(got, want)

@@ -8,21 +8,7 @@ import pytest
 
 import cachedarrays as ca
 from cachedarrays.errors import UseAfterFreeError
-from helpers import assert_eq
-
-
-def same(got, want):
-    """Equal values and matching kinds: CachedArray <-> ndarray, scalar <-> scalar."""
-    if isinstance(want, np.ndarray):
-        assert_eq(got, want, exact=True)
-    elif isinstance(want, (tuple, list)):
-        assert type(got) is type(want) and len(got) == len(want)
-        for g, w in zip(got, want):
-            same(g, w)
-    else:
-        assert not isinstance(got, ca.CachedArray)
-        assert type(got) is type(want), (type(got), type(want))
-        np.testing.assert_array_equal(got, want)
+from helpers import assert_eq, same
 
 
 def pair(m, a):

@@ -36,16 +36,6 @@ def test_a_readable_view_cannot_be_made_writeable(placement, m):
     assert float(x.sum()) == 4950.0                 # nothing was written
 
 
-def test_a_writable_view_stays_writable_and_marks_the_array_dirty(m):
-    x = ca.zeros(100, manager=m)
-    ca.evict(x)
-    ca.prefetch(x)
-    with ca.writable(x) as w:
-        w[:] = 2.0
-    ca.evict(x)                                      # dirty: written back, not dropped
-    assert float(x.sum()) == 200.0
-
-
 # ---- debug mode ------------------------------------------------------------------------------
 
 def test_debug_mode_reports_a_stale_write_when_the_memory_is_reused(caplog, debug_m):
