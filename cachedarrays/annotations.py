@@ -231,38 +231,69 @@ def _policy_call(op, arr, strict, *args):
             if strict:
                 raise _freed_error(op, arr)
             return None
-        if op == "prefetch":
-            r = obj.primary
-            if r is not None and m.on_device(r, m.fast):   # already there: only a use
-                m.policy.read_use(obj)
-                return True
-        return getattr(m.policy, op)(obj, *args)
+        if op == "unsafe_free":
+            return m.policy.unsafe_free(obj)
+        return getattr(m, op)(obj, *args)    # the manager's door: traces see the request
 
 
 def _each(op, xs, strict, *args):
     """Call the policy's ``op`` on every live object reachable from xs. strict: a freed array
     raises UseAfterFreeError (the user calls); else freed arrays are skipped (annotate's own)."""
+    for x in xs:
+        if isinstance(x, (str, bytes, bool)):
+            opts = {"prefetch": "force= and wait=", "evict": "to= and wait="}.get(op)
+            raise TypeError(f"ca.{op} takes arrays (or things holding arrays) as positional "
+                            f"arguments, got {x!r}"
+                            + (f"; pass {opts} by keyword, e.g. ca.{op}(x, "
+                               f"{'to=' + repr(x) if op == 'evict' and isinstance(x, str) else 'wait=False'})"
+                               if opts else ""))
     for a in _live_arrays(xs, op if strict else None):
         _policy_call(op, a, strict, *args)
 
 
-def prefetch(*xs, force=False):
+def prefetch(*xs, force=False, wait=True):
     """Ask the policy to move every array in xs into fast memory (force: evict to make room).
 
-    A freed array in xs, passed directly or found inside a container, raises UseAfterFreeError;
-    so do evict, softevict and unsafe_free.
+    wait=False returns at once while the copies run in the background; a kernel that uses an
+    array whose copy is still running waits for it (counted as stall). A freed array in xs,
+    passed directly or found inside a container, raises UseAfterFreeError; so do evict,
+    softevict and unsafe_free.
     """
-    _each("prefetch", xs, True, force)
+    _each("prefetch", xs, True, force, wait)
 
 
-def evict(*xs):
-    """Ask the policy to move every array in xs to slow memory now."""
-    _each("evict", xs, True)
+def evict(*xs, to=None, wait=True):
+    """Ask the policy to move every array in xs out of fast memory now.
+
+    to: the device to move them to (a tier name; default the slow device). wait=False returns
+    at once while the copies run in the background.
+    """
+    _each("evict", xs, True, to, wait)
 
 
 def softevict(*xs):
     """Mark every array in xs as the first to evict when fast memory runs short."""
     _each("softevict", xs, True)
+
+
+def mark_layer(*managers):
+    """Mark a layer boundary of the running program (traces record it; plans fire on it).
+
+    With no argument every open manager is marked; pass managers to mark only those.
+    """
+    _mark("layer", managers)
+
+
+def mark_step(*managers):
+    """Mark the end of one step (one repeating iteration) of the running program."""
+    _mark("step", managers)
+
+
+def _mark(kind, managers):
+    for m in managers or Manager.open_managers():
+        if not isinstance(m, Manager):
+            raise TypeError(f"mark_{kind} takes Managers, got {type(m).__name__}")
+        m.mark(kind)
 
 
 def in_fast(x):

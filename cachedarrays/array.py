@@ -489,7 +489,7 @@ class CachedArray(NDArrayOperatorsMixin):
     def _viewop(self, fn):
         """Apply an ndarray view operation; a view stays a view, a copy becomes a new array."""
         m, obj = self._m, self._obj
-        m.acquire((obj,))
+        m.acquire((obj,), (), "view")
         try:
             v = self._view()
             r = fn(v)
@@ -903,14 +903,16 @@ def _first_manager(seq):
     return None
 
 
-def _acquire_grouped(reads, writes):
-    """Pin objects that may belong to several managers; returns the release list."""
+def _acquire_grouped(reads, writes, name="use"):
+    """Pin objects that may belong to several managers; returns the release list.
+
+    name: the kernel's name, as traces record it."""
     objs = reads + writes if isinstance(reads, list) and isinstance(writes, list) else \
         list(reads) + list(writes)
     if objs:
         m = objs[0].manager
         if all(o.manager is m for o in objs):
-            m.acquire(reads, writes)
+            m.acquire(reads, writes, name)
             return [(m, objs)]
     groups = {}
     for o in reads:
@@ -920,7 +922,7 @@ def _acquire_grouped(reads, writes):
     done = []
     try:
         for m, (r, w) in groups.items():
-            m.acquire(r, w)
+            m.acquire(r, w, name)
             done.append((m, r + w))
     except BaseException:
         for m, objs in done:
@@ -972,9 +974,9 @@ class _Scope:
         a = self.arr
         m = a._m
         if self.write:
-            m.acquire((), (a._obj,))
+            m.acquire((), (a._obj,), "writable")
         else:
-            m.acquire((a._obj,))
+            m.acquire((a._obj,), (), "readable")
         try:
             v = a._view(readonly=not self.write)
             m.scope_opened(self, ((a._obj, a._shape),))

@@ -3,14 +3,36 @@
 Addresses are Python ints (cffi pointers are accepted too). The default thread count is chosen
 once, at the first large copy or an explicit calibrate(), by timing a 64 MiB copy at 1 and 2
 threads; the environment variable CACHEDARRAYS_COPY_THREADS overrides it.
+
+Asynchronous copies (CopyWorkers, CopyJob)
+------------------------------------------
+``CopyWorkers.submit(key, dst, src, nbytes)`` queues a copy and returns a CopyJob at once. There
+is one daemon worker thread per direction ``key`` (e.g. ``"fast->slow"``), started at the first
+submit for that key, so copies in different directions overlap while each direction runs its
+jobs one at a time in FIFO order. A job is copied in chunks of ``CopyWorkers.chunk`` bytes
+(default 8 MiB) with ``copy()``, which releases the GIL (cffi API-mode calls run without it),
+so cancellation is prompt and Python threads keep running during copies.
+
+Cancellation: ``job.cancel()`` on a queued job marks it cancelled; it never starts. On a
+running job it asks the worker to stop at the next chunk boundary and waits for the chunk in
+flight, so when cancel() returns the job no longer touches memory (the destination holds a
+copied prefix of ``job.copied`` bytes). It returns True when the copy did not complete, False
+when it had already finished (even with an exception). Done callbacks always run once, on the
+worker thread (cancelled queued jobs too, when the worker reaches them), or at once in the
+caller's thread when added to a finished job. ``shutdown()`` joins the threads; a CopyWorkers
+that is garbage collected without shutdown lets its workers finish the queued jobs, after which
+they exit (no submit is possible any more), so threads never leak.
 """
 from __future__ import annotations
 
 import logging
 import mmap
 import os
+import collections
+import concurrent.futures
 import threading
 import time
+import weakref
 
 from cachedarrays._native import ffi, lib
 
@@ -211,3 +233,218 @@ def _calibrate_locked(nbytes: int = CALIBRATION_BYTES, repeats: int = 3) -> int:
              ", ".join(f"{t} thr {nbytes / best[t] / 1e9:.1f} GB/s" for t in candidates),
              chosen, (time.perf_counter() - t0) * 1e3)
     return chosen
+
+
+# ---- asynchronous copies ----
+
+_QUEUED, _RUNNING, _DONE, _CANCELLED = range(4)
+DEFAULT_CHUNK = 8 << 20
+
+
+def _addr_int(a, what):
+    return int(ffi.cast("uintptr_t", _ptr(a, what)))
+
+
+class _Shared:
+    """State shared by a CopyWorkers, its threads and its jobs (never the CopyWorkers itself,
+    so it can be garbage collected while workers run)."""
+
+    def __init__(self):
+        self.cond = threading.Condition()
+        self.queues = {}      # key -> deque of CopyJob (cancelled ones stay until popped)
+        self.running = {}     # key -> CopyJob being copied or finishing (callbacks)
+        self.threads = {}     # key -> Thread
+        self.closed = False
+
+
+def _close(shared, cancel):
+    """Stop accepting jobs; cancel the queued ones if asked. Workers exit when their queue empties."""
+    with shared.cond:
+        shared.closed = True
+        if cancel:
+            for q in shared.queues.values():
+                for job in q:
+                    job._cancel_queued()
+        shared.cond.notify_all()
+
+
+class CopyJob:
+    """One asynchronous copy of nbytes from src_addr to dst_addr; see the module docstring."""
+
+    def __init__(self, shared, key, dst, src, nbytes, persist, keepalive, chunk):
+        self.key, self.nbytes = key, nbytes
+        self.exception = None
+        self.seconds = 0.0          # time the copy itself took
+        self.waited = 0.0           # total seconds callers spent blocked in wait()
+        self.copied = 0             # bytes copied (a prefix, when cancelled while running)
+        self._s, self._dst, self._src, self._persist = shared, dst, src, persist
+        self._keepalive, self._chunk = keepalive, chunk
+        self._state, self._stop, self._callbacks = _QUEUED, False, []
+
+    def __repr__(self):
+        st = ("queued", "running", "done", "cancelled")[self._state]
+        return f"<CopyJob {self.key!r} {self.nbytes} bytes {st}>"
+
+    def done(self) -> bool:
+        """True when the job finished: copied, failed or cancelled."""
+        return self._state >= _DONE
+
+    def cancelled(self) -> bool:
+        return self._state == _CANCELLED
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the job finished or was cancelled; False if timeout (seconds) ran out."""
+        if self._state >= _DONE:
+            return True
+        t0 = time.perf_counter()
+        with self._s.cond:
+            ok = self._s.cond.wait_for(self.done, timeout)
+            self.waited += time.perf_counter() - t0
+        return ok
+
+    def result(self, timeout: float | None = None) -> None:
+        """Wait, then re-raise the copy's exception; CancelledError if cancelled, TimeoutError."""
+        if not self.wait(timeout):
+            raise TimeoutError(f"{self!r} did not finish within {timeout} s")
+        if self._state == _CANCELLED:
+            raise concurrent.futures.CancelledError(f"{self!r} was cancelled")
+        if self.exception is not None:
+            raise self.exception
+
+    def _cancel_queued(self):     # with the lock held
+        if self._state == _QUEUED:
+            self._state = _CANCELLED
+            self._s.cond.notify_all()
+
+    def cancel(self) -> bool:
+        """Cancel; True if the copy did not complete. Waits for a running chunk to finish."""
+        with self._s.cond:
+            self._cancel_queued()
+            if self._state == _RUNNING:
+                if self._s.threads[self.key] is threading.current_thread():
+                    raise RuntimeError("a copy job cannot cancel itself from its worker thread")
+                self._stop = True
+                self._s.cond.wait_for(self.done)
+            return self._state == _CANCELLED
+
+    def add_done_callback(self, fn) -> None:
+        """Call fn(job) once when the job finishes (on the worker thread), or now if finished."""
+        with self._s.cond:
+            if self._state < _DONE:
+                self._callbacks.append(fn)
+                return
+        fn(self)
+
+    def _run(self):
+        """Copy chunk by chunk (on the worker thread, without the lock)."""
+        off, n, err = 0, self.nbytes, None
+        t0 = time.perf_counter()
+        try:
+            while off < n and not self._stop:
+                c = min(self._chunk, n - off)
+                copy(self._dst + off, self._src + off, c, persist=self._persist)
+                off += c
+        except BaseException as e:      # noqa: BLE001 -- goes to the job, never kills the worker
+            err = e
+        self.seconds = time.perf_counter() - t0
+        with self._s.cond:
+            self.copied, self.exception = off, err
+            self._state = _DONE if off == n or err is not None else _CANCELLED
+            self._s.cond.notify_all()
+
+
+def _worker(shared, key):
+    q, cond = shared.queues[key], shared.cond
+    while True:
+        with cond:
+            while not q and not shared.closed:
+                cond.wait()
+            if not q:
+                return
+            job = q.popleft()
+            shared.running[key] = job
+            run = job._state == _QUEUED
+            if run:
+                job._state = _RUNNING
+        if run:
+            job._run()
+        with cond:
+            callbacks, job._callbacks = job._callbacks, []
+        for fn in callbacks:
+            try:
+                fn(job)
+            except Exception:
+                log.exception("copy job done callback %r failed", fn)
+        job._keepalive = None       # released outside the lock: its finalizers may take locks
+        job = callbacks = fn = None     # hold nothing while idle
+        with cond:
+            del shared.running[key]
+            cond.notify_all()
+
+
+class CopyWorkers:
+    """One daemon worker thread per direction key copying submitted jobs in FIFO order.
+
+    Threads start lazily at the first submit for a key. shutdown() stops and joins them; if the
+    CopyWorkers is garbage collected instead, the workers finish the queued jobs and exit.
+    """
+
+    def __init__(self, chunk: int = DEFAULT_CHUNK):
+        self.chunk = chunk
+        self._s = _Shared()
+        self._finalizer = weakref.finalize(self, _close, self._s, False)
+        self._finalizer.atexit = False
+
+    def submit(self, key, dst_addr, src_addr, nbytes: int, persist: bool = False,
+               keepalive=None) -> CopyJob:
+        """Queue a copy of nbytes from src_addr to dst_addr on key's worker; returns its CopyJob.
+
+        keepalive stays referenced until the job ends (e.g. the buffers, so they stay mapped).
+        """
+        chunk = int(self.chunk)
+        if chunk < 1:
+            raise ValueError(f"CopyWorkers.chunk must be >= 1 byte, got {self.chunk}")
+        job = CopyJob(self._s, key, _addr_int(dst_addr, "destination"),
+                      _addr_int(src_addr, "source"), _size(nbytes), bool(persist), keepalive, chunk)
+        s = self._s
+        with s.cond:
+            if s.closed:
+                raise RuntimeError("CopyWorkers.submit after shutdown(); create a new CopyWorkers "
+                                   "to submit more copies")
+            if key not in s.threads:
+                s.queues[key] = collections.deque()
+                t = threading.Thread(target=_worker, args=(s, key), daemon=True,
+                                     name=f"cachedarrays-copy {key}")
+                t.start()
+                s.threads[key] = t
+            s.queues[key].append(job)
+            s.cond.notify_all()
+        return job
+
+    def pending(self, key=None) -> int:
+        """Number of queued and running jobs (for key, or all keys)."""
+        s = self._s
+        with s.cond:
+            keys = s.queues if key is None else [key] if key in s.queues else []
+            return sum(sum(j._state < _DONE for j in s.queues[k]) +
+                       (k in s.running and s.running[k]._state < _DONE) for k in keys)
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until every job finished and its callbacks ran; False if timeout ran out."""
+        s = self._s
+        with s.cond:
+            return s.cond.wait_for(lambda: not s.running and not any(s.queues.values()), timeout)
+
+    def shutdown(self, cancel: bool = True) -> None:
+        """Stop the workers: cancel queued jobs (or run them if cancel is False), wait for the
+        running ones and join the threads. Idempotent; from a done callback it does not join."""
+        self._finalizer.detach()
+        _close(self._s, cancel)
+        me = threading.current_thread()
+        for t in list(self._s.threads.values()):
+            if t is not me:
+                t.join()
+
+    @property
+    def closed(self) -> bool:
+        return self._s.closed

@@ -99,6 +99,7 @@ class Device:
     """A source of memory with its own heap. Subclasses create the mapping."""
 
     kind = "device"
+    virtual = False                   # True: a heap without data (replay): copies move no bytes
     _ro = None                        # read-only byte array over the mapping, built on first use
 
     def __init__(self, name, size, granularity=0):
@@ -112,6 +113,7 @@ class Device:
         self.heap = None
         self.capacity = 0
         self.closed = False
+        self.profile = None           # cost-model profile name (costmodel.PROFILES), if known
 
     def _attach(self, mm):
         """Take ownership of a mapping and build the heap over it."""
@@ -265,6 +267,38 @@ class DRAM(Device):
             if populate:
                 _prefault(mm)
         self._attach(mm)
+
+
+class VirtualDevice(Device):
+    """A device whose heap is real but whose data is never touched: for replaying traces.
+
+    The mapping is reserved (``MAP_NORESERVE``, no huge pages) and only the heap's 64-byte block
+    headers are ever written, so a replay of a 4 GiB heap costs a few pages per live block. Copies
+    to or from a virtual device are counted but move no bytes; arrays on one cannot be read.
+    """
+
+    kind = "virtual"
+    virtual = True
+
+    def __init__(self, size, name="fast", granularity=0, profile=None):
+        super().__init__(name, size, granularity)
+        self.profile = profile
+        if self.size == 0:
+            return
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0x4000)
+        try:
+            mm = mmap.mmap(-1, self.size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as e:
+            raise DeviceError(f"cannot reserve {format_size(self.size)} of address space for "
+                              f"virtual device {name!r}: {e.strerror}; ask for a smaller "
+                              "virtual device") from None
+        if hasattr(mmap, "MADV_NOHUGEPAGE"):
+            try:
+                mm.madvise(mmap.MADV_NOHUGEPAGE)   # a header write must not fault in 2 MiB
+            except OSError:
+                pass
+        self._attach(mm)
+        self.heap.set_nodata(True)                 # defrag slides headers, never data
 
 
 def _check_numa_node(node):

@@ -140,7 +140,7 @@ def _call_on_views(func, args, kwargs):
     like = kwargs.pop("like", None)
     m = _first_manager(list(args) + list(kwargs.values())) or \
         (like._m if isinstance(like, CachedArray) else None)
-    done = _acquire_grouped(read, written)
+    done = _acquire_grouped(read, written, getattr(func, "__name__", "function"))
     try:
         views = []
 

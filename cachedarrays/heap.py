@@ -335,6 +335,10 @@ class Heap:
                                     f"being evicted from or defragmented")
         raise UseAfterFreeError(f"heap {self.name!r}: evictfrom start offset {start} is not a block")
 
+    def set_nodata(self, nodata: bool = True) -> None:
+        """Mark the heap's data as meaningless (a virtual device): defrag moves headers only."""
+        lib.ca_heap_set_nodata(self._handle(), 1 if nodata else 0)
+
     def defrag(self, callback: Optional[Callable[[int, int, int], bool]] = None) -> int:
         """Slide blocks down over free gaps; callback(owner, old, new) -> True allows each move.
 

@@ -10,6 +10,7 @@ by their finalizer; the queue drains at the next manager call.
 """
 
 import itertools
+import sys
 import threading
 import time
 import weakref
@@ -18,8 +19,9 @@ from collections import deque
 import numpy as np
 
 from . import copyengine
-from .devices import DRAM, Device, SlowDevice
-from .errors import (CachedArraysError, OutOfMemoryError, PinnedError, UseAfterFreeError)
+from .devices import DRAM, Device, SlowDevice, VirtualDevice
+from .errors import (CachedArraysError, DeviceError, OutOfMemoryError, PinnedError,
+                     UseAfterFreeError)
 from .heap import HEADER
 from .poison import Poison
 from .poison import enabled as debug_enabled
@@ -112,6 +114,19 @@ class Object:
         return f"<Object {self.id} {format_size(self.nbytes)} on {where} pins={self._pins}>"
 
 
+class _Copy:
+    """A background copy of an object (src -> dst region) that no use has waited for yet.
+
+    job is the copy engine's CopyJob, or None on virtual devices (a replay), where copies are
+    logical only; the object's state is the same either way, so decisions are the same.
+    """
+
+    __slots__ = ("job", "src", "dst")
+
+    def __init__(self, job, src, dst):
+        self.job, self.src, self.dst = job, src, dst
+
+
 def _closed_error(objs=()):
     """The error for any use of a closed manager or of its arrays, naming the objects."""
     objs = list({id(o): o for o in objs}.values())
@@ -134,6 +149,115 @@ def _make_device(spec, name, default_cls, **kw):
     return default_cls(parse_size(spec, f"{name} memory size"), name=name, **kw)
 
 
+# Cost-model profile (costmodel.PROFILES) of a tier by its name, when the tier does not say.
+TIER_PROFILES = {"fast": "dram", "dram": "dram", "slow": "optane", "pmem": "optane",
+                 "optane": "optane", "cxl": "cxl", "ssd": "nvme-ssd", "nvme": "nvme-ssd",
+                 "nvme-ssd": "nvme-ssd"}
+
+
+def _tier_error(i, spec, why):
+    return ValueError(f"tiers[{i}] = {spec!r}: {why}; write each tier as (name, size) or "
+                      "(name, size, path) or (name, size, path, profile), fastest first, e.g. "
+                      'tiers=[("dram", "4GiB"), ("pmem", "32GiB", "/mnt/pmem"), '
+                      '("ssd", "256GiB", "/data")]')
+
+
+def _build_tiers(tiers, virtual, **kw):
+    """Devices for Manager(tiers=...): the first is fast (DRAM), the others file mappings."""
+    if isinstance(tiers, (str, bytes)) or not hasattr(tiers, "__len__") or len(tiers) < 2:
+        raise ValueError(f"tiers must list at least two tiers, fastest first, got {tiers!r}; "
+                         'e.g. tiers=[("dram", "4GiB"), ("pmem", "32GiB", "/mnt/pmem")]')
+    devs, names = [], set()
+    try:
+        for i, spec in enumerate(tiers):
+            if isinstance(spec, Device):
+                dev = spec
+            else:
+                if isinstance(spec, (str, bytes)) or not isinstance(spec, (tuple, list)) or \
+                        not 2 <= len(spec) <= 4:
+                    raise _tier_error(i, spec, "not a tier")
+                name, size = spec[0], spec[1]
+                path = spec[2] if len(spec) > 2 else None
+                profile = spec[3] if len(spec) > 3 else None
+                if not isinstance(name, str) or not name:
+                    raise _tier_error(i, spec, "the name must be a non-empty string")
+                if name in ("fast", "slow") and name != ("fast", "slow")[min(i, 1)] or \
+                        name == "slow" and i != 1:
+                    raise _tier_error(i, spec, f"{name!r} names tier {0 if name == 'fast' else 1} "
+                                      "(the alias every policy uses); choose another name")
+                nbytes = parse_size(size, f"size of tier {name!r}")
+                if virtual:
+                    dev = VirtualDevice(nbytes, name=name, granularity=kw["granularity"])
+                elif i == 0:
+                    if path is not None:
+                        raise _tier_error(i, spec, "the first (fast) tier is DRAM and takes no "
+                                          "path")
+                    dev = DRAM(nbytes, name=name, **kw)
+                else:
+                    try:
+                        dev = SlowDevice(nbytes, path=path, name=name, populate=kw["populate"],
+                                         granularity=kw["granularity"])
+                    except DeviceError as e:      # its message speaks of the slow device
+                        raise DeviceError(f"tiers[{i}] ({name!r}): {e}") from None
+                dev.profile = profile or TIER_PROFILES.get(name)
+            if dev.name in names:
+                raise _tier_error(i, spec, f"two tiers are named {dev.name!r}")
+            names.add(dev.name)
+            devs.append(dev)
+    except BaseException:
+        for d in devs:
+            d.close()
+        raise
+    return devs
+
+
+_MANAGERS = weakref.WeakKeyDictionary()     # live managers, in creation order (mark_step)
+
+
+class Observer:
+    """What the manager reports to observers (``Manager.observe``): traces, plans, replays.
+
+    Each hook runs under the manager's lock, in the thread that made the call; the base class
+    ignores everything, so an observer overrides only what it needs.
+    """
+
+    def on_object(self, obj):
+        """A new object was registered (before its first region is placed)."""
+
+    def on_new(self, obj, placement):
+        """A program allocated obj (``new_pinned``), placed by the policy."""
+
+    def on_free(self, obj_id):
+        """The object with this id was freed (``unsafe_free``, cleanup or the collector)."""
+
+    def on_acquire(self, name, reads, writes):
+        """A kernel or access scope is about to pin and use these objects (before the pins)."""
+
+    def on_release(self, objs):
+        """Objects pinned by acquire (or new_pinned) were released."""
+
+    def on_annotation(self, op, obj, args):
+        """``prefetch``/``evict``/``softevict`` was asked for obj (args: the call's options)."""
+
+    def on_mark(self, kind):
+        """A "layer" or "step" mark."""
+
+    def on_region(self, region, live):
+        """A region was placed (live True) or released (False): the policy's decisions."""
+
+    def on_copy(self, src, dst, wait):
+        """A copy of src's bytes into dst was issued (wait False: asynchronous)."""
+
+    def on_defrag(self, device):
+        """The device's heap is about to be defragmented (regions slide down)."""
+
+    def on_move(self, region, old_offset):
+        """Defragmentation moved region from old_offset to region.offset (same device)."""
+
+    def on_cancel(self, obj_id, src, dst):
+        """The background copy src -> dst of an object was cancelled (dst is being dropped)."""
+
+
 class Manager:
     """Owns the devices (fast and slow heaps), every object and region, the policy and telemetry.
 
@@ -143,8 +267,8 @@ class Manager:
     """
 
     def __init__(self, fast="256MiB", slow="4GiB", slow_path=None, policy="lru", *,
-                 granularity=0, populate=False, hugepages=True, numa_node=None,
-                 event_log=None, policy_options=None, debug=None):
+                 tiers=None, virtual=False, granularity=0, populate=False, hugepages=True,
+                 numa_node=None, event_log=None, policy_options=None, debug=None):
         self.closed = True
         self._gate = True             # closing or closed: pins and allocations take the slow path
         self._closing = False
@@ -152,31 +276,70 @@ class Manager:
         self._cond = threading.Condition(self._lock)   # notified when pins drop while closing
         self._scopes = {}             # open access scope -> (thread id, ((object, shape), ...))
         self._pinned_by = {}          # (thread id, object id) -> (object, count) for pin()
+        self._fresh = set()           # ids of new_pinned objects not yet released (observed)
         self._debug = Poison() if debug_enabled(debug) else None
         self._deferred = deque()
+        self._copier = None           # copyengine.CopyWorkers, made at the first background copy
+        self._copies = {}             # object id -> _Copy: background copies not yet waited for
+        self._reading = []            # (device, start, end, job): freed blocks still being read
         self._ids = itertools.count(1)
         self._last_id = 0
         self._objects = {}            # id -> weakref to the Object (entries leave at free)
         self._ref = weakref.ref(self)
-        fast_dev = _make_device(fast, "fast", DRAM, populate=populate, hugepages=hugepages,
+        self._observers = ()
+        if tiers is not None:
+            if (fast, slow, slow_path) != ("256MiB", "4GiB", None):     # not the defaults
+                raise ValueError("pass either tiers=[...] or fast=/slow=/slow_path=, not both: "
+                                 "tiers= gives every tier its size and path, e.g. "
+                                 'tiers=[("dram", "4GiB"), ("pmem", "32GiB", "/mnt/pmem")]')
+            devs = _build_tiers(tiers, virtual, populate=populate, hugepages=hugepages,
                                 numa_node=numa_node, granularity=granularity)
-        try:
-            slow_dev = (slow if isinstance(slow, Device) else
-                        SlowDevice(parse_size(slow, "slow memory size"), path=slow_path,
-                                   name="slow", populate=populate, granularity=granularity))
-        except BaseException:
-            fast_dev.close()
-            raise
-        self.devices = {fast_dev.name: fast_dev, slow_dev.name: slow_dev}
-        self.fast, self.slow = fast_dev, slow_dev
+        elif virtual:
+            fast_dev = fast if isinstance(fast, Device) else VirtualDevice(
+                parse_size(fast, "fast memory size"), name="fast", granularity=granularity)
+            try:
+                slow_dev = slow if isinstance(slow, Device) else VirtualDevice(
+                    parse_size(slow, "slow memory size"), name="slow", granularity=granularity)
+            except BaseException:
+                fast_dev.close()
+                raise
+            devs = [fast_dev, slow_dev]
+        else:
+            fast_dev = _make_device(fast, "fast", DRAM, populate=populate, hugepages=hugepages,
+                                    numa_node=numa_node, granularity=granularity)
+            try:
+                slow_dev = (slow if isinstance(slow, Device) else
+                            SlowDevice(parse_size(slow, "slow memory size"), path=slow_path,
+                                       name="slow", populate=populate, granularity=granularity))
+            except BaseException:
+                fast_dev.close()
+                raise
+            devs = [fast_dev, slow_dev]
+        for i, d in enumerate(devs):
+            if d.profile is None:
+                d.profile = TIER_PROFILES.get(d.name, "dram" if i == 0 else "optane")
+        if len({d.name for d in devs}) != len(devs):
+            for d in devs:
+                d.close()
+            raise ValueError(f"two devices share the name {devs[0].name!r}; name them apart")
+        self.tiers = devs
+        self.devices = {d.name: d for d in devs}
+        self.fast, self.slow = devs[0], devs[1]
+        self._alias = {"fast": self.fast, "slow": self.slow}
         self._by_offset = {name: {} for name in self.devices}
         self.telemetry = Telemetry(self.devices, event_log=event_log)
         self.closed = self._gate = False
+        _MANAGERS[self] = None
         try:
             self.policy = self._resolve_policy(policy, policy_options or {})
         except BaseException:
             self.close()
             raise
+
+    @staticmethod
+    def open_managers():
+        """Every manager that is open now, oldest first."""
+        return [m for m in list(_MANAGERS) if not m.closed]
 
     def _resolve_policy(self, policy, options):
         if isinstance(policy, str):
@@ -268,6 +431,15 @@ class Manager:
 
     def _shutdown(self):
         """Release everything (caller holds the lock and no object is pinned)."""
+        if self._copier is not None:
+            # Nothing copies into memory being released. At interpreter exit the daemon copy
+            # threads may have been stopped holding the engine's lock: waiting would hang the
+            # exit (the mappings stay referenced by the jobs, so a copy never faults).
+            if not sys.is_finalizing():
+                self._copier.shutdown(cancel=True)
+            self._copier = None
+        self._reading = []
+        self._copies.clear()
         self.closed = self._gate = True
         for obj in self._live_objects():
             obj.primary = None                    # its arrays now raise UseAfterFreeError
@@ -281,6 +453,7 @@ class Manager:
         self._deferred.clear()
         self._scopes.clear()
         self._pinned_by.clear()
+        self._fresh.clear()
         if self._debug is not None:
             self._debug.clear()
         try:
@@ -350,6 +523,8 @@ class Manager:
         oid = self._last_id = next(self._ids)
         obj = Object(self._ref, oid, nbytes)
         self._objects[oid] = weakref.ref(obj)
+        for o in self._observers:
+            o.on_object(obj)
         return obj
 
     def create(self, device, nbytes):
@@ -364,6 +539,8 @@ class Manager:
                 self._drain()
             dev = device if isinstance(device, Device) else self._device(device)
             if nbytes > 0:
+                if self._reading:
+                    self._await_readers(dev)
                 offset = dev.try_alloc(nbytes, self._last_id + 1)
                 if offset is None:
                     return None
@@ -378,6 +555,8 @@ class Manager:
             obj.primary = region
             obj.regions[dev.name] = region
             self.telemetry.on_alloc(dev.name, nbytes, obj.id)
+            for o in self._observers:
+                o.on_region(region, True)
             return obj
 
     def object(self, obj_id):
@@ -446,6 +625,8 @@ class Manager:
         self._objects.pop(obj_id, None)
         if not self.closed:
             self.policy.forget(obj_id)
+            for o in reversed(self._observers):     # last in, first out: ids go last
+                o.on_free(obj_id)
 
     def _drain(self):
         """Free the regions of objects whose finalizers ran since the last call."""
@@ -504,6 +685,10 @@ class Manager:
             obj = policy.allocate(nbytes) if placement is None else \
                 policy.place(nbytes, placement)
             obj._pins += 1
+            if self._observers:
+                self._fresh.add(obj.id)
+            for o in self._observers:
+                o.on_new(obj, placement)
             policy.write_use(obj)
             return obj
 
@@ -515,6 +700,8 @@ class Manager:
             if self._deferred:
                 self._drain()
             self._live(obj)
+            if self._copies and obj.id in self._copies:
+                self._settle(obj)
             obj._pins += 1
             key = (threading.get_ident(), obj.id)
             held = self._pinned_by.get(key)
@@ -535,16 +722,23 @@ class Manager:
             if self._closing:
                 self._cond.notify_all()
 
-    def acquire(self, reads=(), writes=()):
+    def acquire(self, reads=(), writes=(), name="use"):
         """Pin every object and report its use to the policy, in one step (for kernels).
 
         Each object in reads and writes gets one pin; release the same objects afterwards.
+        name: the kernel's name, as traces record it.
         """
         with self._lock:
             if self._gate:
                 self._pass_gate((*reads, *writes))
             if self._deferred:
                 self._drain()
+            if self._observers:
+                for o in (*reads, *writes):
+                    if o.freed:
+                        self._live(o)
+                for ob in self._observers:
+                    ob.on_acquire(name, reads, writes)
             done = []
             try:
                 if reads:
@@ -554,6 +748,8 @@ class Manager:
             except BaseException:
                 for o in done:
                     o._pins -= 1
+                for ob in self._observers:
+                    ob.on_release((*reads, *writes))
                 if self._closing:
                     self._cond.notify_all()
                 raise
@@ -562,17 +758,198 @@ class Manager:
         for o in objs:
             if o.freed:
                 self._live(o)
+            if self._copies and o.id in self._copies:
+                self._settle(o)
             o._pins += 1
             done.append(o)
             use(o)
 
-    def release(self, objs):
-        """Unpin objects pinned by acquire."""
+    # ---- background copies -----------------------------------------------------------------
+
+    def _settle(self, obj):
+        """obj is about to be used: wait for its background copy (the wait is stall)."""
+        c = self._copies.pop(obj.id)
+        job = c.job
+        if job is not None and not job.done():
+            t = time.perf_counter()
+            job.wait()
+            waited = time.perf_counter() - t
+            self.telemetry.stall_seconds += waited
+            self.telemetry.count("copy_stall", obj.nbytes, id=obj.id, seconds=waited)
+        if job is not None and job.exception is not None:
+            raise CachedArraysError(f"the background copy of object {obj.id} failed: "
+                                    f"{job.exception}") from job.exception
+
+    def _copy_async(self, dst, src):
+        """Issue a background copy src -> dst (both regions of one object)."""
+        obj = self.object(dst.owner)
+        if obj.id in self._copies:
+            self._settle(obj)
+        job = None
+        if not (src.device.virtual or dst.device.virtual):
+            if self._copier is None:
+                self._copier = copyengine.CopyWorkers()
+            job = self._copier.submit(f"{src.device.name}->{dst.device.name}", dst.address,
+                                      src.address, src.nbytes, persist=dst.device.dax,
+                                      keepalive=(src.device.buffer, dst.device.buffer))
+        self._copies[obj.id] = _Copy(job, src, dst)
+        self.telemetry.count("copy_async", src.nbytes, id=obj.id)
+
+    def _copy_region_freed(self, region, c):
+        """A region with a background copy c is being freed: cancel a copy into it; keep a
+        copy out of it safe (new blocks over it wait until the copy has read it)."""
+        if c.dst is region:
+            del self._copies[region.owner]
+            for o in self._observers:
+                o.on_cancel(region.owner, c.src, c.dst)
+            self.telemetry.count("copy_cancelled", region.nbytes, id=region.owner)
+            if c.job is not None:
+                c.job.cancel()
+        elif c.src is region and c.job is not None and not c.job.done():
+            self._reading.append((region.device, region.offset,
+                                  region.offset + region.device.block_size(region.nbytes),
+                                  c.job))
+
+    def _await_readers(self, dev):
+        """A block is about to be handed out on dev: wait for background copies still reading
+        freed memory of dev. (Before the heap allocates: splitting a free block writes the
+        remainder's header past the new block, inside memory a copy may still be reading.)"""
+        keep = []
+        for entry in self._reading:
+            d, lo, hi, job = entry
+            if job.done():
+                continue
+            if d is dev:
+                t = time.perf_counter()
+                job.wait()
+                self.telemetry.stall_seconds += time.perf_counter() - t
+                continue
+            keep.append(entry)
+        self._reading = keep
+
+    def cancel(self, obj):
+        """Cancel obj's background prefetch: its primary goes back to the copy it came from.
+
+        Returns True if a copy was cancelled; False if obj has none, or if it is a background
+        eviction whose source is already gone (that copy always completes).
+        """
+        if not isinstance(obj, Object):
+            inner = getattr(obj, "object", None)     # a CachedArray: its object
+            if not isinstance(inner, Object):
+                raise TypeError(f"cancel takes an array or its object, not "
+                                f"{type(obj).__name__}")
+            obj = inner
         with self._lock:
+            self._live(obj)
+            c = self._copies.get(obj.id)
+            if c is None or c.src.freed or obj.primary is not c.dst or \
+                    obj.regions.get(c.src.device.name) is not c.src:
+                return False
+            dst = c.dst
+            obj.primary = c.src               # its bytes are the object's data
+            self.free(dst)                    # cancels the copy
+            if dst.device is self.fast:
+                self.policy.forget(obj.id)
+            return True
+
+    def wait_copies(self, timeout=None):
+        """Wait until every background copy has finished; False on timeout."""
+        copier = self._copier
+        return True if copier is None else copier.drain(timeout)
+
+    def release(self, objs):
+        """Unpin objects pinned by acquire.
+
+        New objects (``new_pinned``) released together with the operands of the kernel that
+        made them (a ufunc's output) are released after the others, in a release of their own:
+        observers match each release to its acquire.
+        """
+        with self._lock:
+            fresh = self._fresh
+            if fresh:
+                new = [o for o in objs if o.id in fresh]
+                if new:
+                    fresh.difference_update(o.id for o in new)
+                    if len(new) < len(objs):
+                        self.release([o for o in objs if o not in new])
+                        objs = new
             for o in objs:
                 o._pins -= 1
+            for ob in self._observers:
+                ob.on_release(objs)
             if self._closing:
                 self._cond.notify_all()
+
+    # ---- annotations and marks (the doors the array layer and replays use) -----------------
+
+    def prefetch(self, obj, force=False, wait=True):
+        """Ask the policy to bring obj into fast memory; True if its primary is there after.
+
+        An object already in fast memory only reports a ``read_use``. wait=False lets the copy
+        run in the background (policies that support it; see ``Policy.prefetch``).
+        """
+        with self._lock:
+            self._live(obj)
+            if self._deferred:      # frees queued before the request are recorded before it
+                self._drain()
+            for o in self._observers:
+                o.on_annotation("prefetch", obj, (bool(force), bool(wait)))
+            r = obj.primary
+            policy = self.policy
+            if r is not None and r.device is self.fast:
+                policy.read_use(obj)
+                return True
+            if wait:
+                return policy.prefetch(obj, force)
+            return policy.prefetch(obj, force, wait=False)
+
+    def evict(self, obj, to=None, wait=True):
+        """Ask the policy to move obj out of fast memory (to: a device name; default slow)."""
+        with self._lock:
+            self._live(obj)
+            if to is not None:
+                to = self._device(to).name
+            if self._deferred:
+                self._drain()
+            for o in self._observers:
+                o.on_annotation("evict", obj, (to, bool(wait)))
+            if to is None and wait:
+                return self.policy.evict(obj)
+            return self.policy.evict(obj, to=to, wait=wait)
+
+    def softevict(self, obj):
+        """Ask the policy to prefer obj for eviction (no movement now)."""
+        with self._lock:
+            self._live(obj)
+            if self._deferred:
+                self._drain()
+            for o in self._observers:
+                o.on_annotation("softevict", obj, ())
+            return self.policy.softevict(obj)
+
+    def mark(self, kind):
+        """A "layer" or "step" mark of the running program: for traces and the policy's plan."""
+        if kind not in ("layer", "step"):
+            raise ValueError(f"mark kind must be 'layer' or 'step', not {kind!r}")
+        with self._lock:
+            self._check_open()
+            if self._deferred:
+                self._drain()
+            for o in self._observers:
+                o.on_mark(kind)
+            hook = getattr(self.policy, "on_layer" if kind == "layer" else "on_step", None)
+            if hook is not None:
+                hook()
+
+    def observe(self, observer):
+        """Report this manager's operations to observer (an ``Observer``) from now on."""
+        with self._lock:
+            if observer not in self._observers:
+                self._observers = self._observers + (observer,)
+
+    def unobserve(self, observer):
+        with self._lock:
+            self._observers = tuple(o for o in self._observers if o is not observer)
 
     # ---- regions ---------------------------------------------------------------------------
 
@@ -582,6 +959,9 @@ class Manager:
         try:
             return self.devices[device]
         except KeyError:
+            dev = self._alias.get(device)
+            if dev is not None:
+                return dev
             raise ValueError(f"unknown device {device!r}; devices are "
                              f"{', '.join(self.devices)}") from None
 
@@ -599,6 +979,8 @@ class Manager:
             if nbytes == 0:
                 region = Region(dev, -1, 0, obj.id)
             else:
+                if self._reading:
+                    self._await_readers(dev)
                 try:
                     offset = dev.alloc(nbytes, obj.id)
                 except OutOfMemoryError as e:
@@ -608,6 +990,8 @@ class Manager:
                 region = Region(dev, offset, nbytes, obj.id)
                 self._by_offset[dev.name][offset] = region
             self.telemetry.on_alloc(dev.name, nbytes, obj.id)
+            for o in self._observers:
+                o.on_region(region, True)
             return region
 
     def try_allocate(self, device, nbytes, obj):
@@ -640,6 +1024,10 @@ class Manager:
 
     def _free_region(self, region, why=None):
         dev = region.device
+        if self._copies:
+            c = self._copies.get(region.owner)
+            if c is not None:
+                self._copy_region_freed(region, c)
         if region.nbytes:
             dev.free(region.offset, region.owner)
             self._by_offset[dev.name].pop(region.offset, None)
@@ -648,6 +1036,8 @@ class Manager:
         region.freed = True
         region._buffer = None
         self.telemetry.on_free(dev.name, region.nbytes, region.owner)
+        for o in self._observers:
+            o.on_region(region, False)
         ref = self._objects.get(region.owner)
         obj = ref() if ref is not None else None
         if obj is not None:
@@ -706,8 +1096,12 @@ class Manager:
             return None
         return other
 
-    def copyto(self, dst, src):
-        """Copy src's bytes into dst (counted by direction in telemetry)."""
+    def copyto(self, dst, src, wait=True):
+        """Copy src's bytes into dst (counted by direction in telemetry).
+
+        Between virtual devices (a replay) the copy is counted and reported but moves nothing.
+        wait=False: the copy may run in the background (see ``Policy.prefetch``).
+        """
         with self._lock:
             self._check_open()
             if dst.freed or src.freed:
@@ -717,12 +1111,25 @@ class Manager:
                                  f"{dst!r}")
             if src.nbytes == 0:
                 return
-            import time
-
-            t = time.perf_counter()
-            copyengine.copy(dst.address, src.address, src.nbytes, persist=dst.device.dax)
-            self.telemetry.on_copy(src.device.name, dst.device.name, src.nbytes,
-                                   time.perf_counter() - t, src.owner)
+            owner = self.object(src.owner)
+            c = self._copies.get(src.owner) if self._copies else None
+            if c is not None and c.dst is src:
+                self._settle(owner)             # src itself is still being filled
+            for o in self._observers:
+                o.on_copy(src, dst, wait)
+            if not wait and owner is not None and dst.owner == src.owner:
+                self._copy_async(dst, src)
+                self.telemetry.on_copy(src.device.name, dst.device.name, src.nbytes, 0.0,
+                                       src.owner)
+                return
+            if src.device.virtual or dst.device.virtual:
+                seconds = 0.0
+            else:
+                t = time.perf_counter()
+                copyengine.copy(dst.address, src.address, src.nbytes, persist=dst.device.dax)
+                seconds = time.perf_counter() - t
+            self.telemetry.on_copy(src.device.name, dst.device.name, src.nbytes, seconds,
+                                   src.owner)
 
     def sizeof(self, region):
         return region.nbytes
@@ -800,8 +1207,13 @@ class Manager:
             self._check_open()
             self._drain()
             dev = self._device(device)
+            for o in self._observers:
+                o.on_defrag(dev.name)
             if dev.heap is None:
                 return 0
+            if self._copier is not None:          # nothing slides under a running copy
+                self._copier.drain()
+                self._reading = []
             table = self._by_offset[dev.name]
             moves = []
 
@@ -816,6 +1228,9 @@ class Manager:
                 return True
 
             moved = dev.heap.defrag(move)
+            for r, old in moves:
+                for o in self._observers:
+                    o.on_move(r, old)
             if self._debug is not None and moves:
                 self._debug.after_defrag(dev, moves, list(dev.heap.blocks()))
             self.telemetry.count("defrag_moves", 0, device=dev.name, moved=moved)

@@ -36,19 +36,21 @@ class access:
     with-block only.
     """
 
-    __slots__ = ("reads", "writes", "done")
+    __slots__ = ("reads", "writes", "done", "name")
 
     def __init__(self, reads=(), writes=()):
         for a in (*reads, *writes):
             if a is not None and not isinstance(a, CachedArray):
-                raise TypeError(f"ca.access takes CachedArrays (or None), got {type(a).__name__}")
+                raise TypeError(f"ca.{type(self).__name__} takes CachedArrays (or None) as reads "
+                                f"and writes, got {type(a).__name__}")
         self.reads, self.writes = reads, writes
         self.done = None
+        self.name = "access"
 
     def __enter__(self):
         r = [a._obj for a in self.reads if a is not None]
         w = [a._obj for a in self.writes if a is not None]
-        self.done = _acquire_grouped(r, w)
+        self.done = _acquire_grouped(r, w, self.name)
         try:
             views = [None if a is None else a._view(readonly=True) for a in self.reads] + \
                 [None if a is None else a._view() for a in self.writes]
@@ -66,3 +68,21 @@ class access:
         for m, _ in self.done:
             m.scope_closed(self)
         _release_grouped(self.done)
+
+
+class kernel(access):
+    """``with ca.kernel(name, reads, writes) as views``: one kernel of the program.
+
+    The same pinned views as ``ca.access`` (read views first, read-only), and a kernel named
+    ``name`` in traces (``ca.trace``): its read and write sets and its time. Plans of policies
+    can fire at it.
+    """
+
+    __slots__ = ()
+
+    def __init__(self, name, reads=(), writes=()):
+        if not isinstance(name, str):
+            raise TypeError(f"ca.kernel: the first argument is the kernel's name (a str), got "
+                            f"{type(name).__name__}; write ca.kernel(name, reads, writes)")
+        super().__init__(reads, writes)
+        self.name = name

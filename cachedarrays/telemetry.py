@@ -13,6 +13,9 @@ from collections import defaultdict
 EVENTS = (
     "asarray",                 # np.asarray(cached): a full copy into ordinary memory
     "cnn_iteration",           # one CNN training iteration (marks the event log)
+    "copy_async",              # a copy issued to run in the background (wait=False)
+    "copy_cancelled",          # a background copy cancelled (its destination was dropped)
+    "copy_stall",              # a use of an array waited for its background copy
     "debug_stale_writes",      # debug mode: a write into memory its object had left
     "defrag_moves",            # a heap defragmentation pass
     "evict_skipped_pinned",    # an eviction walk passed over a pinned region
@@ -38,6 +41,7 @@ class Telemetry:
         self.moved_bytes = defaultdict(int)      # "fast->slow" -> bytes
         self.moved_copies = defaultdict(int)
         self.copy_seconds = 0.0
+        self.stall_seconds = 0.0                 # time uses waited for background copies
         self.allocs = {d: 0 for d in self._devices}
         self.frees = {d: 0 for d in self._devices}
         self.current = dict(prev)
@@ -97,6 +101,7 @@ class Telemetry:
         out = {
             "moved": moved,
             "copy_seconds": self.copy_seconds,
+            "stall_seconds": self.stall_seconds,
             "events": {k: {"count": v, "bytes": self.event_bytes[k]} for k, v in
                        sorted(self.events.items())},
             "devices": {},

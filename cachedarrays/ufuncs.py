@@ -58,7 +58,7 @@ def _fast_call(ufunc, inputs):
     n = dt.itemsize
     for d in shape:
         n *= d
-    m.acquire(objs)
+    m.acquire(objs, (), ufunc.__name__)
     try:
         out = _new_object(m, n)
     except BaseException:
@@ -90,7 +90,7 @@ def _array_ufunc(ufunc, method, inputs, kwargs):
         reads.remove(inputs[0]._obj)
         writes.append(inputs[0]._obj)
     m = _first_manager(inputs) or _first_manager(out or ())
-    done = _acquire_grouped(reads, writes)
+    done = _acquire_grouped(reads, writes, getattr(ufunc, "__name__", "ufunc"))
     try:
         args = tuple(x._view() if isinstance(x, CachedArray) else x
                      for x in inputs)

@@ -101,6 +101,10 @@ typedef int (*ca_move_cb)(void *ctx, uint64_t owner, int64_t old_block, int64_t 
  * cb may be NULL (move everything); it may not allocate or free in this heap. */
 int64_t ca_heap_defrag(ca_heap *h, ca_move_cb cb, void *ctx);
 
+/* Metadata-only heap (a virtual device whose data is never read): defrag then moves each
+ * block's header, not its data. */
+void ca_heap_set_nodata(ca_heap *h, int nodata);
+
 /* Verify every invariant: block sizes tile the heap, back-links match, free lists hold exactly
  * the free blocks in their right classes, no two adjacent free blocks, counters agree.
  * Returns CA_OK, or CA_EINVAL with a readable message in msg (NUL-terminated, at most msglen). */

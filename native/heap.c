@@ -53,6 +53,7 @@ struct ca_heap {
     uint64_t used;       /* bytes in allocated blocks (evicting ones included, orphans excluded) */
     uint64_t freeb;      /* bytes in free blocks on the lists */
     uint64_t nblocks;    /* headers that tile the heap */
+    int nodata;          /* metadata only (a virtual device): defrag moves headers, not data */
     uint64_t nalloc;     /* allocated blocks */
     uint64_t nfree;      /* blocks on the free lists */
     int busy;            /* IDLE, BUSY_EVICT or BUSY_DEFRAG */
@@ -573,6 +574,11 @@ found:
 
 /* ---------------------------------------------------------------- defrag */
 
+void ca_heap_set_nodata(ca_heap *h, int nodata)
+{
+    if (h) h->nodata = nodata != 0;
+}
+
 int64_t ca_heap_defrag(ca_heap *h, ca_move_cb cb, void *ctx)
 {
     if (!h) return -CA_EINVAL;
@@ -596,7 +602,7 @@ int64_t ca_heap_defrag(ca_heap *h, ca_move_cb cb, void *ctx)
         }
         uint64_t fsz = f->size, back = f->backsize;
         list_remove(h, off);
-        memmove(h->base + off, h->base + a, asz);
+        memmove(h->base + off, h->base + a, h->nodata ? CA_HEADER : asz);
         hdr_t *nb = H(h, off);
         nb->backsize = back;
         nb->check = magic(h, off);

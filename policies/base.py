@@ -6,6 +6,7 @@ decisions it cares about: usually ``allocate``, ``select_victims`` and the use h
 """
 
 from ..errors import OutOfMemoryError, UseAfterFreeError
+from ..triggers import Plan
 from ..sizes import format_size
 
 
@@ -56,6 +57,7 @@ class Policy:
 
     def __init__(self):
         self.manager = None
+        self.plan = None              # cachedarrays.triggers.Plan, made by schedule()
 
     def bind(self, manager):
         """Attach to a manager (called once by the manager)."""
@@ -137,67 +139,100 @@ class Policy:
 
     # ---- movement --------------------------------------------------------------------------
 
-    def prefetch(self, obj, force=False):
-        """Move obj into fast memory, keeping its slow copy linked (Listing 4.2).
+    def prefetch(self, obj, force=False, wait=True):
+        """Move obj into fast memory, keeping its other copy linked (Listing 4.2).
 
         Returns True if obj is in fast memory afterwards. (``ca.prefetch`` on an array already
-        in fast memory only reports a ``read_use``; it does not call this method.)
+        in fast memory only reports a ``read_use``; it does not call this method.) wait=False:
+        the copy runs in the background and obj is in fast memory as soon as it is issued (a
+        kernel that uses obj waits for the copy).
         """
         m = self.manager
         with m.atomic():
             x = m.primary(obj)
             if x is None:
                 raise UseAfterFreeError(f"object {obj.id} has no data")
-            if m.on_device(x, m.fast):
+            fast = m.fast
+            if x.device is fast:
                 self.read_use(obj)
                 return True
             if m.pinned(obj):
                 return False
-            y = m.try_allocate("fast", x.nbytes, obj)
-            if y is None and force and m.fits("fast", x.nbytes):
-                if self.make_room(x.nbytes):
-                    y = m.try_allocate("fast", x.nbytes, obj)
+            y = m.try_allocate(fast, x.nbytes, obj)
+            if y is None and force and m.fits(fast, x.nbytes):
+                if self.make_room(x.nbytes) if wait else self.make_room(x.nbytes, wait=False):
+                    y = m.try_allocate(fast, x.nbytes, obj)
             if y is None:
                 m.count("prefetch_refused", x.nbytes, id=obj.id)
                 return False
-            m.copyto(y, x)
+            self._drop_stale(obj, x)
+            m.copyto(y, x, wait=wait)
             m.link(x, y)
             m.set_primary(obj, y)
             m.markclean(y)
             self.on_fast(obj)
             return True
 
-    def evict(self, obj):
-        """Move obj to slow memory (Listing 4.1): reuse a linked slow copy, skip the copy if clean.
+    def evict(self, obj, to=None, wait=True):
+        """Move obj out of fast memory (Listing 4.1): reuse a linked copy, skip the copy if clean.
 
-        Returns True if obj's primary is in slow memory afterwards.
+        to: the device to move it to (default the slow device); an object on a slower tier
+        moves there too. Returns True if obj's primary is on that device afterwards.
         """
         m = self.manager
         with m.atomic():
             x = m.primary(obj)
-            if x is None or not m.on_device(x, m.fast):
+            dst = m.slow if to is None else m._device(to)
+            if x is None or x.device is dst or to is None and x.device is not m.fast:
                 return True
             if m.pinned(obj):
                 return False
-            y = m.getlinked(x, "slow")
+            y = m.getlinked(x, dst)
             allocated = y is None
             if allocated:
-                y = m.allocate("slow", x.nbytes, obj)
+                y = m.allocate(dst, x.nbytes, obj)
             if m.isdirty(x) or allocated:
-                m.copyto(y, x)
+                m.copyto(y, x, wait=wait)
             else:
                 m.count("writebacks_elided", x.nbytes, id=obj.id)
+            self._drop_stale(obj, x, y)
             if allocated:
                 m.link(x, y)
             m.markclean(y)
             m.set_primary(obj, y)
             m.unlink(x, y)
             m.free(x)
-            self.forget(obj.id)
+            if x.device is m.fast:
+                self.forget(obj.id)
             return True
+
+    def _drop_stale(self, obj, x, keep=None):
+        """x (obj's primary) is about to be copied elsewhere: if it is dirty, copies of obj on
+        other tiers are stale; free them (only possible with three tiers or more)."""
+        m = self.manager
+        if len(obj.regions) > 1 and m.isdirty(x):
+            for r in list(obj.regions.values()):
+                if r is not x and r is not keep:
+                    m.unlink(x, r)
+                    m.free(r)
 
     def softevict(self, obj):
         """Prefer obj for eviction when fast memory runs short (no movement now)."""
+
+    def schedule(self, point, action):
+        """Run action(manager) at a point of every step: ("kernel", k), ("kernel_end", k),
+        ("layer", l), ("use", sid, n) or ("step",) (see ``cachedarrays.triggers``)."""
+        if getattr(self, "plan", None) is None:
+            if getattr(self, "manager", None) is None:
+                raise ValueError("schedule needs the policy to belong to a manager first")
+            self.plan = Plan(self.manager)
+        self.plan.at(point, action)
+
+    def on_layer(self):
+        """The program marked a layer boundary (``ca.mark_layer``)."""
+
+    def on_step(self):
+        """The program marked the end of a step (``ca.mark_step``)."""
 
     # ---- making room -----------------------------------------------------------------------
 
@@ -206,7 +241,12 @@ class Policy:
         m = self.manager
         return [m.parent(r) for r in m.regions_on("fast") if m.parent(r) is not None]
 
-    def make_room(self, nbytes):
+    def evictable(self, obj):
+        """May make_room evict obj now? (LRU spares the operands of the kernel it makes room
+        for.)"""
+        return True
+
+    def make_room(self, nbytes, wait=True):
         """Evict from fast memory until an allocation of nbytes fits. Returns success.
 
         First evicts victims one by one in policy order (up to one request's worth of bytes);
@@ -226,21 +266,21 @@ class Policy:
             if v.freed or m.pinned(v) or v.primary is None or not m.on_device(v.primary, fast):
                 continue
             size = v.primary.nbytes
-            if self.evict(v):
+            if self.evict(v) if wait else self.evict(v, wait=False):
                 evicted += size
                 if m.can_allocate(fast, nbytes):
                     return True
 
         def callback(region):
             owner = m.parent(region)
-            if owner is None:
+            if owner is None or not self.evictable(owner):
                 return False
             if owner.primary is not region:
                 # A fast copy that is not primary breaks the policy invariant; drop it.
                 m.unlink(owner.primary, region)
                 m.free(region)
                 return True
-            return self.evict(owner)
+            return self.evict(owner) if wait else self.evict(owner, wait=False)
 
         starts = [v.primary for v in victims
                   if not v.freed and v.primary is not None and v.primary.device is fast]

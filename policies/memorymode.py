@@ -2,6 +2,10 @@
 
 The baseline CachedArrays is compared to (dissertation ch. 2, §4.6); per-line traffic follows Table 2.2.
 The dirty data optimisation (elided tag checks, §2.4.3) is not modelled.
+
+``MemoryModeCache`` is the cache simulator; ``MemoryMode`` is the placement policy of the 2LM baseline
+(registered as "memorymode" and "2lm"): every array in slow memory, the manager's fast memory standing
+for the hardware cache, whose traffic per kernel goes to the cost model (``kernel_traffic``).
 """
 
 from __future__ import annotations
@@ -13,8 +17,12 @@ from dataclasses import asdict, dataclass, fields, replace
 import numpy as np
 from numba import njit
 
+from ..registry import register_policy
+from .simple import SlowOnly
+
 __all__ = [
     "DeviceProfile",
+    "MemoryMode",
     "MemoryModeCache",
     "MemoryModeStats",
     "PROFILES",
@@ -395,3 +403,111 @@ class MemoryModeCache:
     def modelled_time(self, profile: str | DeviceProfile | None = None) -> float:
         """Modelled seconds for the traffic so far, with this cache's profile unless one is given."""
         return modelled_time(self.stats(), self.profile if profile is None else profile)
+
+
+# ---- the policy ----------------------------------------------------------------------------
+
+
+class MemoryMode(SlowOnly):
+    """Memory mode (2LM) as a policy: every array lives in slow memory, as with SlowOnly, and the
+    manager's fast memory acts as a hardware direct-mapped write-back cache over the slow device.
+
+    The cache (``self.cache``, a ``MemoryModeCache`` of ``capacity`` bytes, by default the fast
+    device's size) is indexed by offsets on the slow device. ``kernel_traffic(k, reads, writes)``,
+    which a trace ``Recorder`` calls at each kernel, feeds it every operand's whole region (reads
+    first, then writes, in order) and returns the cost-model record ``("cache", k, req_read,
+    req_write, dram_read, dram_write, slow_read, slow_write)``: the change of its counters. The
+    slow heap's offsets are the same in a real run and in a replay on virtual devices, so the
+    records are too (the policy is replay-safe and deterministic).
+
+    Nothing is ever placed in or moved to fast memory (placement hints, prefetch and evict are
+    ignored). ``cleanup=False`` turns off eager frees (2LM:0, as SlowOnly). A cache smaller
+    than one line (a zero fast budget) is no cache: every requested byte goes to slow memory.
+    """
+
+    name = "memorymode"
+    honours_prefetch = False
+    honours_softevict = False
+    tracks_reads = False
+
+    def __init__(self, line_size=64, capacity=None, write_nofill=False, cleanup=True):
+        super().__init__()
+        if isinstance(line_size, bool) or not isinstance(line_size, int) or line_size <= 0:
+            raise ValueError(f"MemoryMode: line_size={line_size!r} must be a positive number of bytes")
+        if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int)
+                                     or capacity < 0):
+            raise ValueError(f"MemoryMode: capacity={capacity!r} must be a number of bytes >= 0 "
+                             "(None: the fast device's size)")
+        self.line_size = line_size
+        self.capacity = capacity
+        self.write_nofill = bool(write_nofill)
+        self.allows_cleanup = bool(cleanup)
+        self.cache = None
+        self._last = None             # (k, operand ids, record) of the kernel being acquired
+
+    def bind(self, manager):
+        super().bind(manager)
+        if self.cache is None:
+            cap = manager.fast.size if self.capacity is None else self.capacity
+            if cap >= self.line_size:
+                self.cache = MemoryModeCache(cap, self.line_size, write_nofill=self.write_nofill)
+
+    def place(self, nbytes, placement=None):
+        return self.alloc_slow(nbytes)
+
+    # The manager reports the uses of a kernel's operands after every observer has seen the
+    # kernel: the next kernel_traffic call belongs to another kernel.
+    def read_use(self, obj):
+        self._last = None
+
+    def write_use(self, obj):
+        self._last = None
+        super().write_use(obj)
+
+    def stats(self):
+        """The cache's counters so far (None without a cache)."""
+        return self.cache.stats() if self.cache is not None else None
+
+    def kernel_traffic(self, k, reads, writes):
+        """The cost-model record of kernel k: the simulated cache's traffic for its operands."""
+        ops = [(o, False) for o in reads] + [(o, True) for o in writes]
+        key = tuple((o.id, w) for o, w in ops)
+        if self._last is not None and self._last[0] == k and self._last[1] == key:
+            return self._last[2]          # a second recorder of the same kernel: counted once
+        m = self.manager
+        slow, fast = m.slow, m.fast
+        starts, lengths, flags = [], [], []
+        direct = [0, 0, 0, 0, 0, 0]      # requested r/w, dram r/w, slow r/w outside the cache
+        for o, w in ops:
+            x = o.primary
+            n = x.nbytes if x is not None else 0
+            if n <= 0:
+                continue
+            if x.device is slow and self.cache is not None:
+                starts.append(x.data_offset)
+                lengths.append(n)
+                flags.append(w)
+                continue
+            direct[1 if w else 0] += n
+            if x.device is fast:          # not placed by this policy; a DRAM access
+                direct[3 if w else 2] += n
+            else:                         # no cache, or a slower tier: straight to it
+                direct[5 if w else 4] += n
+        if starts:
+            c = self.cache._counters
+            before = c.copy()
+            self.cache.access_many(np.asarray(starts, dtype=np.int64),
+                                   np.asarray(lengths, dtype=np.int64), np.asarray(flags))
+            d = [int(v) for v in c - before]
+            ls = self.cache.line_size
+            cached = (d[_READ_BYTES], d[_WRITE_BYTES], d[_DRAM_READ] * ls, d[_DRAM_WRITE] * ls,
+                      d[_SLOW_READ] * ls, d[_SLOW_WRITE] * ls)
+        else:
+            cached = (0,) * 6
+        rec = ("cache", k) + tuple(a + b for a, b in zip(cached, direct))
+        self._last = (k, key, rec)
+        return rec
+
+
+register_policy(MemoryMode.name, MemoryMode)
+register_policy("2lm", MemoryMode)

@@ -12,10 +12,10 @@ class FirstTouch(Policy):
     name = "firsttouch"
     honours_prefetch = False
 
-    def prefetch(self, obj, force=False):
+    def prefetch(self, obj, force=False, wait=True):
         return self.in_fast(obj)
 
-    def evict(self, obj):
+    def evict(self, obj, to=None, wait=True):
         return not self.in_fast(obj)
 
 
@@ -35,10 +35,10 @@ class FastOnly(Policy):
                 "use a larger fast= size or a policy that spills to slow memory")
         return obj
 
-    def prefetch(self, obj, force=False):
+    def prefetch(self, obj, force=False, wait=True):
         return True
 
-    def evict(self, obj):
+    def evict(self, obj, to=None, wait=True):
         return False
 
 
@@ -51,10 +51,10 @@ class SlowOnly(Policy):
     def allocate(self, nbytes):
         return self.alloc_slow(nbytes)
 
-    def prefetch(self, obj, force=False):
+    def prefetch(self, obj, force=False, wait=True):
         return False
 
-    def evict(self, obj):
+    def evict(self, obj, to=None, wait=True):
         return True
 
 

@@ -18,6 +18,7 @@ from hypothesis.stateful import invariant, run_state_machine_as_test
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import test_array_machine  # noqa: E402
+import test_background_copies  # noqa: E402
 import test_embedding  # noqa: E402
 import test_heap  # noqa: E402
 import test_manager  # noqa: E402
@@ -29,11 +30,13 @@ MACHINES = {
     "HeapMachine": test_heap.HeapMachine,
     "CrowdedHeapMachine": test_heap.CrowdedHeapMachine,
     "CachedMatchesSimple": test_embedding.CachedMatchesSimple,
+    # background prefetch/evict/cancel over three tiers; data and m.check() after every step
+    "BackgroundCopyMachine": test_background_copies.BackgroundCopyMachine,
 }
 
 #: share of each round's examples per machine (the array machine covers the most code)
 WEIGHTS = {"ArrayMachine": 4, "ManagerMachine": 2, "HeapMachine": 1, "CrowdedHeapMachine": 1,
-           "CachedMatchesSimple": 1}
+           "CachedMatchesSimple": 1, "BackgroundCopyMachine": 2}
 
 THREAD_TESTS = [getattr(test_threads, n) for n in dir(test_threads)
                 if n.startswith("test_") and callable(getattr(test_threads, n))]

@@ -1,5 +1,7 @@
 """CNN layers and models on CachedArrays: gradients, training, placement-independent numerics,
-the 2LM tracer, error messages and the benchmark script (all at tiny shapes)."""
+traces (named kernels, layer and step marks, stable ids), policy figures from the cost model,
+real runs against replays of their traces, 2LM, error messages and the benchmark script (all at
+tiny shapes)."""
 
 import json
 import math
@@ -13,6 +15,8 @@ import pytest
 import cachedarrays as ca
 from cachedarrays.models import cnn
 from cachedarrays.models.backend import available_backends
+from cachedarrays.replay import evaluate
+from cachedarrays.trace import TraceError
 
 BACKENDS = available_backends()
 ONEDNN = pytest.mark.skipif("onednn" not in BACKENDS, reason="libdnnl not loadable")
@@ -330,16 +334,18 @@ def test_a_budget_is_bytes_a_size_or_a_percentage_of_the_footprint():
 def test_the_2lm_dram_cache_is_its_own_size_and_fast_is_the_managers_fast_memory():
     m, s = cnn.make_session("2lm", "1MiB", "8MiB", dram_cache="64KiB")
     with m:
-        assert s.tracer.cache.capacity == 64 << 10
+        assert m.policy.cache.capacity == 64 << 10
         assert m.stats()["devices"]["fast"]["heap_capacity"] == 1 << 20
     m, s = cnn.make_session("LM", "1MiB", "8MiB")
     with m:
-        assert s.tracer.cache is None
+        assert getattr(m.policy, "cache", None) is None
         assert m.stats()["devices"]["fast"]["heap_capacity"] == 1 << 20
     with pytest.raises(ValueError, match="give its size as dram_cache="):
         cnn.make_session("2lm", 0, "8MiB")
     with pytest.raises(ValueError, match="setup 'LM' simulates no DRAM cache"):
         cnn.make_session("LM", "1MiB", "8MiB", dram_cache="64KiB")
+    with pytest.raises(ValueError, match="give its size as dram_cache="):
+        cnn.make_policy("2lm-none")
     assert cnn.dram_budget("2lm-none", "25%") == {"fast": 0, "dram_cache": "25%"}
     assert cnn.dram_budget("LMP", "25%") == {"fast": "25%"}
 
@@ -348,14 +354,14 @@ def test_a_trainer_gives_each_setup_the_dram_it_was_asked_for():
     footprint = 4 << 20
     tr = cnn.Trainer("vgg", 11, setup="2lm", dram_cache="25%", footprint=footprint, **TINY)
     try:
-        assert tr.budget == tr.s.tracer.cache.capacity == 1 << 20
+        assert tr.budget == tr.m.policy.cache.capacity == 1 << 20
         assert tr.m.stats()["devices"]["fast"]["heap_capacity"] == 0
     finally:
         tr.close()
     tr = cnn.Trainer("vgg", 11, setup="LM", fast="64KiB", footprint=footprint, **TINY)
     try:
         assert tr.budget == tr.m.stats()["devices"]["fast"]["heap_capacity"] == 64 << 10
-        assert tr.s.tracer.cache is None
+        assert getattr(tr.m.policy, "cache", None) is None
     finally:
         tr.close()
     with pytest.raises(ValueError, match="setup 'LM' simulates no DRAM cache"):
@@ -364,53 +370,157 @@ def test_a_trainer_gives_each_setup_the_dram_it_was_asked_for():
         cnn.Trainer("vgg", 11, mode="LM", footprint=footprint, **TINY)
 
 
-# ---- tracing, 2LM and the modelled time -------------------------------------------------------
+# ---- traces, the cost model, replays and 2LM ---------------------------------------------------
 
-def test_memory_mode_tracer_counts_traffic():
-    recs = {setup: cnn.run("resnet", 18, setup=setup, iterations=2,
+KERNELS = {"conv2d_forward", "conv2d_backward_data", "conv2d_backward_weights",
+           "batchnorm_forward", "batchnorm_backward", "relu_forward", "relu_backward",
+           "maxpool_forward", "maxpool_backward", "avgpool_forward", "avgpool_backward",
+           "dense_forward", "dense_backward_data", "dense_backward_weights", "add",
+           "softmax_cross_entropy", "sgd_update", "concat_channels", "split_channels"}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Fast-only kernel times of resnet18 at TINY (one measurement for the module's tests)."""
+    return cnn.fast_only_reference("resnet", 18, **TINY)
+
+
+def _traced(setup="LM", budget="96KiB", steps=3, name="resnet", depth=18, shape=TINY):
+    """(model, trace of init + steps training iterations, fast memory size) of one setup."""
+    model = cnn.build(name, depth, **shape)
+    m, s = cnn.make_session(setup, slow="64MiB", backend="numpy",
+                            **cnn.dram_budget(setup, budget))
+    with m:
+        with ca.trace(m) as t:
+            model.init(s, seed=3)
+            for i in range(steps):
+                x, y = cnn.synthetic_batch(model, seed=i)
+                cnn.train_step(s, model, x, y, cnn.SGD(0.05))
+        return model, t, m.fast.size
+
+
+def test_a_traced_iteration_has_named_kernels_layer_and_step_marks_and_stable_ids():
+    model, t, _ = _traced(steps=3)
+    t.validate()
+    assert t.steps == 3                                  # a trace of N iterations has N steps
+    groups = t.step_kernels()
+    assert len(groups) == 3 and all(groups)
+    names = [[t.kernels[k][0] for k in g] for g in groups]
+    assert names[0] == names[1] == names[2]              # the same kernels every iteration
+    # Each kernel is named by Session.kernel, except the acquires of Flatten's reshape views
+    # (forward and pullback): CachedArray view operations acquire their array, and a trace
+    # records every acquire as a kernel ("view": it touches no data and costs nothing).
+    assert set(names[0]) - {"view"} <= KERNELS
+    assert names[0].count("view") == 2 * sum(isinstance(u, cnn.Flatten) for u in model.units)
+    assert {"conv2d_forward", "conv2d_backward_weights", "batchnorm_forward", "add",
+            "softmax_cross_entropy", "sgd_update"} <= set(names[0])
+    # One layer mark after each top-level unit's forward and one after its pullback.
+    per_step, layers = [], 0
+    for e in t.events:
+        if e[0] == "layer":
+            layers += 1
+        elif e[0] == "step":
+            per_step.append(layers)
+            layers = 0
+    assert per_step == [2 * len(model.units)] * 3 and layers == 0
+    # Stable ids: iterations 2 and 3 use the same objects, kernel by kernel.
+    ops = [[t.kernels[k][1:] for k in g] for g in groups]
+    assert ops[1] == ops[2]
+    assert all(sid.startswith("init:") for sid in ops[0][0][1])   # the first conv's weights
+    weights = {sid for r, w in ops[2] for sid in (*r, *w) if sid.startswith("init:")}
+    assert len(weights) == len(model.params())           # made by model.init, before any step
+
+
+def test_without_annotations_the_trace_has_the_same_kernels_and_marks():
+    model = cnn.build("vgg", 11, **TINY)
+    traces = []
+    for annotations in (True, False):
+        m = ca.Manager(fast="32MiB", slow="64MiB")
+        s = cnn.Session(m, annotations=annotations)
+        with m:
+            model.init(s, seed=0)
+            with ca.trace(m) as t:
+                x, y = cnn.synthetic_batch(model)
+                cnn.train_step(s, model, x, y, cnn.SGD(0.01))
+            traces.append(t)
+    a, b = traces
+    assert [k[0] for k in a.kernels] == [k[0] for k in b.kernels]
+    assert [e for e in a.events if e[0] in ("layer", "step")] == \
+        [e for e in b.events if e[0] in ("layer", "step")]
+
+
+def test_modelled_time_is_the_cost_model_of_the_trace_with_the_reference_times(reference,
+                                                                                  tmp_path):
+    assert reference.meta["footprint"] > 0 and reference.steps == cnn.REFERENCE_ITERATIONS
+    recs = cnn.run("resnet", 18, setup="LM", fast="10%", iterations=2, reference=reference,
+                   **TINY)
+    r = recs[-1]
+    tr = r["trace"]
+    assert tr.steps == 1 and r["footprint"] == reference.meta["footprint"]
+    # Bit for bit: the same trace and reference give the same figures on every evaluation...
+    assert cnn.evaluate(tr, reference).last.time == r["modelled"] == r["step"].time
+    assert cnn.evaluate(tr, reference).last == r["step"]
+    # ... also after a round trip through a file ...
+    again = ca.Trace.load(tr.save(tmp_path / "lm.trace.gz"))
+    assert cnn.evaluate(again, reference).last == r["step"]
+    # ... and they are the cost model of the decision log with the reference's kernel times
+    # (the run's own measured times play no part).
+    names, times = cnn.step_times(reference)
+    assert [k[0] for k in tr.kernels] == names
+    by_hand = ca.costmodel.evaluate(times, tr.decisions, tr.devices)
+    assert by_hand.last.time == r["modelled"]
+    assert r["run"].fast_only == pytest.approx(sum(times), rel=1e-12)
+    assert r["modelled"] > r["run"].fast_only            # 10%: a penalty for slow operands
+    f = r["figures"]
+    assert f["k_slow_r"] == r["step"].kernel_read["slow"] > 0
+    assert f["slow_w"] == f["f->s"] + f["k_slow_w"] and f["moved"] == r["step"].bytes_moved
+    assert f["peak_fast"] <= r["budget"]
+    with pytest.raises(TraceError, match="differs from the reference"):
+        cnn.with_reference_times(tr, cnn.fast_only_reference("vgg", 11, iterations=1, **TINY))
+
+
+def test_2lm_cache_traffic_feeds_the_cost_model(reference):
+    recs = {setup: cnn.run("resnet", 18, setup=setup, iterations=2, reference=reference,
                            **cnn.dram_budget(setup, "10%"), **TINY)
             for setup in ("2lm", "2lm-none", "LM", "fast-only")}
-    mm = recs["2lm"][-1]["trace"]["memory_mode"]
+    last = {k: v[-1] for k, v in recs.items()}
+    mm = last["2lm"]["memory_mode"]
     assert mm["read_bytes"] > 0 and mm["write_bytes"] > 0
     assert mm["slow_read_bytes"] > 0 and mm["slow_write_bytes"] > 0
     assert mm["access_amplification"] >= 1
     assert mm["hits"] + mm["clean_misses"] + mm["dirty_misses"] == mm["read_lines"] + mm["write_lines"]
-    lm = recs["LM"][-1]
-    assert lm["trace"]["slow_read_bytes"] > 0
-    fo = recs["fast-only"][-1]
-    assert fo["trace"]["slow_read_bytes"] == fo["trace"]["slow_write_bytes"] == 0
-    assert fo["modelled"] == pytest.approx(fo["wall"] - fo["trace"]["overhead_seconds"])  # no penalty
-    for r in (lm, recs["2lm"][-1]):                      # a positive penalty on T_wall'
-        assert r["modelled"] > r["wall"] - r["trace"]["overhead_seconds"]
-        assert r["modelled_sum"] >= r["modelled"]
+    step = last["2lm"]["step"]                           # the cache's traffic, kernel by kernel
+    assert (step.kernel_read["slow"], step.kernel_write["slow"]) == \
+        (mm["slow_read_bytes"], mm["slow_write_bytes"])
+    assert (step.kernel_read["fast"], step.kernel_write["fast"]) == \
+        (mm["dram_read_bytes"], mm["dram_write_bytes"])
+    assert step.bytes_moved == 0 and step.stall == 0
+    assert last["LM"]["memory_mode"] is None and last["LM"]["figures"]["k_slow_r"] > 0
+    fo = last["fast-only"]
+    assert fo["figures"]["slow_r"] == fo["figures"]["slow_w"] == fo["figures"]["moved"] == 0
+    assert fo["modelled"] == pytest.approx(fo["run"].fast_only, rel=1e-12)   # no penalty
+    for r in (last["LM"], last["2lm"], last["2lm-none"]):
+        assert r["modelled"] > r["run"].fast_only
+    # Cleanup frees temporaries early: fewer slow bytes through the cache.
+    assert last["2lm"]["figures"]["slow_w"] < last["2lm-none"]["figures"]["slow_w"]
 
 
-def test_modelled_time_charges_each_slow_output_kernel_once():
-    from types import SimpleNamespace
-    from cachedarrays.policies.memorymode import DeviceProfile
-    profile = DeviceProfile("round", dram_read_gbps=100.0, dram_write_gbps=50.0,
-                            slow_read_gbps=25.0, slow_write_gbps=10.0)
-    # 3 GB read from slow memory, 1 GB of it by a slow-output kernel k1 (1 GB read, 2 GB
-    # written, 1 ms: bandwidth-bound); k2 has a slow output but moves no bytes (0.5 s: factor-bound)
-    tr = SimpleNamespace(cache=None, overhead_seconds=0.25, slow_read_bytes=3 * 10**9,
-                         slow_write_bytes=2 * 10**9,
-                         slow_output=[(10**9, 2 * 10**9, 0.001), (0, 0, 0.5)])
-    stats = {"moved": {"slow->fast": {"bytes": 10**9}, "fast->slow": {"bytes": 10**9}}}
-    # Worked out by hand, F = 2:
-    #   a GB read from slow memory instead of DRAM costs 1/25 - 1/100 = 0.03 s,
-    #   a GB written to it 1/10 - 1/50 = 0.08 s
-    #   T_wall' = 1.25 - 0.25 (tracer overhead)                     = 1.00
-    #   copies: 1 GB slow->fast at 0.03 + 1 GB fast->slow at 0.08   = 0.11
-    #   reads outside slow-output kernels: (3 - 1) GB at 0.03       = 0.06
-    #   k1: max(1 GB at 0.03 + 2 GB at 0.08 = 0.19, (F-1) * 0.001)  = 0.19
-    #   k2: max(0, (F-1) * 0.5)                                     = 0.5
-    #   total 1.00 + 0.11 + 0.06 + 0.19 + 0.5                       = 1.86
-    #   combine="sum": k1 pays 0.19 + 0.001, k2 0 + 0.5; total      = 1.861
-    got = cnn.modelled_time(1.25, stats, tr, profile, slow_output_factor=2.0)
-    assert got == pytest.approx(1.86, rel=1e-12)
-    summed = cnn.modelled_time(1.25, stats, tr, profile, slow_output_factor=2.0, combine="sum")
-    assert summed == pytest.approx(1.861, rel=1e-12)
-    assert "max(" in cnn.FORMULA and "T_wall'" in cnn.FORMULA
+@pytest.mark.parametrize("setup,budget", [("LM", "48KiB"), ("LMP", "48KiB"), ("none", "96KiB"),
+                                          ("2lm", "16KiB")])
+def test_a_real_run_makes_the_decisions_of_the_replay_of_its_trace(reference, setup, budget):
+    _, t, fast = _traced(setup, budget, steps=3)
+    timed = cnn.with_reference_times(t, reference)
+    real = evaluate(timed)
+    policy = cnn.make_policy(setup, **({"dram_cache": budget} if setup == "2lm" else {}))
+    rp = ca.replay(timed, policy=policy, fast=fast, slow="64MiB")
+    assert rp.decisions == t.decisions
+    assert [s.moved for s in rp.result.steps] == [s.moved for s in real.result.steps]
+    assert len(real.result.steps) == 3
+    for a, b in zip(real.result.steps, rp.result.steps):
+        assert b.time == pytest.approx(a.time, rel=0.01)
+        assert (b.kernel_read, b.kernel_write) == (a.kernel_read, a.kernel_write)
+    if setup != "2lm":
+        assert real.result.total.bytes_moved > 0        # the budget really moved data
 
 
 def test_demo_returns_stats_of_a_run_under_a_quarter_budget():
@@ -474,8 +584,38 @@ def test_benchmark_runs_every_setup_end_to_end(tmp_path, capsys):
     for setup in cnn.SETUPS:
         assert f"{setup:>9} " in out
     assert "Modelled time" in out and "target: LM slow-memory writes" in out
+    assert "target: LM modelled time / fast-only modelled time" in out
     for f in ("resnet18_occupancy.png", "resnet18_traffic.png", "resnet18_sweep.png"):
         assert (tmp_path / f).stat().st_size > 1000
+    saved = list((tmp_path / "times").iterdir())
+    assert len(saved) == 1 and "measured now" in out
+
+
+def _policy_lines(out):
+    """The policy-figure lines of a benchmark report (the table and the target lines)."""
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("policy figures"))
+    end = next(i for i, line in enumerate(lines) if line.startswith("wall-clock figures"))
+    return lines[start:end] + [line for line in lines if line.startswith(("target", "  floor"))]
+
+
+def test_benchmark_prints_the_same_policy_figures_twice(tmp_path, capsys):
+    bench = _bench()
+    argv = ["--model", "vgg", "--depth", "11", "--batch", "2", "--image", "16", "--width", "16",
+            "--backend", "numpy", "--fast", "20%", "--iterations", "2", "--setup",
+            "2lm,LM,LMP,fast-only", "--no-progress", "--outdir", str(tmp_path)]
+    outs = []
+    for _ in range(2):
+        assert bench.main(argv) == 0
+        outs.append(capsys.readouterr().out)
+    assert "measured now" in outs[0] and "loaded from" in outs[1]
+    assert _policy_lines(outs[0]) == _policy_lines(outs[1])
+    assert len(_policy_lines(outs[0])) >= 7
+    other = tmp_path / "other.trace.gz"                 # times of another model are refused
+    (tmp_path / "times").rename(tmp_path / "t")
+    os.replace(next((tmp_path / "t").iterdir()), other)
+    with pytest.raises(SystemExit, match="holds the kernel times of"):
+        bench.main(argv[:3] + ["13"] + argv[4:] + ["--times", str(other)])
 
 
 def test_torch_peer_runs_in_its_own_process_and_reports_step_times():

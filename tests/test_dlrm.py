@@ -130,6 +130,37 @@ def test_table_kinds_train_identically(m):
                                        err_msg=f"{kind} {k}")
 
 
+MLP_KERNELS = {"load_dense_input", "dense_forward", "copy_bottom_features", "dot_interaction",
+               "bce_with_logits", "relu_backward", "dense_backward_weights",
+               "dense_backward_data", "dot_interaction_backward", "copy_bottom_gradient",
+               "sgd_update"}
+
+
+@pytest.mark.parametrize("kind", ["fast", "simple", "static", "dynamic"])
+def test_a_traced_training_run_has_named_kernels_and_a_step_mark_per_step(m, kind):
+    cfg = configs.tiny(lr=0.3)
+    model = DLRM(cfg, manager=m, backend="numpy", table_kind=kind, cache=0.2, page_rows=4)
+    batches = [random_batch(cfg, seed=s, distribution="zipf") for s in range(3)]
+    with ca.trace(m) as t:
+        model.train(batches)
+    t.validate()
+    assert t.steps == 3
+    groups = t.step_kernels()
+    assert len(groups) == 3
+    for g in groups:
+        names = [t.kernels[k][0] for k in g]
+        assert set(names) <= MLP_KERNELS | {"embedding_lookup", "embedding_update",
+                                            "embedding_writeback"}
+        assert {"dense_forward", "embedding_lookup", "embedding_update", "sgd_update"} <= set(names)
+        # One ensemble lookup and update, plus one nested in it per cached table.
+        per_table = cfg.ntables if kind in ("static", "dynamic") else 0
+        assert names.count("embedding_lookup") == names.count("embedding_update") == 1 + per_table
+    lookups = [t.kernels[k] for k in groups[-1] if t.kernels[k][0] == "embedding_lookup"]
+    assert lookups[0][2]                                # the ensemble kernel writes the features
+    if kind in ("fast", "simple"):                      # and reads every table
+        assert len(lookups[0][1]) == cfg.ntables
+
+
 def test_loss_falls_on_learnable_synthetic_data(m):
     cfg = configs.tiny(batch_size=256, lr=0.5)
     model = DLRM(cfg, manager=m, table_kind="dynamic", backend=BACKENDS[-1])

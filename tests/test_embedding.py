@@ -36,6 +36,31 @@ def _tables(m, n, fs, init):
     }
 
 
+def test_table_operations_are_named_kernels_in_traces(m):
+    n, fs = 64, 8
+    init = _init(n, fs)
+    tables = _tables(m, n, fs, init)
+    rng = np.random.default_rng(5)
+    idx, off = _bags(rng, n, 16, 4)
+    dout = rng.standard_normal((16, fs)).astype(np.float32)
+    for name, table in tables.items():
+        with ca.trace(m) as t:
+            table.lookup(idx, off)
+            table.update(idx, off, dout, 0.1)
+            if name == "dynamic":
+                table.flush_dirty(0)
+        t.validate()
+        names = [k[0] for k in t.kernels]
+        want = ["embedding_lookup", "embedding_update"]
+        assert names == want + (["embedding_writeback"] if name == "dynamic" else []), name
+        sids = {k[0]: k for k in t.kernels}
+        lookup = sids["embedding_lookup"]
+        assert len(lookup[2]) == (2 if name == "dynamic" else 1), name   # out (+ the pool filled)
+    with ca.trace(m) as t:
+        E.make_table("static", n, fs, manager=m, init=init, cache=0.5, page_rows=16, name="s2")
+    assert [k[0] for k in t.kernels] == ["embedding_init", "embedding_cache_rows"]
+
+
 @pytest.mark.parametrize("fs", [1, 16, 17])
 def test_lookup_equals_torch_embedding_bag(m, fs):
     torch = pytest.importorskip("torch")

@@ -115,3 +115,92 @@ def test_concurrent_kernels_from_several_threads():
             t.join()
         assert results == {i: 3000.0 * (i + 50) for i in range(4)}
         m.check()
+
+
+# ---- background copies (prefetch/evict with wait=False) ------------------------------------------
+
+def run_with_background_mover(m, arrays, body, threads=2):
+    """body() runs while `threads` threads issue background prefetches, evictions and cancels
+    of the arrays (and allocate under pressure)."""
+    stop = threading.Event()
+    errors = []
+
+    def mover(seed):
+        rng = np.random.default_rng(seed)
+        try:
+            while not stop.is_set():
+                x = arrays[int(rng.integers(len(arrays)))]
+                r = rng.random()
+                if r < 0.4:
+                    ca.evict(x, wait=False)
+                elif r < 0.8:
+                    ca.prefetch(x, force=bool(rng.random() < 0.5), wait=False)
+                elif r < 0.9:
+                    m.cancel(x.object)
+                else:
+                    ca.zeros(6000, manager=m)          # memory pressure: forced evictions
+                if rng.random() < 0.02:
+                    m.defrag("fast")
+        except Exception as e:   # pragma: no cover - reported by the assertion below
+            errors.append(e)
+
+    ts = [threading.Thread(target=mover, args=(i,)) for i in range(threads)]
+    for t in ts:
+        t.start()
+    try:
+        body()
+    finally:
+        stop.set()
+        for t in ts:
+            t.join()
+    assert not errors, errors
+    assert m.wait_copies(10)
+
+
+def test_background_moves_never_tear_a_piecewise_write():
+    with ca.Manager(fast="128KiB", slow="4MiB", granularity=256) as m:
+        x = ca.zeros(4000, manager=m)
+
+        def body():
+            for k in range(1, 150):
+                with ca.writable(x) as a:
+                    for chunk in range(0, 4000, 100):   # a slow, piecewise write
+                        a[chunk:chunk + 100] = k
+                with ca.readable(x) as a:
+                    assert (a == k).all(), f"torn array at step {k}: {np.unique(a)}"
+
+        run_with_background_mover(m, [x], body)
+        m.check()
+
+
+def test_kernels_on_many_threads_with_background_moves():
+    with ca.Manager(fast="192KiB", slow="8MiB", granularity=256) as m:
+        xs = [ca.full(2000, float(i), manager=m) for i in range(8)]
+        results, errors = {}, []
+
+        def worker(i):
+            try:
+                x = xs[i]
+                for _ in range(60):
+                    x += 1                                  # in place: read and write
+                    with ca.readable(x) as a:
+                        if not (a == a[0]).all():           # every element moved together
+                            raise AssertionError(f"torn array {i}: {np.unique(a)}")
+                results[i] = float(x[0])
+            except Exception as e:   # pragma: no cover - reported below
+                errors.append(e)
+
+        def body():
+            ts = [threading.Thread(target=worker, args=(i,)) for i in range(len(xs))]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join()
+
+        run_with_background_mover(m, xs, body)
+        assert not errors, errors
+        assert results == {i: i + 60.0 for i in range(len(xs))}
+        for i, x in enumerate(xs):
+            assert_eq(x, np.full(2000, i + 60.0), exact=True)
+        stats = m.stats()
+        assert stats["events"]["copy_async"]["count"] > 0

@@ -1,13 +1,18 @@
-"""Training machinery: a Session (manager, backend, annotations, tracer), Param, kernel calls, SGD.
+"""Training machinery: a Session (manager, backend, annotations), Param, kernel calls, SGD.
 
 Every kernel runs through ``Session.kernel``: it prefetches the kernel's arrays (forced), opens
-pinned ``ca.readable``/``ca.writable`` scopes, calls the backend on plain ndarrays, reports the
-read and write sets to an optional tracer, and soft-evicts the inputs (dissertation Listing 4.6).
+one pinned ``ca.kernel(name, reads, writes)`` scope (a named kernel in ``ca.trace`` traces),
+calls the backend on plain ndarrays and soft-evicts the inputs (dissertation Listing 4.6).
+
+Marks (what ``ca.trace`` records and policies' ``on_layer``/``on_step`` hooks see):
+``Session.rrule`` marks a layer (``ca.mark_layer``) when a unit's forward has run and again when
+its pullback has run (cleanup included). Models call ``rrule`` for their top-level units only
+(a ResNet block, a DenseNet dense layer, a VGG conv/relu/pool layer), so one step of a model of
+N units has 2N layer marks: mark l < N ends the forward of unit l, mark N + j ends the pullback
+of unit N - 1 - j. ``train_step`` marks the step (``ca.mark_step``) at the end of each iteration.
 """
 
 from __future__ import annotations
-
-import time
 
 import numpy as np
 
@@ -18,7 +23,6 @@ from ..backend import get_backend
 __all__ = ["Session", "Param", "SGD", "Unit"]
 
 F32 = np.dtype(np.float32)
-_perf = time.perf_counter
 
 
 def _prefetch_matters(policy):
@@ -65,21 +69,20 @@ class Param:
 
 @ca.register_leaf_type
 class Session:
-    """What the layers run with: the manager, the backend module, the annotation switch, a tracer.
+    """What the layers run with: the manager, the backend module and the annotation switch.
 
-    ``annotations=False`` runs the same code without prefetch/softevict/cleanup/noescape calls.
-    ``tracer`` (see ``cachedarrays.models.cnn.trace``) sees each kernel's read and write sets.
+    ``annotations=False`` runs the same code without prefetch/softevict/cleanup/noescape calls
+    (the layer marks are made either way). Record what runs with ``ca.trace(session.m)``.
     ``fused``: an optimizer applied to each parameter inside the backward pass, right after its
     gradient is computed (``train_step`` sets it for the duration of a fused step).
     """
 
-    def __init__(self, manager, backend="numpy", annotations=True, tracer=None, dtype=F32):
+    def __init__(self, manager, backend="numpy", annotations=True, dtype=F32):
         # The annotation walkers meet the session in every pullback closure; it holds no arrays
         # of its own, so it is registered as a leaf type and they never look inside it.
         self.m = manager
         self.be = get_backend(backend) if isinstance(backend, str) else backend
         self.annotations = bool(annotations)
-        self.tracer = tracer
         self.dtype = np.dtype(dtype)
         self.fused = None
         # Skip annotation walks that cannot do anything under this policy (the results are the
@@ -132,20 +135,15 @@ class Session:
     def kernel(self, name, fn, reads, writes):
         """Run fn(*read_views, *write_views) on pinned ndarray views; None entries pass through.
 
-        An array may appear in both reads and writes (an in-place kernel); it is pinned twice.
+        The views come from ``ca.kernel(name, reads, writes)``: one kernel named ``name`` in
+        traces, with these read and write sets. An array may appear in both reads and writes
+        (an in-place kernel); it is pinned twice.
         """
         ann = self.annotations
         if ann and self._prefetches:
             ca.prefetch(reads, writes, force=True)
-        with ca.access(reads, writes) as views:
-            tr = self.tracer
-            if tr is None:
-                result = fn(*views)
-            else:
-                nr = len(reads)
-                t0 = _perf()
-                result = fn(*views)
-                tr.record(name, reads, writes, views[:nr], views[nr:], _perf() - t0)
+        with ca.kernel(name, reads, writes) as views:
+            result = fn(*views)
         if ann and self._softevicts:
             ca.softevict(reads)
         return result
@@ -159,12 +157,25 @@ class Session:
         afterwards frees what it captured, the output and dy (``cleanup``) except the unit's
         parameters, its input and its result, and except what anything else still refers to
         (a caller's ``y``). The policy's cleanup switch turns both off.
+
+        A layer mark follows the forward and another the pullback (see the module docstring);
+        without annotations too, so traces of both have the same layers.
         """
+        m = self.m
         if not self.annotations:
-            return unit.forward(self, x)
+            y, pullback = unit.forward(self, x)
+            ca.mark_layer(m)
+
+            def marked_pullback(dy):
+                dx = pullback(dy)
+                ca.mark_layer(m)
+                return dx
+
+            return y, marked_pullback
         # cleanup frees only what nothing outside its argument refers to, so the wrapper holds
         # the output and the pullback in this list alone and hands dy over to it as well.
         captured = list(ca.noescape(unit.forward)(self, x))
+        ca.mark_layer(m)
 
         def pullback_wrapper(dy):
             # The unit is part of the result so that its new gradients are not temporaries.
@@ -175,6 +186,7 @@ class Session:
                 ca.cleanup(captured, keep=ca.preserve(unit, x, dx))
             finally:
                 del captured[2:]
+            ca.mark_layer(m)
             return dx
 
         return captured[0], pullback_wrapper

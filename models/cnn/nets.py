@@ -333,6 +333,8 @@ def train_step(s, model, x, labels, optimizer, defrag=True, fused=True):
     the data gradient that needs the old weights) is computed, and free the gradient at once, so
     gradients never outlive their layer; bitwise the same weights as ``fused=False``, which
     applies every update after the backward pass (as the optimizer step usually is).
+
+    The iteration ends with a step mark (``ca.mark_step``): a trace of N iterations has N steps.
     """
     m = s.m
     own = []
@@ -374,4 +376,5 @@ def train_step(s, model, x, labels, optimizer, defrag=True, fused=True):
         grads.clear()
         if defrag:
             m.defrag("fast")
+    ca.mark_step(m)
     return loss

@@ -14,9 +14,16 @@ fast-only  FastOnly policy, fast budget = everything (the all-DRAM reference)
 2lm-none   2LM:0 — the same without cleanup / noescape
 =========  ==================================================================================
 
-The CachedArrays setups use the LRU policy's presets (``LRU(preset="CA:LM")``).
+The CachedArrays setups use the LRU policy's presets (``LRU(preset="CA:LM")``); the 2LM setups
+the ``MemoryMode`` policy (SlowOnly placement plus a simulated DRAM cache whose per-kernel
+traffic feeds the cost model).
 Sizes: ``fast`` is always the manager's fast memory; ``dram_cache`` is the simulated DRAM
 cache of the 2LM setups (whose manager keeps every array in slow memory).
+
+Policy figures (modelled time, stall, slow-memory traffic, bytes moved, peak fast occupancy)
+come from the cost model: each iteration is recorded with ``ca.trace`` and evaluated with the
+kernel times of a fast-only reference run (``fast_only_reference``), never with its own wall
+time; see models/cnn/trace.py. Wall times are reported separately.
 """
 
 from __future__ import annotations
@@ -27,17 +34,21 @@ import time
 import numpy as np
 
 import cachedarrays as ca
-from cachedarrays.policies import LRU, FastOnly, SlowOnly
-from cachedarrays.policies.memorymode import MemoryModeCache
+from cachedarrays.policies import LRU, FastOnly, MemoryMode
+from cachedarrays.trace import StableIds
 
 from .core import SGD, Session
 from .nets import build, train_step
-from .trace import KernelTracer, modelled_time
+from .trace import evaluate, figures
 
 log = logging.getLogger(__name__)
 
-__all__ = ["SETUPS", "Trainer", "check_setup", "dram_budget", "make_policy", "make_session",
-           "measure_footprint", "parse_budget", "run", "synthetic_batch"]
+__all__ = ["SETUPS", "Trainer", "check_setup", "dram_budget", "fast_only_reference",
+           "make_policy", "make_session", "measure_footprint", "parse_budget", "run",
+           "synthetic_batch", "REFERENCE_ITERATIONS"]
+
+#: Fast-only iterations of a reference run: the first warms up, the others give the medians.
+REFERENCE_ITERATIONS = 4
 
 SETUPS = ("none", "L", "LM", "LMP", "fast-only", "2lm", "2lm-none")
 _LRU_PRESETS = {"none": "CA:0", "L": "CA:L", "LM": "CA:LM", "LMP": "CA:LMP"}
@@ -89,38 +100,50 @@ def dram_budget(setup, size):
     return {"fast": 0, "dram_cache": size} if _is_2lm(check_setup(setup)) else {"fast": size}
 
 
-def make_policy(setup):
-    """A fresh policy object for setup."""
+def _need_dram_cache(setup):
+    return ValueError(f"setup {setup!r} keeps every array in slow memory behind a "
+                      "simulated DRAM cache; give its size as dram_cache= "
+                      "(e.g. dram_cache='64MiB')")
+
+
+def make_policy(setup, dram_cache=None, line_size=64):
+    """A fresh policy object for setup; the 2LM setups need the DRAM cache's size.
+
+    2LM: ``MemoryMode`` (SlowOnly placement, a simulated direct-mapped cache of dram_cache
+    bytes with line_size-byte lines, ``m.policy.cache``; cleanup on for 2lm and off for
+    2lm-none). A cache smaller than one line is no cache: every byte goes to slow memory.
+    """
     setup = check_setup(setup)
     if setup in _LRU_PRESETS:
         return LRU(preset=_LRU_PRESETS[setup])
     if setup == "fast-only":
         return FastOnly()
-    p = SlowOnly()
-    p.allows_cleanup = setup == "2lm"
-    return p
+    if dram_cache is None:
+        raise _need_dram_cache(setup)
+    return MemoryMode(line_size=int(line_size),
+                      capacity=ca.parse_size(dram_cache, "DRAM cache size"),
+                      cleanup=setup == "2lm")
 
 
 def make_session(setup, fast, slow, backend="numpy", line_size=64, event_log=None,
                  annotations=True, dram_cache=None):
     """(manager, session) for setup with ``fast`` bytes of fast memory and ``slow`` of slow.
 
-    dram_cache: the simulated DRAM cache's size, required by (and only by) the 2LM setups.
+    dram_cache: the simulated DRAM cache's size, required by (and only by) the 2LM setups
+    (``m.policy.cache``). The manager gives objects stable ids from the start (so the weights
+    have allocation-site ids in traces, like every other array).
     """
     setup = check_setup(setup)
     fast = ca.parse_size(fast, "fast memory size")
-    cache = None
     if _is_2lm(setup):
         if dram_cache is None:
-            raise ValueError(f"setup {setup!r} keeps every array in slow memory behind a "
-                             "simulated DRAM cache; give its size as dram_cache= "
-                             "(e.g. dram_cache='64MiB')")
-        cache = MemoryModeCache(max(ca.parse_size(dram_cache, "DRAM cache size"), line_size),
-                                line_size)
+            raise _need_dram_cache(setup)
     elif dram_cache is not None:
         raise _no_dram_cache(setup, dram_cache)
-    m = ca.Manager(fast=fast, slow=slow, policy=make_policy(setup), event_log=event_log)
-    s = Session(m, backend, annotations=annotations, tracer=KernelTracer(m, cache))
+    m = ca.Manager(fast=fast, slow=slow, policy=make_policy(setup, dram_cache, line_size),
+                   event_log=event_log)
+    StableIds.of(m)
+    s = Session(m, backend, annotations=annotations)
     return m, s
 
 
@@ -132,18 +155,43 @@ def synthetic_batch(model, seed=0):
     return x, y
 
 
-def measure_footprint(model_name, depth, backend="numpy", fused=True, **shape):
-    """Peak bytes in use during one training iteration with everything in fast memory."""
+def fast_only_reference(model_name, depth, backend="numpy", fused=True,
+                        iterations=REFERENCE_ITERATIONS, seed=0, **shape):
+    """The kernel times of a model: a trace (``ca.Trace``) of ``iterations`` fast-only training
+    iterations whose kernel times are the medians over the iterations after the first
+    (``Trace.median_times``). ``meta["footprint"]``: peak bytes in fast memory during the last
+    iteration (the measured footprint); ``meta["reference"]``: what was run.
+
+    Every setup's modelled time uses these times (see ``trace.evaluate``); save the trace
+    (``Trace.save``) to give later runs the same figures.
+    """
+    if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 1:
+        raise ValueError(f"iterations must be a number of iterations >= 1, got {iterations!r}")
     model = build(model_name, depth, **shape)
     est = model.footprint_estimate()
     m, s = make_session("fast-only", int(est * 1.5) + (16 << 20), 1 << 20, backend)
     with m:
-        model.init(s)
-        x, y = synthetic_batch(model)
-        train_step(s, model, x, y, SGD(0.01), fused=fused)
-        m.reset_stats()
-        train_step(s, model, x, y, SGD(0.01), fused=fused)
-        return m.stats()["devices"]["fast"]["peak_bytes"]
+        model.init(s, seed)
+        opt = SGD(0.01)
+        with ca.trace(m) as t:
+            for i in range(iterations):
+                x, y = synthetic_batch(model, seed + i)
+                if i == iterations - 1:
+                    m.reset_stats()
+                train_step(s, model, x, y, opt, fused=fused)
+        footprint = m.stats()["devices"]["fast"]["peak_bytes"]
+    ref = t.median_times(skip=1)
+    ref.meta["footprint"] = footprint
+    ref.meta["reference"] = dict(model=model.name, backend=backend if isinstance(backend, str) else
+                                 getattr(backend, "__name__", "?"),
+                                 fused=bool(fused), iterations=iterations, **shape)
+    return ref
+
+
+def measure_footprint(model_name, depth, backend="numpy", fused=True, **shape):
+    """Peak bytes in use during one training iteration with everything in fast memory."""
+    return fast_only_reference(model_name, depth, backend, fused, iterations=2,
+                               **shape).meta["footprint"]
 
 
 class Trainer:
@@ -156,12 +204,19 @@ class Trainer:
     2LM manager has no fast memory. fast-only always gets fast memory for everything.
     ``budget`` (and each record's "budget") is the setup's DRAM in bytes.
     fused: apply SGD inside the backward pass (the default; see ``train_step``).
+
+    reference: the fast-only kernel times (``fast_only_reference`` of the same model, shapes,
+    backend and fused setting; a saved one loads with ``ca.Trace.load``). By default one is
+    measured when first needed: at construction if the footprint is (a percentage budget or
+    the fast-only setup, with no ``footprint`` given; the reference's footprint is then the
+    measured one), else at the first step. profile: the cost model's profile of the slow tier
+    (a name in ``cachedarrays.costmodel.PROFILES`` or a Profile; None: optane).
     """
 
     def __init__(self, model_name="resnet", depth=18, setup="LM", fast=None, backend="numpy",
                  batch=4, image=16, channels=3, classes=10, width=8, lr=0.01, seed=0,
                  profile=None, slow=None, event_log=None, line_size=64, fused=True,
-                 footprint=None, dram_cache=None):
+                 footprint=None, dram_cache=None, reference=None):
         setup = check_setup(setup)
         if _is_2lm(setup):
             fast = 0 if fast is None else fast
@@ -172,9 +227,14 @@ class Trainer:
             fast = "25%" if fast is None else fast
         shape = dict(batch=batch, image=image, channels=channels, classes=classes, width=width)
         model = build(model_name, depth, **shape)
+        self._reference_args = (model_name, depth, backend, fused, shape)
+        if footprint is None and reference is not None:
+            footprint = reference.meta.get("footprint")
         if footprint is None and (_is_percentage(fast) or _is_percentage(dram_cache)
                                   or setup == "fast-only"):
-            footprint = measure_footprint(model_name, depth, backend, fused=fused, **shape)
+            reference = fast_only_reference(model_name, depth, backend, fused, **shape)
+            footprint = reference.meta["footprint"]
+        self._reference = reference
         if setup == "fast-only":
             fast = int(model.footprint_estimate() * 1.5) + (16 << 20)
         else:
@@ -201,23 +261,45 @@ class Trainer:
         model.init(self.s, seed)
         self.opt = SGD(lr)
 
+    @property
+    def reference(self):
+        """The fast-only reference trace (measured now if none was given or measured yet)."""
+        if self._reference is None:
+            name, depth, backend, fused, shape = self._reference_args
+            self._reference = fast_only_reference(name, depth, backend, fused, **shape)
+        return self._reference
+
     def step(self):
-        """Run one iteration; returns its record (loss, wall, stats, trace, modelled, ...)."""
+        """Run one iteration, recorded with ``ca.trace``; returns its record.
+
+        Record keys: iteration, setup, loss, wall (seconds of the training step on this
+        machine), budget, footprint, stats (``m.stats()`` of the iteration), trace (its
+        ``ca.Trace``: one step), run (``cachedarrays.replay.Run`` of the trace with the
+        reference's kernel times), step (the cost model's StepResult), figures (``figures(step)``),
+        modelled (= step.time), stall (= step.stall) and memory_mode (the 2LM cache's counters
+        of the iteration, or None).
+        """
         m, s, it = self.m, self.s, self.iteration
+        ref = self.reference
         x, y = synthetic_batch(self.model, self.seed + it)
         m.reset_stats()
-        s.tracer.reset()
+        cache = getattr(m.policy, "cache", None)
+        if cache is not None:
+            cache.reset(keep_contents=True)      # per-iteration counters of a warm cache
         m.count("cnn_iteration", 0, iteration=it)
-        t = time.perf_counter()
-        loss = train_step(s, self.model, x, y, self.opt, fused=self.fused)
-        wall = time.perf_counter() - t
+        with ca.trace(m) as tr:
+            t = time.perf_counter()
+            loss = train_step(s, self.model, x, y, self.opt, fused=self.fused)
+            wall = time.perf_counter() - t
         stats = m.stats()
         self.iteration += 1
+        run = evaluate(tr, ref, self.profile)
+        step = run.last
         rec = {"iteration": it, "setup": self.setup, "loss": loss, "wall": wall,
                "budget": self.budget, "footprint": self.footprint, "stats": stats,
-               "trace": s.tracer.summary(),
-               "modelled": modelled_time(wall, stats, s.tracer, self.profile),
-               "modelled_sum": modelled_time(wall, stats, s.tracer, self.profile, combine="sum")}
+               "trace": tr, "run": run, "step": step, "figures": figures(step),
+               "modelled": step.time, "stall": step.stall,
+               "memory_mode": cache.stats().as_dict() if cache is not None else None}
         log.debug("%s setup %s iteration %d: loss %.4f, wall %.3f s, modelled %.3f s",
                   self.model.name, self.setup, it, loss, wall, rec["modelled"])
         return rec
@@ -229,14 +311,19 @@ class Trainer:
 
 def run(model_name="resnet", depth=18, setup="LM", fast=None, iterations=2, backend="numpy",
         batch=4, image=16, channels=3, classes=10, width=8, lr=0.01, seed=0, profile=None,
-        slow=None, callback=None, event_log=None, line_size=64, fused=True, dram_cache=None):
-    """Train a model for some iterations in one setup; returns a list of per-iteration dicts.
+        slow=None, callback=None, event_log=None, line_size=64, fused=True, dram_cache=None,
+        footprint=None, reference=None):
+    """Train a model for some iterations in one setup; returns a list of per-iteration dicts
+    (``Trainer.step`` records).
 
     fast, dram_cache: as for ``Trainer`` (bytes, a size string or a percentage of the measured
     footprint such as "25%"); ``dram_budget(setup, size)`` gives every setup the same DRAM.
+    reference: fast-only kernel times (``fast_only_reference``); pass one to several runs to
+    give them the same times (and footprint).
     """
     tr = Trainer(model_name, depth, setup, fast, backend, batch, image, channels, classes, width,
-                 lr, seed, profile, slow, event_log, line_size, fused, dram_cache=dram_cache)
+                 lr, seed, profile, slow, event_log, line_size, fused, footprint=footprint,
+                 dram_cache=dram_cache, reference=reference)
     out = []
     try:
         for _ in range(iterations):

@@ -4,7 +4,9 @@ CachedEmbeddings (§5.4, Fig. 5.7), a per-row software cache in fast memory.
 Every table has ``name``, ``nvectors``, ``featuresize``, ``dtype``, a row-address accessor
 ``rowpointer(i, context)`` and ``lookup`` / ``update`` built on the kernels of
 :mod:`cachedarrays.models.dlrm.kernels`.  Kernels run on ndarray views handed out by pinned
-``ca.readable`` / ``ca.writable`` scopes; no view outlives its scope.
+``ca.kernel`` scopes (named kernels in ``ca.trace`` traces: ``embedding_lookup``,
+``embedding_update``, ``embedding_cache_rows``, ``embedding_writeback``, ``embedding_init``);
+no view outlives its scope.
 
 * :class:`SimpleTable` keeps all rows contiguous in one CachedArray, placed by the manager's
   policy or explicitly in fast or slow memory.
@@ -122,11 +124,17 @@ def _copy_home(base, cache, backedge, slots):
 
 # ---- small utilities ---------------------------------------------------------------------
 
-def _scope(x, write=False):
-    """A context giving an ndarray for x: a pinned scope for a CachedArray, x itself otherwise."""
-    if isinstance(x, ca.CachedArray):
-        return ca.writable(x) if write else ca.readable(x)
-    return contextlib.nullcontext(x)
+@contextlib.contextmanager
+def _kernel(name, reads=(), writes=()):
+    """``ca.kernel(name, reads, writes)`` over the CachedArrays among reads and writes; other
+    entries (ndarrays, None) pass through as themselves. Yields the list of views (reads first).
+    """
+    args = (*reads, *writes)
+    cached = [isinstance(a, ca.CachedArray) for a in args]
+    nr = len(reads)
+    with ca.kernel(name, [a if c else None for a, c in zip(reads, cached[:nr])],
+                   [a if c else None for a, c in zip(writes, cached[nr:])]) as views:
+        yield [v if c else a for v, a, c in zip(views, args, cached)]
 
 
 def _check_dtype(dtype, name):
@@ -144,7 +152,7 @@ def _check_context(context, name):
 
 def _fill(arr, nvectors, featuresize, dtype, init, seed, name):
     """Write the initial rows: a copy of ``init`` or U(-1/sqrt(n), 1/sqrt(n)) from ``seed``."""
-    with ca.writable(arr) as a:
+    with ca.kernel("embedding_init", (), (arr,)) as (a,):
         if init is not None:
             src = np.asarray(init)
             if src.shape != (nvectors, featuresize):
@@ -299,7 +307,7 @@ class SimpleTable(EmbeddingTable):
         idx = kernels.check_indices(indices, self.nvectors, self.name)
         if out is None:
             out = self._new_output(nbags)
-        with ca.readable(self.data) as t, _scope(out, True) as o:
+        with _kernel("embedding_lookup", (self.data,), (out,)) as (t, o):
             if offsets is None:
                 kernels.lookup(t, idx, o, name=self.name, check=False)
             else:
@@ -309,7 +317,7 @@ class SimpleTable(EmbeddingTable):
 
     def update(self, indices, offsets, dout, lr):
         kernels.check_lr(lr, self.name, self.dtype)
-        with _scope(dout) as g, ca.writable(self.data) as t:
+        with _kernel("embedding_update", (dout,), (self.data,)) as (g, t):
             rows = kernels.sgd_update(t, indices, offsets, g, lr, name=self.name)
         self._account_update(rows.shape[0])
         return rows
@@ -468,26 +476,51 @@ class CachedEmbeddingTable(EmbeddingTable):
         self._stats["hits"] += hits
         self._stats["misses"] += nidx - hits
 
-    def _cache_batch(self, idx, base_view, stack):
-        """Cache the batch's uncached rows (batch-synchronous); returns the pool's view."""
+    def _scan(self, idx):
+        """Plan caching the batch's uncached rows (batch-synchronous): (hits, miss rows, slots).
+
+        The miss rows stay marked in ``where`` (see ``_scan_misses``) until ``_place`` runs;
+        on an error before that, ``_unmark`` restores them."""
         miss_rows = np.empty(idx.shape[0], dtype=np.int64)
         hits, nmiss = _scan_misses(idx, self.where, miss_rows)
+        misses = miss_rows[:nmiss]
         try:
             slots = self._allocate(nmiss)
-            if slots.size:
-                cache_view = stack.enter_context(ca.writable(self.cache))
-                _place_rows(base_view, cache_view, self.where, self.backedge, miss_rows[:nmiss],
-                            slots)
-            else:
-                cache_view = stack.enter_context(ca.readable(self.cache))
-                self.where[miss_rows[:nmiss]] = -1
         except BaseException:
-            marked = miss_rows[:nmiss]
-            self.where[marked[self.where[marked] < -1]] = -1
+            self._unmark(misses)
             raise
+        return hits, misses, slots
+
+    def _unmark(self, misses):
+        self.where[misses[self.where[misses] < -1]] = -1
+
+    def _cache_operands(self, fill):
+        """(reads, writes) of a kernel that reads the base and fills the pool (fill) or only
+        reads it: the pool's view comes second either way."""
+        if fill:
+            return (self.base,), (self.cache,)
+        return (self.base, self.cache), ()
+
+    def _place(self, base_view, cache_view, misses, slots):
+        """Copy the planned rows into their slots (inside a kernel that writes the pool)."""
+        if slots.size:
+            _place_rows(base_view, cache_view, self.where, self.backedge, misses, slots)
+        else:
+            self.where[misses] = -1
         self._stats["rows_cached"] += slots.size
-        self._stats["uncached"] += nmiss - slots.size
-        return cache_view, hits
+        self._stats["uncached"] += misses.shape[0] - slots.size
+
+    def _cache_rows(self, idx):
+        """Cache idx's uncached rows in one ``embedding_cache_rows`` kernel; returns the hits."""
+        hits, misses, slots = self._scan(idx)
+        reads, writes = self._cache_operands(slots.size > 0)
+        try:
+            with ca.kernel("embedding_cache_rows", reads, writes) as views:
+                self._place(views[0], views[1], misses, slots)
+        except BaseException:
+            self._unmark(misses)
+            raise
+        return hits
 
     def _count_hits(self, idx):
         return int(np.count_nonzero(self.where[idx] >= 0))
@@ -496,10 +529,7 @@ class CachedEmbeddingTable(EmbeddingTable):
         _check_context(context, self.name)
         i = self._row_index(i)
         if context == FORWARD and self.caching == "dynamic" and not self.frozen and self.where[i] < 0:
-            idx = np.array([i], dtype=np.int64)
-            with contextlib.ExitStack() as stack:
-                base_view = stack.enter_context(ca.readable(self.base))
-                _, hits = self._cache_batch(idx, base_view, stack)
+            hits = self._cache_rows(np.array([i], dtype=np.int64))
             self._account_lookup(1, hits)
         w = int(self.where[i])
         return (self.cache, w) if w >= 0 else (self.base, i)
@@ -524,16 +554,26 @@ class CachedEmbeddingTable(EmbeddingTable):
             out = self._new_output(nbags)
         if not ca.in_fast(self.cache):
             ca.prefetch(self.cache)
-        with contextlib.ExitStack() as stack:
-            base_view = stack.enter_context(ca.readable(self.base))
-            if cache:
-                cache_view, hits = self._cache_batch(idx, base_view, stack)
-            else:
-                cache_view = stack.enter_context(ca.readable(self.cache))
-                hits = self._count_hits(idx)
-            o = stack.enter_context(_scope(out, True))
-            kernels.lookup_sum_indirect(base_view, cache_view, self.where, idx, off, o,
-                                        name=self.name, check=False)
+        # One kernel: read the base, fill the pool with the batch's uncached rows (cache) or
+        # only read it, write the output.
+        misses = None
+        if cache:
+            hits, misses, slots = self._scan(idx)
+            reads, writes = self._cache_operands(slots.size > 0)
+        else:
+            hits = self._count_hits(idx)
+            reads, writes = self._cache_operands(False)
+        try:
+            with _kernel("embedding_lookup", reads, (*writes, out)) as views:
+                base_view, cache_view, o = views[0], views[1], views[-1]
+                if misses is not None:
+                    self._place(base_view, cache_view, misses, slots)
+                kernels.lookup_sum_indirect(base_view, cache_view, self.where, idx, off, o,
+                                            name=self.name, check=False)
+        except BaseException:
+            if misses is not None:
+                self._unmark(misses)
+            raise
         self._account_lookup(idx.shape[0], hits)
         return out
 
@@ -541,7 +581,7 @@ class CachedEmbeddingTable(EmbeddingTable):
         kernels.check_lr(lr, self.name, self.dtype)
         nbags = np.shape(dout)[0]
         idx, off = self._prepare(indices, offsets, nbags)
-        with _scope(dout) as g, ca.writable(self.base) as b, ca.writable(self.cache) as c:
+        with _kernel("embedding_update", (dout,), (self.base, self.cache)) as (g, b, c):
             # where is the table's own, always valid: only indices and offsets needed checking
             rows = kernels.sgd_update_indirect(b, c, self.where, idx, off, g, lr,
                                                name=self.name, check=False)
@@ -560,10 +600,7 @@ class CachedEmbeddingTable(EmbeddingTable):
         if rows is None:
             k = min(self.nvectors, max(self._lower_rows, 0), self.npages * self.page_rows)
             rows = np.random.default_rng(seed).choice(self.nvectors, size=k, replace=False)
-        idx = kernels.check_indices(rows, self.nvectors, self.name)
-        with contextlib.ExitStack() as stack:
-            base_view = stack.enter_context(ca.readable(self.base))
-            self._cache_batch(idx, base_view, stack)
+        self._cache_rows(kernels.check_indices(rows, self.nvectors, self.name))
         self.frozen = bool(freeze)
 
     def maintain(self):
@@ -589,7 +626,7 @@ class CachedEmbeddingTable(EmbeddingTable):
         held = self.backedge[slots]
         nrows = int(np.count_nonzero(held >= 0))
         if writeback:
-            with ca.writable(self.base) as b, ca.readable(self.cache) as c:
+            with ca.kernel("embedding_writeback", (self.cache,), (self.base,)) as (c, b):
                 copied = _drop_slots(b, c, self.where, self.backedge, self.dirty_slots, slots)
         else:
             self.where[held[held >= 0]] = -1
@@ -619,7 +656,7 @@ class CachedEmbeddingTable(EmbeddingTable):
         """Copy every dirty cached row home and mark it clean; rows stay cached."""
         slots = np.flatnonzero(self.dirty_slots).astype(np.int64)
         if slots.size:
-            with ca.writable(self.base) as b, ca.readable(self.cache) as c:
+            with ca.kernel("embedding_writeback", (self.cache,), (self.base,)) as (c, b):
                 _copy_home(b, c, self.backedge, slots)
             self.dirty_slots[slots] = 0
             self._stats["rows_written_back"] += int(slots.size)
@@ -724,13 +761,14 @@ def lookup_tables(tables, indices_list, offsets_list, out, column_offsets=None):
     cols = _columns(tables, column_offsets)
     offsets_list = _bag_offsets(indices_list, offsets_list)
     simple = [k for k, t in enumerate(tables) if isinstance(t, SimpleTable)]
-    with _scope(out, True) as o:
+    # One kernel: the SimpleTables' lookups into out (each cached table's lookup is a kernel of
+    # its own, nested in it: it writes a column block of the same out).
+    with _kernel("embedding_lookup", [tables[k].data for k in simple], (out,)) as views:
+        o = views[-1]
         if simple:
-            with contextlib.ExitStack() as stack:
-                views = [stack.enter_context(ca.readable(tables[k].data)) for k in simple]
-                kernels.lookup_many(views, [indices_list[k] for k in simple],
-                                    [offsets_list[k] for k in simple], o, cols[simple],
-                                    names=[tables[k].name for k in simple])
+            kernels.lookup_many(views[:-1], [indices_list[k] for k in simple],
+                                [offsets_list[k] for k in simple], o, cols[simple],
+                                names=[tables[k].name for k in simple])
             for k in simple:
                 tables[k]._account_lookup(np.shape(indices_list[k])[0])
         for k, t in enumerate(tables):
@@ -750,13 +788,14 @@ def update_tables(tables, indices_list, offsets_list, dout, lr, column_offsets=N
     cols = _columns(tables, column_offsets)
     offsets_list = _bag_offsets(indices_list, offsets_list)
     simple = [k for k, t in enumerate(tables) if isinstance(t, SimpleTable)]
-    with _scope(dout) as g:
+    # One kernel: the SimpleTables' updates from dout (each cached table's update is a kernel
+    # of its own, nested in it: it reads a column block of the same dout).
+    with _kernel("embedding_update", (dout,), [tables[k].data for k in simple]) as views:
+        g = views[0]
         if simple:
-            with contextlib.ExitStack() as stack:
-                views = [stack.enter_context(ca.writable(tables[k].data)) for k in simple]
-                rows = kernels.update_many(views, [indices_list[k] for k in simple],
-                                           [offsets_list[k] for k in simple], g, lr, cols[simple],
-                                           names=[tables[k].name for k in simple])
+            rows = kernels.update_many(views[1:], [indices_list[k] for k in simple],
+                                       [offsets_list[k] for k in simple], g, lr, cols[simple],
+                                       names=[tables[k].name for k in simple])
             for k, r in zip(simple, rows):
                 tables[k]._account_update(r.shape[0])
         for k, t in enumerate(tables):

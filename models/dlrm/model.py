@@ -247,8 +247,7 @@ class DLRM:
     def _mlp_forward(self, layers, x, outs):
         be = self.backend
         for layer, y in zip(layers, outs):
-            with ca.readable(x) as xv, ca.readable(layer.w) as w, ca.readable(layer.b) as bv, \
-                    ca.writable(y) as yv:
+            with ca.kernel("dense_forward", (x, layer.w, layer.b), (y,)) as (xv, w, bv, yv):
                 be.dense_forward(xv, w, bv, yv)
                 if layer.relu:
                     be.relu_forward(yv, yv)
@@ -261,22 +260,22 @@ class DLRM:
         for i in range(len(layers) - 1, -1, -1):
             layer, y, dy = layers[i], outs[i], douts[i]
             x = outs[i - 1] if i > 0 else x0
-            with ca.writable(dy) as dyv:
-                if layer.relu:
-                    with ca.readable(y) as yv:
-                        be.relu_backward(dyv, yv, dyv)
-                with ca.readable(x) as xv, ca.writable(layer.dw) as dw, ca.writable(layer.db) as db:
-                    be.dense_backward_weights(xv, dyv, dw, db)
-                dx = douts[i - 1] if i > 0 else dx0
-                if dx is not None:
-                    with ca.readable(layer.w) as w, ca.writable(dx) as dxv:
-                        be.dense_backward_data(dyv, w, dxv)
+            if layer.relu:                      # in place on dy
+                with ca.kernel("relu_backward", (y,), (dy,)) as (yv, dyv):
+                    be.relu_backward(dyv, yv, dyv)
+            with ca.kernel("dense_backward_weights", (x, dy), (layer.dw, layer.db)) as \
+                    (xv, dyv, dw, db):
+                be.dense_backward_weights(xv, dyv, dw, db)
+            dx = douts[i - 1] if i > 0 else dx0
+            if dx is not None:
+                with ca.kernel("dense_backward_data", (dy, layer.w), (dx,)) as (dyv, w, dxv):
+                    be.dense_backward_data(dyv, w, dxv)
 
     def _sgd(self, layers, lr):
         be = self.backend
         for layer in layers:
             for p, g in ((layer.w, layer.dw), (layer.b, layer.db)):
-                with ca.writable(p) as pv, ca.readable(g) as gv:
+                with ca.kernel("sgd_update", (g,), (p,)) as (gv, pv):
                     be.sgd_update(pv, gv, lr)
 
     def _check_batch(self, batch):
@@ -308,17 +307,16 @@ class DLRM:
         b = batch.dense.shape[0]
         acts = self._buffers(b)
         t0 = time.perf_counter()
-        with ca.writable(acts["x"]) as xv:
+        with ca.kernel("load_dense_input", (), (acts["x"],)) as (xv,):
             np.copyto(xv, batch.dense, casting="same_kind")
         bot = self._mlp_forward(self.bottom, acts["x"], acts["bottom"])
         t1 = time.perf_counter()
-        with ca.writable(acts["t"]) as tv:
-            with ca.readable(bot) as bv:
-                tv[:, :fs] = bv
-            emb.lookup_tables(self.tables, batch.indices, batch.offsets, tv, self.columns)
+        with ca.kernel("copy_bottom_features", (bot,), (acts["t"],)) as (bv, tv):
+            tv[:, :fs] = bv
+        emb.lookup_tables(self.tables, batch.indices, batch.offsets, acts["t"], self.columns)
         t2 = time.perf_counter()
         if cfg.interaction == "dot":
-            with ca.readable(acts["t"]) as tv, ca.writable(acts["r"]) as rv:
+            with ca.kernel("dot_interaction", (acts["t"],), (acts["r"],)) as (tv, rv):
                 dot_interaction(tv, cfg.ntables + 1, fs, rv)
         t3 = time.perf_counter()
         z = self._mlp_forward(self.top, acts["r"], acts["top"])
@@ -346,19 +344,19 @@ class DLRM:
         z = self._forward(batch, times)
         acts = self._acts
         t0 = time.perf_counter()
-        with ca.readable(z) as zv, ca.writable(acts["dtop"][-1]) as dz:
+        with ca.kernel("bce_with_logits", (z,), (acts["dtop"][-1],)) as (zv, dz):
             loss = bce_with_logits(zv, batch.labels, dz)
         self._mlp_backward(self.top, acts["r"], acts["top"], acts["dtop"], acts["dr"])
         t1 = time.perf_counter()
         if cfg.interaction == "dot":
-            with ca.readable(acts["t"]) as tv, ca.readable(acts["dr"]) as drv, \
-                    ca.writable(acts["dt"]) as dtv:
+            with ca.kernel("dot_interaction_backward", (acts["t"], acts["dr"]), (acts["dt"],)) as \
+                    (tv, drv, dtv):
                 dot_interaction_backward(tv, drv, cfg.ntables + 1, fs, dtv)
             dt = acts["dt"]
         else:
             dt = acts["dr"]
         t2 = time.perf_counter()
-        with ca.readable(dt) as dtv, ca.writable(acts["dbottom"][-1]) as dbv:
+        with ca.kernel("copy_bottom_gradient", (dt,), (acts["dbottom"][-1],)) as (dtv, dbv):
             dbv[...] = dtv[:, :fs]
         self._mlp_backward(self.bottom, acts["x"], acts["bottom"], acts["dbottom"], None)
         self._sgd(self.bottom, lr)
@@ -367,6 +365,7 @@ class DLRM:
         emb.update_tables(self.tables, batch.indices, batch.offsets, dt, lr, self.columns)
         for table in self.tables:
             table.maintain()
+        ca.mark_step(self.manager)
         t4 = time.perf_counter()
         times["mlp"] += (t1 - t0) + (t3 - t2)
         times["interaction"] += t2 - t1

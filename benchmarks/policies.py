@@ -1,0 +1,677 @@
+"""Comparing placement policies on recorded traces (dissertation Fig. 4.10).
+
+    .venv/bin/python benchmarks/policies.py [--models resnet50,vgg16,densenet121,dlrm]
+        [--budgets 10,20,25,50,100] [--profile optane] [--traces DIR] [--record] [--plot out.png]
+
+Each model is run once for ``--steps`` training steps with everything in fast memory and recorded
+(``ca.trace``); its kernel times become the median over the steps after the first
+(``Trace.median_times``) and the trace is saved to ``--traces DIR`` (default:
+``benchmarks/.traces``). Later runs load the saved traces instead of recording again (unless
+``--record``, or the settings changed), so a second run prints bit-identical numbers. Then every policy is replayed on the trace
+(``ca.replay``: the same manager and heaps, on virtual devices) with fast memory = 10, 20, 25, 50
+and 100% of the trace's footprint, and the cost model gives each replay's modelled time, a pure
+function of (trace, decisions, device profile). Per model the table lists, for the last
+(steady-state) step: modelled time / fast-only time, stall, bytes kernels read and wrote in slow
+memory, bytes moved between tiers, peak fast occupancy; then the floor (footprint - budget: at the
+peak, at least that many live bytes are outside fast memory, so each step writes them to slow
+memory at least once) with LM's slow-memory writes (kernels + evictions) over it, and three
+targets with PASS/FAIL. Memory mode (2LM) keeps every array in slow memory behind a simulated
+direct-mapped DRAM cache of the budget's size and uses the ``<profile>-2lm`` device profile
+(optane-2lm: the bandwidth Optane reaches in memory mode) when there is one.
+
+The recording policy places everything in fast memory but declares every annotation capability,
+so the trace holds every annotation the models make (prefetch, softevict). Each policy replays
+the program *it* would have run: annotations the models skip for it are dropped (CA:0/L/LM make
+no prefetch calls and no weight soft-evictions) and, for presets without the cleanup switch
+(CA:0, CA:L), frees move to the end of their step (nothing is freed before it, as
+``train_step`` documents for that case). Lines starting with ``[wall]`` are wall-clock
+measurements of this machine (recording and replay speed); every other number is modelled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import math
+import os
+import sys
+import time
+
+# This folder holds a script named copy.py, which would shadow the standard library's `copy`
+# (numba imports it) when the folder is sys.path[0]; so import from here by file path only.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+
+import cachedarrays as ca  # noqa: E402
+from cachedarrays import costmodel  # noqa: E402
+from cachedarrays.policies import FastOnly  # noqa: E402
+from cachedarrays.registry import resolve  # noqa: E402
+
+
+def _load_common():
+    spec = importlib.util.spec_from_file_location("_policies_bench_common",
+                                                  os.path.join(_HERE, "_common.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+_common = _load_common()
+
+BUDGETS = (10, 20, 25, 50, 100)
+# (label, registered policy name, policy options)
+POLICIES = (
+    ("LRU", "lru", None),
+    ("CA:0", "lru", {"preset": "CA:0"}),
+    ("CA:L", "lru", {"preset": "CA:L"}),
+    ("CA:LM", "lru", {"preset": "CA:LM"}),
+    ("CA:LMP", "lru", {"preset": "CA:LMP"}),
+    ("FirstTouch", "firsttouch", None),
+    ("MemoryMode", "memorymode", None),
+)
+# The compared models (batch 16, 64 px) and a DLRM step; "tinycnn" is for tests and smoke runs.
+MODELS = {
+    "resnet50": dict(kind="cnn", model="resnet", depth=50, batch=16, image=64, width=1, classes=10,
+                     lr=1e-3),
+    "vgg16": dict(kind="cnn", model="vgg", depth=16, batch=16, image=64, width=1, classes=10,
+                  lr=1e-3),
+    "densenet121": dict(kind="cnn", model="densenet", depth=121, batch=16, image=64, width=1,
+                        classes=10, lr=1e-3),
+    "dlrm": dict(kind="dlrm", config="small", scale=0.02, width_scale=1.0, batch_size=2048,
+                 distribution="zipf"),
+    "tinycnn": dict(kind="cnn", model="resnet", depth=18, batch=2, image=16, width=8, classes=10,
+                    lr=1e-3),
+}
+DEFAULT_MODELS = ("resnet50", "vgg16", "densenet121", "dlrm")
+DEFAULT_TRACES = os.path.join(os.path.dirname(os.path.abspath(__file__)), ".traces")
+# (lr 1e-3: VGG-16 without batch norm diverges to NaN within 4 steps of one batch at 1e-2, and
+# kernels on NaN or denormal data do not time like a real run's.)
+# The policy targets
+TARGET_LM_25 = 1.08          # LM at 25%: modelled time <= 1.08x fast-only
+TARGET_FLOOR = 1.1           # LM's slow-memory writes <= 1.1x (footprint - budget)
+
+
+def _size(n):
+    return ca.format_size(int(n))
+
+
+# ---- recording --------------------------------------------------------------------------------
+
+class _Recording(FastOnly):
+    """FastOnly (everything in fast memory, nothing moves) that declares every annotation
+    capability, so the models make every annotation call and the trace records all of them."""
+
+    name = "fastonly-recording"
+    honours_prefetch = True
+    honours_softevict = True
+    tracks_reads = True
+
+
+def _onednn():
+    from cachedarrays.models.backend import get_backend
+    try:
+        return get_backend("onednn")
+    except Exception:                       # noqa: BLE001 - any failure: not available
+        return None
+
+
+def threads_line():
+    """The thread settings the recording runs with."""
+    parts = [f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}"]
+    try:
+        import numba
+        parts.append(f"numba {numba.get_num_threads()}")
+    except Exception:                       # noqa: BLE001 - informational only
+        pass
+    be = _onednn()
+    parts.append(f"oneDNN {be.get_threads()}" if be is not None else "oneDNN unavailable")
+    return "threads: " + ", ".join(parts)
+
+
+def set_threads(n):
+    """oneDNN's thread count (numpy/OpenBLAS and numba keep theirs)."""
+    be = _onednn()
+    if be is not None and n:
+        be.set_threads(n)
+
+
+# What the backend probe of each model kind runs: a quarter-size ResNet-50 step (the CNNs'
+# kernels) and a step of the benchmark's DLRM.
+_PROBES = {
+    "cnn": dict(kind="cnn", model="resnet", depth=50, batch=16, image=32, width=1, classes=10,
+                lr=1e-3),
+    "dlrm": None,                           # the model itself (a step takes well under a second)
+}
+
+
+def pick_backend(choice="auto", spec=None, log=print, repeats=3):
+    """The backend to record ``spec`` with: the one given, or with "auto" the faster of numpy and
+    onednn (onednn only if it loads) on a step of the model kind's probe: one warm-up step each,
+    then ``repeats`` steps each, alternating, best of each (load on the machine hits both)."""
+    if choice != "auto":
+        return choice
+    if _onednn() is None:
+        log("backend: onednn unavailable; using numpy")
+        return "numpy"
+    kind = spec["kind"] if spec else "cnn"
+    probe = _PROBES.get(kind) or spec
+    backends = ("numpy", "onednn")
+    runs = []
+    try:
+        for b in backends:
+            runs.append(_stepper(probe, b))
+        best = [math.inf] * len(backends)
+        for _ in range(repeats):
+            for i, (_, step) in enumerate(runs):
+                t = time.perf_counter()
+                step()
+                best[i] = min(best[i], time.perf_counter() - t)
+    finally:
+        for m, _ in runs:
+            m.close()
+    pick = backends[best.index(min(best))]
+    what = ("quarter-size ResNet-50 step" if kind == "cnn" else f"{kind} step")
+    log(f"[wall] backend probe for {kind} ({what}, best of {repeats}): "
+        + ", ".join(f"{b} {t * 1e3:.0f} ms" for b, t in zip(backends, best)) + f" -> {pick}")
+    return pick
+
+
+def _stepper(spec, backend):
+    """(manager, step()) running training steps of spec on a fast-only manager (one step run)."""
+    if spec["kind"] == "cnn":
+        from cachedarrays.models import cnn
+        from cachedarrays.models.cnn.core import Session
+        model = cnn.build(spec["model"], spec["depth"], batch=spec["batch"], image=spec["image"],
+                          classes=spec["classes"], width=spec["width"])
+        m = ca.Manager(fast=int(model.footprint_estimate() * 1.5) + (64 << 20), slow=1 << 20,
+                       policy="fastonly")
+        try:
+            s = Session(m, backend)
+            model.init(s)
+            x, y = cnn.synthetic_batch(model)
+            opt = cnn.SGD(spec.get("lr", 1e-3))
+
+            def step():
+                cnn.train_step(s, model, x, y, opt)
+            step()
+        except BaseException:
+            m.close()
+            raise
+        return m, step
+    from cachedarrays.models.dlrm import DLRM, get_config, synthetic_dataset
+    cfg = get_config(spec["config"], scale=spec["scale"], width_scale=spec["width_scale"],
+                     batch_size=spec["batch_size"])
+    m = ca.Manager(fast=2 * cfg.table_bytes + (512 << 20), slow=1 << 20, policy="fastonly")
+    try:
+        model = DLRM(cfg, manager=m, table_kind="fast", backend=backend, seed=1)
+        batch = next(iter(synthetic_dataset(cfg, spec["distribution"], seed=0, num_batches=1)))
+
+        def step():
+            model.train_step(batch)
+        step()
+    except BaseException:
+        m.close()
+        raise
+    return m, step
+
+
+def _steps(m, t, step):
+    """Run step() and mark the end of the step unless the program marked it itself."""
+    n = t.steps
+    step()
+    if t.steps == n:
+        ca.mark_step(m)
+
+
+def record(spec, backend="numpy", steps=4, log=None):
+    """Record ``steps`` training steps of the model ``spec`` on a fast-only manager; returns the
+    trace with kernel times = medians over the steps after the first (``median_times``)."""
+    t0, load0 = time.perf_counter(), os.getloadavg()[0]
+    if spec["kind"] == "cnn":
+        t = _record_cnn(spec, backend, steps)
+    elif spec["kind"] == "dlrm":
+        t = _record_dlrm(spec, backend, steps)
+    else:
+        raise ValueError(f"unknown model kind {spec['kind']!r}")
+    t = t.median_times(skip=1)
+    be = _onednn() if backend == "onednn" else None
+    t.meta.update(spec=dict(spec), backend=backend, recorded_steps=steps,
+                  threads=be.get_threads() if be is not None else None)
+    if log is not None:
+        log(f"[wall] recorded {steps} steps in {time.perf_counter() - t0:.1f} s (load average "
+            f"{load0:.2f} before, {os.getloadavg()[0]:.2f} after: kernel times, and so every "
+            "ratio, depend on the machine's load while recording)")
+    return t
+
+
+def _record_cnn(spec, backend, steps):
+    from cachedarrays.models import cnn
+    from cachedarrays.models.cnn.core import Session
+    model = cnn.build(spec["model"], spec["depth"], batch=spec["batch"], image=spec["image"],
+                      classes=spec["classes"], width=spec["width"])
+    fast = int(model.footprint_estimate() * 1.5) + (64 << 20)
+    with ca.Manager(fast=fast, slow=1 << 20, policy=_Recording()) as m:
+        s = Session(m, backend)
+        model.init(s)                       # before tracing: the weights are the trace's inputs
+        x, y = cnn.synthetic_batch(model)
+        opt = cnn.SGD(spec.get("lr", 1e-3))
+        with ca.trace(m) as t:
+            for _ in range(steps):
+                _steps(m, t, lambda: cnn.train_step(s, model, x, y, opt))
+    return t
+
+
+def _record_dlrm(spec, backend, steps):
+    from cachedarrays.models.dlrm import DLRM, get_config, synthetic_dataset
+    cfg = get_config(spec["config"], scale=spec["scale"], width_scale=spec["width_scale"],
+                     batch_size=spec["batch_size"])
+    fast = 2 * cfg.table_bytes + (512 << 20)
+    with ca.Manager(fast=fast, slow=1 << 20, policy=_Recording()) as m:
+        # Tables of kind "fast" are plain arrays (SimpleTable); made before tracing, they are
+        # inputs of the trace with no placement hint, so each policy places them.
+        model = DLRM(cfg, manager=m, table_kind="fast", backend=backend, seed=1)
+        data = list(synthetic_dataset(cfg, spec["distribution"], seed=0, num_batches=steps))
+        with ca.trace(m) as t:
+            for b in data:
+                _steps(m, t, lambda b=b: model.train_step(b))
+    return t
+
+
+def _trace_path(folder, name):
+    return os.path.join(folder, f"{name}.trace.gz")
+
+
+def load_or_record(name, spec, folder, reuse, backend, steps, log=print):
+    """The trace of model ``name``: loaded from ``folder`` when ``reuse`` and it was recorded
+    with the same model settings, else recorded (backend picked lazily) and saved there."""
+    path = _trace_path(folder, name)
+    if reuse and os.path.exists(path):
+        t = ca.Trace.load(path)
+        if t.meta.get("spec") == dict(spec) and t.meta.get("recorded_steps") == steps:
+            log(f"{name}: trace {path} (reused; recorded with the {t.meta.get('backend')} backend)")
+            return t
+        log(f"{name}: {path} was recorded with other settings; recording again")
+    b = backend(spec) if callable(backend) else backend
+    log(f"{name}: recording {steps} steps ({b} backend) ...")
+    t = record(spec, b, steps, log=log)
+    t.save(path)
+    log(f"{name}: trace saved to {path}")
+    return t
+
+
+# ---- what each policy's program looks like -----------------------------------------------------
+
+def program_switches(policy, options=None):
+    """(prefetches, softevicts, weight softevicts, cleanup): the annotation calls the models make
+    under this policy (``models/cnn/core.py``'s rules) and whether its cleanup switch is on."""
+    p = resolve(policy)(**(options or {}))
+    prefetches = bool(getattr(p, "allows_prefetch", True) and (
+        getattr(p, "honours_prefetch", True) or getattr(p, "tracks_reads", True)))
+    softevicts = bool(getattr(p, "honours_softevict", True))
+    cleanup = bool(getattr(p, "allows_cleanup", True))
+    return prefetches, softevicts, prefetches and softevicts, cleanup
+
+
+def program_view(trace, switches):
+    """The trace as the program would have run under a policy with these switches.
+
+    Prefetch events are dropped without the prefetch switch; softevict events without
+    softevicts, and a softevict of an array the last kernel did not read (the weight a
+    ``sgd_update`` wrote) without weight softevicts; without cleanup, frees wait for the end of
+    their step (just before its ``defrag`` or step mark). Returns ``trace`` itself when nothing
+    changes.
+    """
+    prefetches, softevicts, weights, cleanup = switches
+    if prefetches and softevicts and weights and cleanup:
+        return trace
+    kernels = trace.kernels
+    out, pending, last_reads = [], [], ()
+    for e in trace.events:
+        kind = e[0]
+        if kind == "end":
+            last_reads = kernels[e[1]][1]
+        elif kind == "prefetch" and not prefetches:
+            continue
+        elif kind == "softevict":
+            if not softevicts or (not weights and e[1] not in last_reads):
+                continue
+        elif kind == "free" and not cleanup:
+            pending.append(e)
+            continue
+        elif kind in ("defrag", "step") and pending:
+            out += pending
+            pending = []
+        out.append(e)
+    out += pending
+    t = trace.copy()
+    t.events = out
+    t.meta = dict(trace.meta, view=dict(zip(("prefetches", "softevicts", "weight_softevicts",
+                                             "cleanup"), switches)))
+    return t
+
+
+# ---- the sweep --------------------------------------------------------------------------------
+
+def _cache_profile(profile):
+    name = f"{profile}-2lm"
+    return name if name in costmodel.PROFILES else profile
+
+
+def slow_writes(step):
+    """Bytes written to memory below the fast tier in a step: kernel writes plus copies into it."""
+    fast = step.devices[0] if step.devices else "fast"
+    return step.slow_write + sum(n for k, n in step.moved.items() if k.split("->")[1] != fast)
+
+
+def last_step_peak(decisions, device):
+    """Peak bytes allocated on ``device`` during the last step of a decision log.
+
+    Regions are matched by (object, device), not by offset: ``Manager.defrag`` slides regions
+    without reporting the move, so the cost model's own peak (which matches frees by offset)
+    overcounts after a defragmentation; an object has at most one region per device.
+    """
+    live, used, peak, last, ran = {}, 0, 0, None, False
+    for d in decisions:
+        kind = d[0]
+        if kind == "alloc" and d[2] == device:
+            used += d[4] - live.get(d[1], 0)
+            live[d[1]] = d[4]
+            peak = max(peak, used)
+        elif kind == "free" and d[2] == device:
+            used -= live.pop(d[1], 0)
+        elif kind == "kernel":
+            ran = True
+        elif kind == "step":
+            last, peak, ran = peak, used, False
+    return peak if ran or last is None else last
+
+
+def sweep(trace, policies=POLICIES, budgets=BUDGETS, profile="optane"):
+    """Replay every policy at every budget (percent of ``trace.footprint()``); returns rows.
+
+    Each row: label, pct, budget (bytes), and from the last step ratio (modelled time /
+    fast-only), time, fast_only, stall, slow_read, slow_write (kernels), slow_writes (kernels +
+    copies into slow memory), moved, peak_fast, copies; or oom=True with the error. ``seconds``
+    is the replay's wall time (the only number that is not modelled).
+    """
+    foot = trace.footprint()
+    views = {}
+    rows = []
+    for label, name, options in policies:
+        sw = program_switches(name, options)
+        if sw not in views:
+            views[sw] = program_view(trace, sw)
+        view = views[sw]
+        prof = _cache_profile(profile) if name in ("memorymode", "2lm") else profile
+        for pct in budgets:
+            budget = max(int(foot * pct / 100), 1 << 16)
+            row = dict(label=label, policy=name, options=options, pct=pct, budget=budget,
+                       profile=prof, steps=trace.steps, oom=False)
+            t = time.perf_counter()
+            try:
+                run = ca.replay(view, name, fast=budget, policy_options=options, profile=prof)
+            except ca.OutOfMemoryError as e:
+                row.update(oom=True, error=str(e).split(";")[0], seconds=time.perf_counter() - t)
+                rows.append(row)
+                continue
+            row["seconds"] = time.perf_counter() - t
+            last = run.last
+            row.update(ratio=run.ratio, time=last.time, fast_only=run.fast_only, stall=last.stall,
+                       slow_read=last.slow_read, slow_write=last.slow_write,
+                       slow_writes=slow_writes(last), moved=last.bytes_moved,
+                       peak_fast=last_step_peak(run.decisions, run.devices[0]),
+                       copies=sum(last.copies.values()),
+                       cache_records=sum(1 for d in run.decisions if d[0] == "cache"))
+            if name in ("memorymode", "2lm"):
+                row["peak_fast"] = min(run.info.get("fast", budget), foot)
+            rows.append(row)
+    return rows
+
+
+def numbers(rows):
+    """The modelled content of rows (everything but wall-clock seconds), for comparisons."""
+    return [{k: v for k, v in r.items() if k != "seconds"} for r in rows]
+
+
+# ---- reporting --------------------------------------------------------------------------------
+
+def _find(rows, label, pct):
+    return next((r for r in rows if r["label"] == label and r["pct"] == pct), None)
+
+
+def table_lines(rows):
+    head = (f"{'policy':<11} {'budget':>14} {'time/FO':>8} {'stall':>9} {'k slow rd':>11} "
+            f"{'k slow wr':>11} {'moved':>11} {'peak fast':>11}")
+    out = [head]
+    prev = None
+    for r in rows:
+        if prev is not None and r["label"] != prev:
+            out.append("")
+        prev = r["label"]
+        budget = f"{r['pct']:>3}% {_size(r['budget']):>9}"
+        if r["oom"]:
+            out.append(f"{r['label']:<11} {budget:>14} {'OOM':>8}   ({r['error']})")
+            continue
+        star = "*" if r["policy"] in ("memorymode", "2lm") else " "
+        out.append(f"{r['label']:<11} {budget:>14} {r['ratio']:>7.4f}x {r['stall'] * 1e3:>7.2f}ms "
+                   f"{_size(r['slow_read']):>11} {_size(r['slow_write']):>11} "
+                   f"{_size(r['moved']):>11} {_size(r['peak_fast']):>10}{star}")
+    return out
+
+
+def floor_lines(rows, footprint, lm="CA:LM"):
+    out = [f"floor = footprint - budget (bytes some live array must spend outside fast memory, "
+           f"written there at least once a step); {lm} slow writes = kernel writes + evictions:",
+           f"  {'budget':>5} {'floor':>11} {lm + ' slow wr':>14} {'/ floor':>8}"]
+    for r in rows:
+        if r["label"] != lm:
+            continue
+        floor = max(0, footprint - r["budget"])
+        if r["oom"]:
+            out.append(f"  {r['pct']:>4}% {_size(floor):>11} {'OOM':>14}")
+            continue
+        ratio = f"{r['slow_writes'] / floor:.3f}x" if floor else "-"
+        out.append(f"  {r['pct']:>4}% {_size(floor):>11} {_size(r['slow_writes']):>14} {ratio:>8}")
+    return out
+
+
+def targets(rows, footprint):
+    """[(name, passed or None when not measurable, detail)] of the three policy targets."""
+    out = []
+    lm25 = _find(rows, "CA:LM", 25)
+    if lm25 is None:
+        out.append(("LM at 25% <= 1.08x fast-only", None, "no CA:LM row at 25%"))
+    elif lm25["oom"]:
+        out.append(("LM at 25% <= 1.08x fast-only", False, "CA:LM ran out of memory at 25%"))
+    else:
+        out.append(("LM at 25% <= 1.08x fast-only", lm25["ratio"] <= TARGET_LM_25,
+                    f"{lm25['ratio']:.4f}x"))
+    pairs, ok = [], True
+    for r in rows:
+        if r["label"] != "CA:LMP":
+            continue
+        lm = _find(rows, "CA:LM", r["pct"])
+        if lm is None:
+            continue
+        if r["oom"] or lm["oom"]:
+            good = not r["oom"]
+            a = "OOM" if r["oom"] else format(r["ratio"], ".4f")
+            b = "OOM" if lm["oom"] else format(lm["ratio"], ".4f")
+            pairs.append(f"{r['pct']}%: {a} vs {b}")
+        else:
+            good = r["time"] <= lm["time"]
+            pairs.append(f"{r['pct']}%: {r['ratio']:.4f} vs {lm['ratio']:.4f}"
+                         + ("" if good else " (worse)"))
+        ok = ok and good
+    out.append(("LMP <= LM at every budget (LMP vs LM time/FO)", ok if pairs else None,
+                "; ".join(pairs) if pairs else "no CA:LM/CA:LMP rows"))
+    worst, detail = None, []
+    for r in rows:
+        floor = max(0, footprint - r["budget"])
+        if r["label"] != "CA:LM" or r["oom"] or not floor:
+            continue
+        q = r["slow_writes"] / floor
+        detail.append(f"{r['pct']}%: {q:.3f}x")
+        if worst is None or q > worst[0]:
+            worst = (q, r["pct"])
+    if worst is None:
+        out.append(("LM slow writes <= 1.1x floor", None, "no CA:LM row below 100%"))
+    else:
+        out.append(("LM slow writes <= 1.1x floor", worst[0] <= TARGET_FLOOR,
+                    f"worst {worst[0]:.3f}x at {worst[1]}% ({', '.join(detail)})"))
+    return out
+
+
+def target_lines(rows, footprint):
+    out = []
+    for name, ok, detail in targets(rows, footprint):
+        status = "n/a " if ok is None else ("PASS" if ok else "FAIL")
+        out.append(f"target {status}  {name}: {detail}")
+    return out
+
+
+def describe(name, trace):
+    groups = trace.step_kernels()
+    steps = len(groups)
+    threads = trace.meta.get("threads")
+    nc = program_view(trace, (False, True, False, False)).footprint()
+    return (f"{name}: {len(groups[-1]) if groups else 0} kernels/step, {len(trace.objects)} objects, "
+            f"{steps} steps, footprint {_size(trace.footprint())} (without cleanup "
+            f"{_size(nc)}), fast-only step {trace.compute(-1) * 1e3:.1f} ms "
+            f"({trace.meta.get('times', 'recorded times')}, {trace.meta.get('backend', '?')} "
+            f"backend{f', {threads} threads' if threads else ''})")
+
+
+def report(name, trace, rows, profile, out=print):
+    """Print one model's table, floor lines and targets; returns the target results."""
+    foot = trace.footprint()
+    out("")
+    out(describe(name, trace))
+    out(f"profile: {profile} (fast tier dram; MemoryMode's slow tier {_cache_profile(profile)}); "
+        "figures of the last step; * = memory mode: fast memory is the DRAM cache")
+    for line in table_lines(rows):
+        out(line)
+    for line in floor_lines(rows, foot):
+        out(line)
+    for line in target_lines(rows, foot):
+        out(line)
+    secs = [r["seconds"] for r in rows]
+    slow = max(rows, key=lambda r: r["seconds"])
+    per_step = slow["seconds"] / max(1, trace.steps)
+    out(f"[wall] sweep: {len(rows)} replays in {sum(secs):.2f} s; slowest {slow['label']} at "
+        f"{slow['pct']}%: {slow['seconds']:.2f} s for {trace.steps} steps = {per_step:.3f} s/step"
+        + (f" ({'PASS' if per_step < 2 else 'FAIL'}: a ResNet-50 step replays in < 2 s)"
+           if name == "resnet50" else ""))
+    return targets(rows, foot)
+
+
+def plot(path, results, profile=None):
+    """Fig. 4.10: modelled step time / fast-only against the fast budget, per policy and model."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    n = len(results)
+    cols = min(n, 2)
+    rws = (n + cols - 1) // cols
+    fig, axes = plt.subplots(rws, cols, figsize=(6 * cols, 4 * rws), squeeze=False)
+    for ax, (name, rows) in zip(axes.flat, results.items()):
+        for label in dict.fromkeys(r["label"] for r in rows):
+            pts = [(r["pct"], r["ratio"]) for r in rows if r["label"] == label and not r["oom"]]
+            if pts:
+                x, y = zip(*pts)
+                ax.plot(x, y, "o-", label=label, ms=4)
+        ax.axhline(1.0, color="gray", ls=":", lw=1)
+        ax.set_xticks(sorted({r["pct"] for r in rows}))
+        ax.invert_xaxis()
+        ax.set_title(name)
+        ax.set_xlabel("fast memory budget (% of footprint)")
+        ax.set_ylabel("modelled step time / fast-only")
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[n:]:
+        ax.axis("off")
+    if profile:
+        fig.suptitle(f"modelled step time vs fast budget (slow tier {profile}; memory mode "
+                     f"{_cache_profile(profile)})", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ---- command line -----------------------------------------------------------------------------
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", default=",".join(DEFAULT_MODELS),
+                   help=f"comma-separated, from {', '.join(MODELS)}")
+    p.add_argument("--budgets", default=",".join(map(str, BUDGETS)),
+                   help="fast budgets, percent of the footprint")
+    p.add_argument("--profile", default="optane", help=f"slow-tier profile: "
+                   f"{', '.join(sorted(costmodel.PROFILES))}")
+    p.add_argument("--traces", default=DEFAULT_TRACES, help="folder for the traces (default: "
+                   "benchmarks/.traces); traces found there, recorded with the same settings, "
+                   "are replayed instead of recorded again")
+    p.add_argument("--record", action="store_true", help="record the traces again even if "
+                   "--traces holds them")
+    p.add_argument("--steps", type=int, default=4, help="steps recorded per model (kernel times: "
+                   "median of all but the first)")
+    p.add_argument("--backend", default="auto", choices=("auto", "numpy", "onednn"))
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="oneDNN threads")
+    p.add_argument("--plot", default=None, metavar="PNG", help="write the Fig. 4.10 sweep")
+    return p.parse_args(argv)
+
+
+def main(argv=None, out=print):
+    args = parse_args(argv)
+    try:
+        names = [x.strip() for x in args.models.split(",") if x.strip()]
+        for n in names:
+            if n not in MODELS:
+                raise ValueError(f"unknown model {n!r}; choose from {', '.join(MODELS)}")
+        budgets = tuple(int(x) for x in args.budgets.split(",") if x.strip())
+        if not budgets or min(budgets) <= 0:
+            raise ValueError(f"--budgets {args.budgets!r}: give positive percentages")
+        costmodel.get_profile(args.profile)
+        if args.steps < 2:
+            raise ValueError("--steps must be >= 2 (the first step warms up)")
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    out(_common.machine())
+    folder = args.traces
+    os.makedirs(folder, exist_ok=True)
+    chosen = {}
+
+    def backend(spec):                      # picked once per model kind, when first needed
+        if spec["kind"] not in chosen:
+            chosen[spec["kind"]] = pick_backend(args.backend, spec, log=out)
+        return chosen[spec["kind"]]
+
+    set_threads(args.threads)
+    out(threads_line())
+
+    out(f"profile: {args.profile} (memory mode: {_cache_profile(args.profile)}); budgets "
+        f"{', '.join(f'{b}%' for b in budgets)} of each trace's footprint; traces in "
+        f"{folder}")
+    results, verdicts = {}, {}
+    for name in names:
+        t = load_or_record(name, MODELS[name], folder, not args.record, backend,
+                           args.steps, log=out)
+        t0 = time.perf_counter()
+        rows = sweep(t, POLICIES, budgets, args.profile)
+        results[name] = rows
+        verdicts[name] = report(name, t, rows, args.profile, out=out)
+        out(f"[wall] {name}: sweep of {len(POLICIES)} policies x {len(budgets)} budgets in "
+            f"{time.perf_counter() - t0:.2f} s")
+    out("")
+    out("summary of the targets:")
+    for name, vs in verdicts.items():
+        out(f"  {name:<12} " + "  ".join(
+            f"{key}: {'n/a' if ok is None else ('PASS' if ok else 'FAIL')}"
+            for key, (_, ok, _) in zip(("LM@25%", "LMP<=LM", "LM writes/floor"), vs)))
+    if args.plot:
+        plot(args.plot, results, args.profile)
+        out(f"wrote {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

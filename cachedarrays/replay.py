@@ -1,0 +1,176 @@
+"""Replay: run a policy against a recorded trace without executing kernels.
+
+The replay drives the same manager code (policy calls, linking, ``evictfrom`` walks) and the same
+native heap as a real run, on virtual devices: the heaps are real, so fragmentation is real, but
+no data is allocated or copied. The decision log it produces goes to ``cachedarrays.costmodel``
+for the modelled time. A real run of a policy and the replay of its trace make the same
+decisions, so they report the same bytes moved and modelled times.
+"""
+
+from dataclasses import dataclass, field
+
+from . import costmodel
+from .manager import Manager
+from .sizes import parse_size
+from .trace import Recorder, Trace, TraceError
+
+__all__ = ["replay", "Run", "evaluate"]
+
+# Slow memory of a replay when none is given: every object twice over (a slow copy per object
+# and room to spare); virtual devices cost only address space.
+_SLOW_FACTOR = 2
+
+
+@dataclass
+class Run:
+    """What a replay (or a traced real run) gives: decisions, manager telemetry, modelled time."""
+
+    trace: Trace
+    decisions: list
+    devices: list
+    stats: dict
+    result: costmodel.Result
+    fast_only: float = 0.0
+    info: dict = field(default_factory=dict)
+
+    @property
+    def last(self):
+        """The last step (the steady state)."""
+        return self.result.last
+
+    @property
+    def ratio(self):
+        """Modelled time of the last step over its fast-only time."""
+        return self.last.time / self.fast_only if self.fast_only else float("nan")
+
+
+def evaluate(trace, decisions=None, profile=None, devices=None, stats=None,
+             slow_output_factor=costmodel.SLOW_OUTPUT_FACTOR):
+    """The modelled time of a trace's decision log (its own, or the decisions given).
+
+    profile: None uses each tier's profile recorded in the trace (dram for the fast tier,
+    optane for slow by default), a name or Profile for every slower tier, or a dict per tier.
+    """
+    devices = list(devices or trace.devices)
+    if not devices:
+        raise TraceError("the trace names no devices; record it with ca.trace or pass devices=")
+    if profile is None:
+        profile = trace.meta.get("profiles") or None
+        if profile is not None:
+            profile = {d: profile.get(d) or ("dram" if i == 0 else "optane")
+                       for i, d in enumerate(devices)}
+    decisions = trace.decisions if decisions is None else decisions
+    result = costmodel.evaluate(trace.times, decisions, devices, profile, slow_output_factor)
+    groups = trace.step_kernels()
+    fast_only = sum(trace.times[k] for k in groups[-1]) if groups else 0.0
+    return Run(trace, decisions, devices, stats or {}, result, fast_only)
+
+
+def replay(trace, policy="lru", fast=None, slow=None, *, tiers=None, policy_options=None,
+           profile=None, slow_output_factor=costmodel.SLOW_OUTPUT_FACTOR, granularity=0):
+    """Run policy over trace on virtual devices; returns a Run.
+
+    fast: fast memory size (bytes, "256MiB", or a fraction such as 0.25 of the trace's
+    footprint); slow: slow size (default twice the footprint). tiers: as for Manager, sizes
+    only (the tiers are virtual). policy: a name, a Policy class or a new Policy instance.
+    """
+    if not isinstance(trace, Trace):
+        raise TypeError(f"replay takes a Trace (ca.trace or Trace.load), not "
+                        f"{type(trace).__name__}")
+    foot = trace.footprint()
+    if tiers is None:
+        fast = _size(fast if fast is not None else 1.0, foot, "fast")
+        slow = _size(slow, foot, "slow") if slow is not None else \
+            max(_SLOW_FACTOR * foot, 1 << 20)
+        m = Manager(fast=fast, slow=slow, policy=policy, virtual=True,
+                    policy_options=policy_options, granularity=granularity)
+    else:
+        tiers = [(t[0], _size(t[1], foot, t[0]), None, *t[3:]) if not hasattr(t, "name") else t
+                 for t in tiers]
+        m = Manager(tiers=tiers, policy=policy, virtual=True, policy_options=policy_options,
+                    granularity=granularity)
+    with m:
+        rec = Recorder(m, events=False)
+        m.observe(rec)
+        _drive(m, trace, rec)
+        m.unobserve(rec)
+        stats = m.stats()
+        devices = [d.name for d in m.tiers]
+        profiles = profile if profile is not None else {d.name: d.profile for d in m.tiers}
+    run = evaluate(trace, rec.trace.decisions, profiles, devices, stats, slow_output_factor)
+    run.info = {"fast": m.fast.size, "footprint": foot,
+                "policy": type(m.policy).__name__}
+    return run
+
+
+def _size(spec, footprint, what):
+    if isinstance(spec, float) and 0 < spec <= 16:
+        return max(int(spec * footprint), 1 << 16)
+    return parse_size(spec, f"{what} memory size of the replay")
+
+
+def _drive(m, trace, rec):
+    """Issue the trace's events to manager m (whose recorder rec forces the stable ids)."""
+    held = {}       # kernel index -> operands it pins (released at its end, or on an error)
+    made = {}       # kernel index -> new objects it keeps pinned until its end
+    try:
+        _issue(m, trace, rec, held, made)
+    finally:
+        # A failure inside a kernel (an OutOfMemoryError) or a trace that ends inside one
+        # leaves pins behind; close() would wait for them and then hide the error.
+        for k, objs in reversed(list(held.items())):
+            m.release(objs)
+            if k in made:
+                m.release(made.pop(k))
+        for objs in made.values():
+            m.release(objs)
+
+
+def _issue(m, trace, rec, held, made):
+    live = {}
+    kernels = trace.kernels
+    ids = rec.ids
+    for i, e in enumerate(trace.events):
+        kind = e[0]
+        try:
+            if kind == "kernel":
+                name, r, w = kernels[e[1]]
+                reads, writes = [live[s] for s in r], [live[s] for s in w]
+                m.acquire(reads, writes, name)
+                held[e[1]] = reads + writes
+            elif kind == "end":
+                if e[1] not in held:
+                    raise TraceError(f"event {i} {e!r}: ends a kernel that is not open; the "
+                                     "trace is malformed (Trace.validate names the first "
+                                     "problem)")
+                m.release(held.pop(e[1]))
+                if e[1] in made:                # released after the operands, as it was
+                    m.release(made.pop(e[1]))
+            elif kind == "alloc":
+                ids.force_next(e[1])
+                obj = m.new_pinned(e[2], e[3])
+                live[e[1]] = obj
+                if len(e) > 4 and e[4] and held:        # pinned until the kernel's end
+                    made.setdefault(next(reversed(held)), []).append(obj)
+                else:
+                    m.release((obj,))
+            elif kind == "free":
+                obj = live.pop(e[1])
+                if not obj.freed:
+                    m.free_object(obj)
+            elif kind == "prefetch":
+                m.prefetch(live[e[1]], e[2], e[3])
+            elif kind == "evict":
+                m.evict(live[e[1]], e[2], e[3])
+            elif kind == "softevict":
+                m.softevict(live[e[1]])
+            elif kind in ("layer", "step"):
+                m.mark(kind)
+            elif kind == "defrag":
+                m.defrag(e[1])
+            else:
+                raise TraceError(f"event {i} {e!r}: unknown event")
+        except KeyError as err:
+            raise TraceError(f"event {i} {e!r} uses {err.args[0]!r}, which is not live; the "
+                             "trace is malformed (Trace.validate names the first problem)") \
+                from None

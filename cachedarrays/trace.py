@@ -1,0 +1,489 @@
+"""Traces: what a program asked of the manager, with stable object ids and kernel times.
+
+``with ca.trace(m) as t:`` records, in order: allocations (``alloc``), frees, kernels (their
+read and write sets, begin and end, exclusive wall time), the annotations (``prefetch``,
+``evict``, ``softevict``) and ``layer``/``step`` marks. Every acquire of arrays is a kernel:
+``ca.kernel(name, reads, writes)`` names it, an access scope or a NumPy call gets a generic
+name. Alongside, the trace keeps the *decision log* of the policy that ran (regions placed and
+released, copies, the operand placement of each kernel), the input of ``cachedarrays.costmodel``.
+
+Object ids (``sid``) are stable across steps: the allocation site (the first frame outside the
+library's core) and the ordinal of the object among those made at that site since the last step
+mark; objects made before the first mark are ``init:`` ones. A trace is saved to and loaded from
+one gzip-compressed JSON file.
+"""
+
+import gzip
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+import zlib
+from collections import defaultdict
+from dataclasses import asdict
+
+from .costmodel import Profile
+from .errors import CachedArraysError
+from .manager import Observer
+
+__all__ = ["Trace", "trace", "StableIds", "Recorder", "TraceError"]
+
+_FORMAT = "cachedarrays-trace"
+_VERSION = 1
+_perf = time.perf_counter
+
+
+class TraceError(CachedArraysError, ValueError):
+    """A malformed trace, or one that does not fit the operation asked of it."""
+
+
+# ---- stable ids --------------------------------------------------------------------------
+
+def _core_module(name):
+    """True for the library's own modules (not the bundled models: their sites are sites)."""
+    return name == "cachedarrays" or (name.startswith("cachedarrays.") and
+                                      not name.startswith("cachedarrays.models"))
+
+
+def _site():
+    f = sys._getframe(2)
+    while f is not None and _core_module(f.f_globals.get("__name__", "")):
+        f = f.f_back
+    if f is None:
+        return "?"
+    return f"{os.path.basename(f.f_code.co_filename)}:{f.f_lineno}"
+
+
+class StableIds(Observer):
+    """Gives every new object of a manager a stable id: site#ordinal within the step.
+
+    One per manager (``StableIds.of(m)``), shared by traces and plans. A replay forces the ids
+    it knows with ``force_next``.
+    """
+
+    def __init__(self):
+        self.sid = {}                 # object id -> stable id
+        self.obj_id = {}              # stable id -> object id (live objects)
+        self._live = set()            # stable ids of live objects
+        self._ordinal = defaultdict(int)
+        self._forced = None
+        self.steps = 0
+        self._anon = 0
+
+    @classmethod
+    def of(cls, manager):
+        for o in manager._observers:
+            if isinstance(o, cls):
+                return o
+        ids = cls()
+        with manager.atomic():
+            manager._observers = (ids,) + manager._observers   # first: others read its ids
+        return ids
+
+    def force_next(self, sid):
+        """The next new object gets this id (replays)."""
+        self._forced = sid
+
+    def on_object(self, obj):
+        sid, self._forced = self._forced, None
+        if sid is None:
+            site = _site()
+            if not self.steps:
+                site = "init:" + site
+            n = self._ordinal[site]
+            self._ordinal[site] = n + 1
+            sid = f"{site}#{n}"
+            if sid in self._live:             # an object of an earlier step is still alive
+                sid = f"{sid}@{self.steps}"
+        self.sid[obj.id] = sid
+        self.obj_id[sid] = obj.id
+        self._live.add(sid)
+
+    def get(self, obj_id):
+        """The stable id of a live object (objects made outside new_pinned get an anon: id)."""
+        sid = self.sid.get(obj_id)
+        if sid is None:
+            self._anon += 1
+            sid = self.sid[obj_id] = f"anon:#{self._anon}"
+            self.obj_id[sid] = obj_id
+            self._live.add(sid)
+        return sid
+
+    def on_free(self, obj_id):
+        sid = self.sid.pop(obj_id, None)
+        if sid is not None:
+            self._live.discard(sid)
+            self.obj_id.pop(sid, None)
+
+    def on_mark(self, kind):
+        if kind == "step":
+            self.steps += 1
+            self._ordinal.clear()
+
+
+# ---- the trace ---------------------------------------------------------------------------
+
+class Trace:
+    """A recorded program: objects, events, kernels, kernel times and a decision log.
+
+    ``objects``: sid -> bytes; ``events``: tuples (``("alloc", sid, nbytes, placement)``,
+    ``("free", sid)``, ``("kernel", k)``, ``("end", k)``, ``("prefetch", sid, force, wait)``,
+    ``("evict", sid, to, wait)``, ``("softevict", sid)``, ``("layer",)``, ``("step",)``,
+    ``("defrag", device)``); an alloc made inside a kernel that kept the new object pinned
+    until the kernel's end (a ufunc's output) ends with True: ``("alloc", sid, nbytes,
+    placement, True)``; ``kernels``: (name, read sids, write sids) per kernel index;
+    ``times``: seconds per kernel; ``decisions``: the decision log of the run (see
+    ``cachedarrays.costmodel``); ``devices``: the tier names of that run, fastest first.
+    """
+
+    def __init__(self, objects=None, events=None, kernels=None, times=None, meta=None,
+                 decisions=None, devices=None):
+        self.objects = dict(objects or {})
+        self.events = list(events or [])
+        self.kernels = list(kernels or [])
+        self.times = list(times or [])
+        self.meta = dict(meta or {})
+        self.decisions = list(decisions or [])
+        self.devices = list(devices or [])
+
+    # -- facts ----------------------------------------------------------------------------
+
+    @property
+    def steps(self):
+        """Number of step marks."""
+        return sum(1 for e in self.events if e[0] == "step")
+
+    def footprint(self):
+        """Peak bytes of live objects (what fast memory needs to hold everything)."""
+        live, cur, peak = {}, 0, 0
+        for e in self.events:
+            if e[0] == "alloc":
+                cur += e[2] - live.get(e[1], 0)
+                live[e[1]] = e[2]
+                peak = max(peak, cur)
+            elif e[0] == "free":
+                cur -= live.pop(e[1], 0)
+        return peak
+
+    def step_kernels(self):
+        """Kernel indices of each step (the last group: kernels after the last mark, if any)."""
+        out, cur = [], []
+        for e in self.events:
+            if e[0] == "kernel":
+                cur.append(e[1])
+            elif e[0] == "step":
+                out.append(cur)
+                cur = []
+        if cur:
+            out.append(cur)
+        return out
+
+    def compute(self, step=-1):
+        """Sum of kernel times in one step (the fast-only time of that step)."""
+        groups = self.step_kernels()
+        return sum(self.times[k] for k in groups[step]) if groups else 0.0
+
+    def validate(self):
+        """Raise TraceError if the events do not make a well-formed program."""
+        live = set()
+        open_ = {}      # kernel index -> its operands (kernels of several threads interleave)
+        for i, e in enumerate(self.events):
+            kind = e[0] if isinstance(e, (tuple, list)) and e else None
+            where = f"event {i} {e!r}"
+            if kind in ("alloc", "free", "kernel", "end", "prefetch", "evict", "softevict") \
+                    and len(e) < 2:
+                raise TraceError(f"{where}: malformed event")
+            if kind == "alloc":
+                if e[1] in live:
+                    raise TraceError(f"{where}: {e[1]!r} is allocated twice")
+                live.add(e[1])
+            elif kind == "free":
+                if e[1] not in live:
+                    raise TraceError(f"{where}: frees an object that is not live")
+                for k, ops in open_.items():
+                    if e[1] in ops:
+                        raise TraceError(f"{where}: frees an object in use by kernel {k} "
+                                         f"({self.kernels[k][0]!r}), which has not ended")
+                live.discard(e[1])
+            elif kind == "kernel":
+                k = e[1]
+                if type(k) is not int or not 0 <= k < len(self.kernels):
+                    raise TraceError(f"{where}: no kernel {k!r} in the kernel table")
+                if k in open_:
+                    raise TraceError(f"{where}: kernel {k} begins twice")
+                for sid in (*self.kernels[k][1], *self.kernels[k][2]):
+                    if sid not in live:
+                        raise TraceError(f"{where}: kernel {self.kernels[k][0]!r} uses {sid!r}, "
+                                         "which is not live")
+                open_[k] = {*self.kernels[k][1], *self.kernels[k][2]}
+            elif kind == "end":
+                if open_.pop(e[1], None) is None:
+                    raise TraceError(f"{where}: ends a kernel that is not open")
+            elif kind in ("prefetch", "evict", "softevict"):
+                if e[1] not in live:
+                    raise TraceError(f"{where}: {kind} of an object that is not live")
+            elif kind not in ("layer", "step", "defrag"):
+                raise TraceError(f"{where}: unknown event")
+        if len(self.times) != len(self.kernels):
+            raise TraceError(f"{len(self.kernels)} kernels but {len(self.times)} kernel times")
+        return True
+
+    # -- kernel times ---------------------------------------------------------------------
+
+    def median_times(self, skip=1):
+        """Each kernel's time replaced by the median, over the steps after the first skip ones,
+        of the kernel at the same position (steps whose kernel names match the last step's).
+
+        The first steps warm caches and compile kernels, so they are left out when there are
+        enough steps. Returns a new Trace.
+        """
+        groups = self.step_kernels()
+        if not groups:
+            return self.copy()
+        names = [self.kernels[k][0] for k in groups[-1]]
+        same = [g for g in groups if [self.kernels[k][0] for k in g] == names]
+        use = same[skip:] if len(same) > skip else same
+        med = [statistics.median(self.times[g[i]] for g in use) for i in range(len(names))]
+        times = list(self.times)
+        for g in same:
+            for i, k in enumerate(g):
+                times[k] = med[i]
+        t = self.copy()
+        t.times = times
+        t.meta["times"] = f"median of {len(use)} steps"
+        return t
+
+    def with_times(self, other):
+        """A copy with kernel times taken from another trace of the same program (typically a
+        fast-only run), matched by position; TraceError if their kernel names differ."""
+        a = [k[0] for k in self.kernels]
+        b = [k[0] for k in other.kernels]
+        if a != b:
+            i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            raise TraceError(f"the traces differ at kernel {i} ({a[i] if i < len(a) else 'end'}"
+                             f" vs {b[i] if i < len(b) else 'end'}): record both from the same "
+                             "program with the same number of steps")
+        t = self.copy()
+        t.times = list(other.times)
+        t.meta["times"] = other.meta.get("times", "from another trace")
+        return t
+
+    def copy(self):
+        return Trace(self.objects, self.events, self.kernels, self.times, self.meta,
+                     self.decisions, self.devices)
+
+    # -- files ----------------------------------------------------------------------------
+
+    def save(self, path):
+        """Write the trace to one gzip-compressed JSON file (atomically: a temporary file is
+        renamed over path)."""
+        meta = dict(self.meta)
+        if isinstance(meta.get("profiles"), dict):    # a tier's Profile: as its fields
+            meta["profiles"] = {d: asdict(p) if isinstance(p, Profile) else p
+                                for d, p in meta["profiles"].items()}
+        doc = {"format": _FORMAT, "version": _VERSION, "meta": meta,
+               "objects": list(self.objects.items()), "events": self.events,
+               "kernels": self.kernels, "times": self.times, "decisions": self.decisions,
+               "devices": self.devices}
+        path = os.fspath(path)
+        tmp = f"{path}.tmp{os.getpid()}-{threading.get_ident()}"    # one per saving thread
+        try:
+            with gzip.open(tmp, "wt", encoding="utf-8", compresslevel=6) as f:
+                json.dump(doc, f, separators=(",", ":"))
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+        return path
+
+    @classmethod
+    def load(cls, path):
+        """Read a trace written by ``save``; TraceError if the file is not one."""
+        try:
+            with gzip.open(os.fspath(path), "rt", encoding="utf-8") as f:
+                doc = json.load(f)
+        except (OSError, EOFError, zlib.error, json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise TraceError(f"{path}: not a trace file ({e}); write traces with Trace.save") \
+                from None
+        if not isinstance(doc, dict) or doc.get("format") != _FORMAT:
+            raise TraceError(f"{path}: not a trace file (no {_FORMAT!r} header)")
+        if doc.get("version") != _VERSION:
+            raise TraceError(f"{path}: trace format version {doc.get('version')}, this library "
+                             f"reads version {_VERSION}; record the trace again")
+        try:
+            t = cls({s: n for s, n in doc["objects"]}, [tuple(e) for e in doc["events"]],
+                    [(n, tuple(r), tuple(w)) for n, r, w in doc["kernels"]], doc["times"],
+                    doc.get("meta"), [_decision(d) for d in doc.get("decisions", ())],
+                    doc.get("devices"))
+            profiles = t.meta.get("profiles")
+            if isinstance(profiles, dict):
+                t.meta["profiles"] = {d: Profile(**p) if isinstance(p, dict) else p
+                                      for d, p in profiles.items()}
+            t.validate()
+        except TraceError as e:
+            raise TraceError(f"{path}: malformed trace: {e}") from None
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
+            what = f"no {e.args[0]!r} section" if isinstance(e, KeyError) else e
+            raise TraceError(f"{path}: malformed trace ({what}); the file was not written by "
+                             "Trace.save or was altered: record the trace again") from None
+        return t
+
+    def __repr__(self):
+        return (f"<Trace {len(self.objects)} objects, {len(self.kernels)} kernels, "
+                f"{self.steps} steps, {len(self.decisions)} decisions>")
+
+
+def _decision(d):
+    if d[0] == "kernel":
+        return ("kernel", d[1], tuple(tuple(op) for op in d[2]))
+    return tuple(d)
+
+
+# ---- recording ---------------------------------------------------------------------------
+
+class Recorder(Observer):
+    """Records a manager's events into a Trace (the observer behind ``ca.trace``).
+
+    events=False records the decision log only (replays write the events themselves).
+    """
+
+    def __init__(self, manager, events=True):
+        self.m = manager
+        self.ids = StableIds.of(manager)
+        self.record_events = events
+        self.trace = Trace(devices=[d.name for d in manager.tiers],
+                           meta={"profiles": {d.name: d.profile for d in manager.tiers}})
+        # thread id -> [[k, key, start, nested seconds, {new object id: its alloc event}]]
+        self._stacks = defaultdict(list)
+        self._lock = threading.Lock()
+        self._traffic = getattr(manager.policy, "kernel_traffic", None)
+
+    def _sid(self, obj):
+        return self.ids.get(obj.id)
+
+    def on_new(self, obj, placement):
+        if self.record_events:
+            sid = self._sid(obj)
+            self.trace.objects[sid] = obj.nbytes
+            self.trace.events.append(("alloc", sid, obj.nbytes, placement))
+            stack = self._stacks.get(threading.get_ident())
+            if stack:                           # made inside a kernel: see on_release
+                stack[-1][4][obj.id] = len(self.trace.events) - 1
+
+    def on_free(self, obj_id):
+        sid = self.ids.sid.get(obj_id)
+        if sid is not None and self.record_events:
+            self.trace.events.append(("free", sid))
+
+    def on_acquire(self, name, reads, writes):
+        t = self.trace
+        sid = self._sid
+        k = len(t.kernels)
+        t.kernels.append((name, tuple(sid(o) for o in reads), tuple(sid(o) for o in writes)))
+        t.times.append(0.0)
+        if self.record_events:
+            t.events.append(("kernel", k))
+        if name == "view":                      # reshape and the like: no data is touched
+            ops = tuple((sid(o), 0, o.primary.device.name, False) for o in reads)
+        else:
+            ops = tuple((sid(o), o.nbytes, o.primary.device.name, False) for o in reads) + \
+                tuple((sid(o), o.nbytes, o.primary.device.name, True) for o in writes)
+        t.decisions.append(("kernel", k, ops))
+        if self._traffic is not None:
+            extra = self._traffic(k, reads, writes)
+            if extra is not None:
+                t.decisions.append(extra)
+        key = sorted(o.id for o in (*reads, *writes))
+        self._stacks[threading.get_ident()].append([k, key, _perf(), 0.0, {}])
+
+    def on_release(self, objs):
+        stack = self._stacks.get(threading.get_ident())
+        if not stack:
+            return
+        top = stack[-1]
+        if top[1] != sorted(o.id for o in objs):
+            for o in objs:                      # a new array's first release: not a kernel
+                top[4].pop(o.id, None)
+            return
+        stack.pop()
+        k, _, start, nested, made = top
+        spent = _perf() - start
+        self.trace.times[k] = max(0.0, spent - nested)
+        if stack:
+            stack[-1][3] += spent
+        if self.record_events:
+            events = self.trace.events
+            for i in made.values():             # new arrays still pinned: released after the
+                events[i] = (*events[i], True)  # kernel's operands (a ufunc's output)
+            events.append(("end", k))
+
+    def on_annotation(self, op, obj, args):
+        if self.record_events:
+            self.trace.events.append((op, self._sid(obj), *args))
+
+    def on_mark(self, kind):
+        if self.record_events:
+            self.trace.events.append((kind,))
+        self.trace.decisions.append((kind,))
+
+    def on_defrag(self, device):
+        if self.record_events:
+            self.trace.events.append(("defrag", device))
+
+    def on_move(self, region, old_offset):
+        # A move within a device: the region leaves its old place and takes the new one.
+        sid, dev = self.ids.get(region.owner), region.device.name
+        self.trace.decisions.append(("free", sid, dev, old_offset, region.nbytes))
+        self.trace.decisions.append(("alloc", sid, dev, region.offset, region.nbytes))
+
+    def on_region(self, region, live):
+        self.trace.decisions.append(("alloc" if live else "free", self.ids.get(region.owner),
+                                     region.device.name, region.offset, region.nbytes))
+
+    def on_copy(self, src, dst, wait):
+        self.trace.decisions.append(("copy", self.ids.get(src.owner), src.device.name,
+                                     src.offset, dst.device.name, dst.offset, src.nbytes,
+                                     bool(wait)))
+
+    def on_cancel(self, obj_id, src, dst):
+        self.trace.decisions.append(("cancel", self.ids.get(obj_id), src.device.name,
+                                     dst.device.name))
+
+
+class trace:
+    """``with ca.trace(m) as t:`` records what runs on manager m into the Trace t.
+
+    Objects alive when recording starts appear with an ``alloc`` event at the start (their
+    current placement as the first decisions), so the trace replays on its own. Recording is
+    meant for one thread at a time (kernels are matched to their release per thread).
+    """
+
+    load = staticmethod(Trace.load)
+
+    def __init__(self, manager):
+        if not hasattr(manager, "observe"):
+            raise TypeError(f"ca.trace takes a Manager, not {type(manager).__name__}")
+        self.m = manager
+        self.recorder = None
+
+    def __enter__(self):
+        m = self.m
+        with m.atomic():
+            m._check_open()
+            m.drain()
+            rec = self.recorder = Recorder(m)
+            for obj in sorted(m.objects(), key=lambda o: o.id):
+                sid = rec.ids.get(obj.id)
+                rec.trace.objects[sid] = obj.nbytes
+                rec.trace.events.append(("alloc", sid, obj.nbytes, None))
+                for r in obj.regions.values():
+                    rec.on_region(r, True)
+            m.observe(rec)
+        return rec.trace
+
+    def __exit__(self, *exc):
+        self.m.unobserve(self.recorder)
+        return False

@@ -1,0 +1,92 @@
+"""Triggers: a policy's plan, fired at points of the repeating step.
+
+A plan maps points of a step to actions: the k-th kernel (``("kernel", k)`` fires before it
+runs, ``("kernel_end", k)`` after), the l-th layer mark (``("layer", l)``), the n-th use of an
+object by its stable id (``("use", sid, n)``, fired before that use; n counts from 1) and the
+step mark (``("step",)``). Counters restart at every step mark, so a plan made from one step of
+a trace runs every step. Actions are called with the manager's lock held and act through the
+policy's own methods (``policy.prefetch(obj, wait=False)``, ``policy.evict(obj)``), never
+through ``ca.prefetch``: what a plan does is the policy's decision, not the program's request.
+"""
+
+from collections import defaultdict
+
+from .manager import Observer
+from .trace import StableIds
+
+__all__ = ["Plan"]
+
+_KINDS = {"kernel": 2, "kernel_end": 2, "layer": 2, "use": 3, "step": 1}
+
+
+class Plan(Observer):
+    """Actions keyed by points of the step; attach with ``Plan(manager)``."""
+
+    def __init__(self, manager):
+        self.m = manager
+        self.ids = StableIds.of(manager)
+        self.actions = defaultdict(list)
+        self.kernel = 0               # kernels begun in this step
+        self.layer = 0                # layer marks in this step
+        self.uses = defaultdict(int)  # sid -> uses in this step
+        self.fired = 0
+        self._open = []               # kernel index of each acquire not yet released
+        manager.observe(self)
+
+    def at(self, point, action):
+        """Call action(manager) at point (see the module docstring)."""
+        if not isinstance(point, tuple) or point[:1] == () or point[0] not in _KINDS or \
+                len(point) != _KINDS[point[0]]:
+            raise ValueError(f"plan point {point!r}: write ('kernel', k), ('kernel_end', k), "
+                             "('layer', l), ('use', sid, n) or ('step',)")
+        if not callable(action):
+            raise TypeError(f"plan action for {point!r} must be callable, got "
+                            f"{type(action).__name__}")
+        self.actions[point].append(action)
+
+    def clear(self):
+        self.actions.clear()
+
+    def detach(self):
+        self.m.unobserve(self)
+
+    def _fire(self, point):
+        acts = self.actions.get(point)
+        if acts:
+            for a in acts:
+                self.fired += 1
+                a(self.m)
+
+    # -- observer hooks -------------------------------------------------------------------
+
+    def on_acquire(self, name, reads, writes):
+        k = self.kernel
+        self.kernel = k + 1
+        self._fire(("kernel", k))
+        key = sorted(o.id for o in (*reads, *writes))
+        self._open.append((k, key))
+        if self.actions:
+            sid = self.ids.get
+            for o in (*reads, *writes):
+                s = sid(o.id)
+                n = self.uses[s] = self.uses[s] + 1
+                self._fire(("use", s, n))
+
+    def on_release(self, objs):
+        if self._open and self._open[-1][1] == sorted(o.id for o in objs):
+            k, _ = self._open.pop()
+            self._fire(("kernel_end", k))
+
+    def on_mark(self, kind):
+        if kind == "layer":
+            self._fire(("layer", self.layer))
+            self.layer += 1
+        else:
+            self._fire(("step",))
+            self.kernel = self.layer = 0
+            self.uses.clear()
+
+    def live(self, sid):
+        """The live object with this stable id, or None."""
+        oid = self.ids.obj_id.get(sid)
+        return None if oid is None else self.m.object(oid)
