@@ -149,6 +149,9 @@ def pick_backend(choice="auto", spec=None, log=print, repeats=3):
     onednn (onednn only if it loads) on a step of the model kind's probe: one warm-up step each,
     then ``repeats`` steps each, alternating, best of each (load on the machine hits both)."""
     if choice != "auto":
+        if choice == "onednn" and _onednn() is None:
+            log("backend: onednn unavailable; using numpy")
+            return "numpy"
         return choice
     if _onednn() is None:
         log("backend: onednn unavailable; using numpy")
@@ -614,7 +617,9 @@ def parse_args(argv):
                    "--traces holds them")
     p.add_argument("--steps", type=int, default=4, help="steps recorded per model (kernel times: "
                    "median of all but the first)")
-    p.add_argument("--backend", default="auto", choices=("auto", "numpy", "onednn"))
+    p.add_argument("--backend", default="onednn", choices=("auto", "numpy", "onednn"),
+                   help="kernels of the recorded run (default onednn, the faster on full-size "
+                   "models; auto: probe both on this machine, which is noisy when it is loaded)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="oneDNN threads")
     p.add_argument("--plot", default=None, metavar="PNG", help="write the Fig. 4.10 sweep")
     return p.parse_args(argv)
