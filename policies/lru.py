@@ -22,9 +22,10 @@ Three switches use what the policy lab made possible (each off by default):
 - ``write_allocate``: an array a kernel is about to write whose data is in slow memory is brought
   into fast memory first (a kernel writing to slow memory runs about twice as long, Fig. 3.4),
   never evicting the kernel's other operands to make room.
-- ``writeback``: after each kernel, while less than this fraction of fast memory is free, the
-  least recently used arrays are evicted in the background, so that new arrays find room without
-  waiting for an eviction (write-back overlaps the next kernels instead).
+- ``writeback``: whenever arrays are released (a kernel ends, a new array is filled), while less
+  than this fraction of fast memory is free, the least recently used arrays are evicted in the
+  background, so that new arrays find room without waiting for an eviction (write-back overlaps
+  the next kernels instead).
 - ``lookahead``: learn one step's kernels and prefetch in the background the operands of the
   kernel this many kernels ahead (see ``_Lookahead``).
 """
@@ -53,10 +54,8 @@ class _Kernels(Observer):
 
     def __init__(self, policy):
         self.policy = policy
-        self.depth = 0
 
     def on_acquire(self, name, reads, writes):
-        self.depth += 1
         p = self.policy
         if not (p.write_allocate and writes):
             return
@@ -75,10 +74,8 @@ class _Kernels(Observer):
             p.spare = ()
 
     def on_release(self, objs):
-        self.depth = max(0, self.depth - 1)
-        p = self.policy
-        if p.writeback and not self.depth:
-            p.write_back()
+        if self.policy.writeback:
+            self.policy.write_back()
 
 
 class _Lookahead(Observer):
@@ -289,7 +286,7 @@ class LRU(Policy):
 
     def write_back(self):
         """Evict least recently used arrays in the background until the ``writeback`` fraction
-        of fast memory is free (called after each kernel)."""
+        of fast memory is free (called whenever arrays are released)."""
         m = self.manager
         fast = m.fast
         want = int(fast.size * self.writeback)
