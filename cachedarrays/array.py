@@ -903,16 +903,16 @@ def _first_manager(seq):
     return None
 
 
-def _acquire_grouped(reads, writes, name="use"):
+def _acquire_grouped(reads, writes, name="use", touched=None):
     """Pin objects that may belong to several managers; returns the release list.
 
-    name: the kernel's name, as traces record it."""
+    name: the kernel's name, as traces record it; touched: object id -> bytes touched."""
     objs = reads + writes if isinstance(reads, list) and isinstance(writes, list) else \
         list(reads) + list(writes)
     if objs:
         m = objs[0].manager
         if all(o.manager is m for o in objs):
-            m.acquire(reads, writes, name)
+            m.acquire(reads, writes, name, touched)
             return [(m, objs)]
     groups = {}
     for o in reads:
@@ -922,7 +922,7 @@ def _acquire_grouped(reads, writes, name="use"):
     done = []
     try:
         for m, (r, w) in groups.items():
-            m.acquire(r, w, name)
+            m.acquire(r, w, name, touched)
             done.append((m, r + w))
     except BaseException:
         for m, objs in done:

@@ -230,8 +230,11 @@ class Observer:
     def on_free(self, obj_id):
         """The object with this id was freed (``unsafe_free``, cleanup or the collector)."""
 
-    def on_acquire(self, name, reads, writes):
-        """A kernel or access scope is about to pin and use these objects (before the pins)."""
+    def on_acquire(self, name, reads, writes, touched=None):
+        """A kernel or access scope is about to pin and use these objects (before the pins).
+
+        touched: None, or object id -> bytes the kernel touches in it, when less than all (a
+        gather from a table)."""
 
     def on_release(self, objs):
         """Objects pinned by acquire (or new_pinned) were released."""
@@ -722,11 +725,12 @@ class Manager:
             if self._closing:
                 self._cond.notify_all()
 
-    def acquire(self, reads=(), writes=(), name="use"):
+    def acquire(self, reads=(), writes=(), name="use", touched=None):
         """Pin every object and report its use to the policy, in one step (for kernels).
 
         Each object in reads and writes gets one pin; release the same objects afterwards.
-        name: the kernel's name, as traces record it.
+        name: the kernel's name, as traces record it; touched: object id -> bytes the kernel
+        touches in it when it touches less than all of it (traces and the cost model use it).
         """
         with self._lock:
             if self._gate:
@@ -738,7 +742,7 @@ class Manager:
                     if o.freed:
                         self._live(o)
                 for ob in self._observers:
-                    ob.on_acquire(name, reads, writes)
+                    ob.on_acquire(name, reads, writes, touched)
             done = []
             try:
                 if reads:

@@ -136,7 +136,9 @@ def _issue(m, trace, rec, held, made):
             if kind == "kernel":
                 name, r, w = kernels[e[1]]
                 reads, writes = [live[s] for s in r], [live[s] for s in w]
-                m.acquire(reads, writes, name)
+                part = trace.touched.get(e[1])
+                m.acquire(reads, writes, name,
+                          {live[s].id: n for s, n in part.items()} if part else None)
                 held[e[1]] = reads + writes
             elif kind == "end":
                 if e[1] not in held:

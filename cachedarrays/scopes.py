@@ -36,7 +36,7 @@ class access:
     with-block only.
     """
 
-    __slots__ = ("reads", "writes", "done", "name")
+    __slots__ = ("reads", "writes", "done", "name", "touched")
 
     def __init__(self, reads=(), writes=()):
         for a in (*reads, *writes):
@@ -46,11 +46,12 @@ class access:
         self.reads, self.writes = reads, writes
         self.done = None
         self.name = "access"
+        self.touched = None
 
     def __enter__(self):
         r = [a._obj for a in self.reads if a is not None]
         w = [a._obj for a in self.writes if a is not None]
-        self.done = _acquire_grouped(r, w, self.name)
+        self.done = _acquire_grouped(r, w, self.name, self.touched)
         try:
             views = [None if a is None else a._view(readonly=True) for a in self.reads] + \
                 [None if a is None else a._view() for a in self.writes]
@@ -75,14 +76,26 @@ class kernel(access):
 
     The same pinned views as ``ca.access`` (read views first, read-only), and a kernel named
     ``name`` in traces (``ca.trace``): its read and write sets and its time. Plans of policies
-    can fire at it.
+    can fire at it. ``touched=[(array, nbytes), ...]`` says a kernel touches only part of an
+    array (a gather of table rows), so that the cost model charges those bytes, not the array.
     """
 
     __slots__ = ()
 
-    def __init__(self, name, reads=(), writes=()):
+    def __init__(self, name, reads=(), writes=(), touched=None):
         if not isinstance(name, str):
             raise TypeError(f"ca.kernel: the first argument is the kernel's name (a str), got "
                             f"{type(name).__name__}; write ca.kernel(name, reads, writes)")
         super().__init__(reads, writes)
         self.name = name
+        if touched:
+            out = {}
+            for a, n in touched:
+                if not isinstance(a, CachedArray):
+                    raise TypeError(f"ca.kernel {name!r}: touched maps CachedArrays to byte "
+                                    f"counts, got a key of type {type(a).__name__}")
+                n = int(n)
+                if n < 0:
+                    raise ValueError(f"ca.kernel {name!r}: touched bytes must be >= 0, got {n}")
+                out[a._obj.id] = min(n, a._obj.nbytes)
+            self.touched = out

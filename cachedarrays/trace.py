@@ -135,11 +135,12 @@ class Trace:
     until the kernel's end (a ufunc's output) ends with True: ``("alloc", sid, nbytes,
     placement, True)``; ``kernels``: (name, read sids, write sids) per kernel index;
     ``times``: seconds per kernel; ``decisions``: the decision log of the run (see
-    ``cachedarrays.costmodel``); ``devices``: the tier names of that run, fastest first.
+    ``cachedarrays.costmodel``); ``devices``: the tier names of that run, fastest first;
+    ``touched``: kernel index -> {sid: bytes} for kernels that touch only part of an object.
     """
 
     def __init__(self, objects=None, events=None, kernels=None, times=None, meta=None,
-                 decisions=None, devices=None):
+                 decisions=None, devices=None, touched=None):
         self.objects = dict(objects or {})
         self.events = list(events or [])
         self.kernels = list(kernels or [])
@@ -147,6 +148,7 @@ class Trace:
         self.meta = dict(meta or {})
         self.decisions = list(decisions or [])
         self.devices = list(devices or [])
+        self.touched = {int(k): dict(v) for k, v in dict(touched or {}).items()}
 
     # -- facts ----------------------------------------------------------------------------
 
@@ -272,7 +274,7 @@ class Trace:
 
     def copy(self):
         return Trace(self.objects, self.events, self.kernels, self.times, self.meta,
-                     self.decisions, self.devices)
+                     self.decisions, self.devices, self.touched)
 
     # -- files ----------------------------------------------------------------------------
 
@@ -286,7 +288,8 @@ class Trace:
         doc = {"format": _FORMAT, "version": _VERSION, "meta": meta,
                "objects": list(self.objects.items()), "events": self.events,
                "kernels": self.kernels, "times": self.times, "decisions": self.decisions,
-               "devices": self.devices}
+               "devices": self.devices,
+               "touched": [[k, list(v.items())] for k, v in sorted(self.touched.items())]}
         path = os.fspath(path)
         tmp = f"{path}.tmp{os.getpid()}-{threading.get_ident()}"    # one per saving thread
         try:
@@ -317,7 +320,8 @@ class Trace:
             t = cls({s: n for s, n in doc["objects"]}, [tuple(e) for e in doc["events"]],
                     [(n, tuple(r), tuple(w)) for n, r, w in doc["kernels"]], doc["times"],
                     doc.get("meta"), [_decision(d) for d in doc.get("decisions", ())],
-                    doc.get("devices"))
+                    doc.get("devices"),
+                    {k: {s: n for s, n in v} for k, v in doc.get("touched", ())})
             profiles = t.meta.get("profiles")
             if isinstance(profiles, dict):
                 t.meta["profiles"] = {d: Profile(**p) if isinstance(p, dict) else p
@@ -378,7 +382,7 @@ class Recorder(Observer):
         if sid is not None and self.record_events:
             self.trace.events.append(("free", sid))
 
-    def on_acquire(self, name, reads, writes):
+    def on_acquire(self, name, reads, writes, touched=None):
         t = self.trace
         sid = self._sid
         k = len(t.kernels)
@@ -388,6 +392,12 @@ class Recorder(Observer):
             t.events.append(("kernel", k))
         if name == "view":                      # reshape and the like: no data is touched
             ops = tuple((sid(o), 0, o.primary.device.name, False) for o in reads)
+        elif touched:
+            t.touched[k] = {sid(o): touched[o.id] for o in (*reads, *writes) if o.id in touched}
+            ops = tuple((sid(o), touched.get(o.id, o.nbytes), o.primary.device.name, False)
+                        for o in reads) + \
+                tuple((sid(o), touched.get(o.id, o.nbytes), o.primary.device.name, True)
+                      for o in writes)
         else:
             ops = tuple((sid(o), o.nbytes, o.primary.device.name, False) for o in reads) + \
                 tuple((sid(o), o.nbytes, o.primary.device.name, True) for o in writes)

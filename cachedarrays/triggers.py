@@ -59,7 +59,7 @@ class Plan(Observer):
 
     # -- observer hooks -------------------------------------------------------------------
 
-    def on_acquire(self, name, reads, writes):
+    def on_acquire(self, name, reads, writes, touched=None):
         k = self.kernel
         self.kernel = k + 1
         self._fire(("kernel", k))

@@ -55,7 +55,7 @@ class _Kernels(Observer):
     def __init__(self, policy):
         self.policy = policy
 
-    def on_acquire(self, name, reads, writes):
+    def on_acquire(self, name, reads, writes, touched=None):
         p = self.policy
         if not (p.write_allocate and writes):
             return
@@ -97,7 +97,7 @@ class _Lookahead(Observer):
         self.until = None             # last kernel whose operands evictions spare, if set
         self.uses = {}                # sid -> kernel indices of the learned step that use it
 
-    def on_acquire(self, name, reads, writes):
+    def on_acquire(self, name, reads, writes, touched=None):
         sid = self.ids.get
         self.current.append(tuple(sid(o.id) for o in (*reads, *writes)))
         self.open.append(sorted(o.id for o in (*reads, *writes)))

@@ -656,3 +656,35 @@ def test_a_kernel_without_operands_belongs_to_no_manager_and_is_not_recorded(m):
         with ca.kernel("barrier", [], []):
             time.sleep(0.001)
     assert kernel_names(t) == []
+
+
+# ---- kernels that touch part of an array -----------------------------------------------------
+
+def test_touched_bytes_are_what_the_cost_model_charges_and_replays_keep_them(m, tmp_path):
+    with ca.trace(m) as t:
+        table = ca.ones(10_000, manager=m)            # 80,000 bytes
+        out = ca.empty(10, manager=m)
+        ca.evict(table)
+        with ca.kernel("gather", (table,), (out,), touched=[(table, 800)]) as (tv, ov):
+            ov[:] = tv[:10]
+        ca.mark_step(m)
+    sid = StableIds.of(m).sid[table.object.id]
+    k = t.kernels.index(next(x for x in t.kernels if x[0] == "gather"))
+    ops = next(d for d in t.decisions if d[0] == "kernel" and d[1] == k)[2]
+    assert (sid, 800, "slow", False) in ops                 # 10 rows, not the whole table
+    assert t.touched == {k: {sid: 800}}
+    path = t.save(tmp_path / "g.trace")
+    back = ca.Trace.load(path)
+    assert back.touched == t.touched
+    run = ca.replay(back, "lru", fast="1MiB", slow="16MiB")
+    assert run.decisions == t.decisions
+
+
+def test_touched_must_pair_arrays_with_byte_counts(m):
+    a = ca.ones(10, manager=m)
+    with pytest.raises(TypeError, match="touched maps CachedArrays"):
+        ca.kernel("k", (a,), (), touched=[(np.ones(3), 8)])
+    with pytest.raises(ValueError, match="touched bytes must be >= 0"):
+        ca.kernel("k", (a,), (), touched=[(a, -1)])
+    with ca.kernel("k", (a,), (), touched=[(a, 10**9)]) as (v,):   # capped at the array's size
+        assert v.sum() == 10

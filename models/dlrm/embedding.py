@@ -125,15 +125,17 @@ def _copy_home(base, cache, backedge, slots):
 # ---- small utilities ---------------------------------------------------------------------
 
 @contextlib.contextmanager
-def _kernel(name, reads=(), writes=()):
+def _kernel(name, reads=(), writes=(), touched=None):
     """``ca.kernel(name, reads, writes)`` over the CachedArrays among reads and writes; other
     entries (ndarrays, None) pass through as themselves. Yields the list of views (reads first).
+    touched: [(table data, bytes of the rows the kernel gathers or updates)].
     """
     args = (*reads, *writes)
     cached = [isinstance(a, ca.CachedArray) for a in args]
     nr = len(reads)
     with ca.kernel(name, [a if c else None for a, c in zip(reads, cached[:nr])],
-                   [a if c else None for a, c in zip(writes, cached[nr:])]) as views:
+                   [a if c else None for a, c in zip(writes, cached[nr:])],
+                   touched=touched) as views:
         yield [v if c else a for v, a, c in zip(views, args, cached)]
 
 
@@ -307,7 +309,8 @@ class SimpleTable(EmbeddingTable):
         idx = kernels.check_indices(indices, self.nvectors, self.name)
         if out is None:
             out = self._new_output(nbags)
-        with _kernel("embedding_lookup", (self.data,), (out,)) as (t, o):
+        with _kernel("embedding_lookup", (self.data,), (out,),
+                     [(self.data, idx.shape[0] * self.rowbytes)]) as (t, o):
             if offsets is None:
                 kernels.lookup(t, idx, o, name=self.name, check=False)
             else:
@@ -317,7 +320,8 @@ class SimpleTable(EmbeddingTable):
 
     def update(self, indices, offsets, dout, lr):
         kernels.check_lr(lr, self.name, self.dtype)
-        with _kernel("embedding_update", (dout,), (self.data,)) as (g, t):
+        with _kernel("embedding_update", (dout,), (self.data,),
+                     [(self.data, np.shape(indices)[0] * self.rowbytes)]) as (g, t):
             rows = kernels.sgd_update(t, indices, offsets, g, lr, name=self.name)
         self._account_update(rows.shape[0])
         return rows
@@ -763,7 +767,8 @@ def lookup_tables(tables, indices_list, offsets_list, out, column_offsets=None):
     simple = [k for k, t in enumerate(tables) if isinstance(t, SimpleTable)]
     # One kernel: the SimpleTables' lookups into out (each cached table's lookup is a kernel of
     # its own, nested in it: it writes a column block of the same out).
-    with _kernel("embedding_lookup", [tables[k].data for k in simple], (out,)) as views:
+    rows = [(tables[k].data, np.shape(indices_list[k])[0] * tables[k].rowbytes) for k in simple]
+    with _kernel("embedding_lookup", [tables[k].data for k in simple], (out,), rows) as views:
         o = views[-1]
         if simple:
             kernels.lookup_many(views[:-1], [indices_list[k] for k in simple],
@@ -790,7 +795,8 @@ def update_tables(tables, indices_list, offsets_list, dout, lr, column_offsets=N
     simple = [k for k, t in enumerate(tables) if isinstance(t, SimpleTable)]
     # One kernel: the SimpleTables' updates from dout (each cached table's update is a kernel
     # of its own, nested in it: it reads a column block of the same dout).
-    with _kernel("embedding_update", (dout,), [tables[k].data for k in simple]) as views:
+    rows = [(tables[k].data, np.shape(indices_list[k])[0] * tables[k].rowbytes) for k in simple]
+    with _kernel("embedding_update", (dout,), [tables[k].data for k in simple], rows) as views:
         g = views[0]
         if simple:
             rows = kernels.update_many(views[1:], [indices_list[k] for k in simple],
