@@ -488,7 +488,10 @@ class trace:
             for obj in sorted(m.objects(), key=lambda o: o.id):
                 sid = rec.ids.get(obj.id)
                 rec.trace.objects[sid] = obj.nbytes
-                rec.trace.events.append(("alloc", sid, obj.nbytes, None))
+                where = obj.primary.device if obj.primary is not None else None
+                # Where it is now, as a placement hint, so that a replay starts the same way.
+                rec.trace.events.append(("alloc", sid, obj.nbytes,
+                                         "fast" if where is m.fast else "slow"))
                 for r in obj.regions.values():
                     rec.on_region(r, True)
             m.observe(rec)

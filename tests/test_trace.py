@@ -688,3 +688,16 @@ def test_touched_must_pair_arrays_with_byte_counts(m):
         ca.kernel("k", (a,), (), touched=[(a, -1)])
     with ca.kernel("k", (a,), (), touched=[(a, 10**9)]) as (v,):   # capped at the array's size
         assert v.sum() == 10
+
+
+def test_arrays_alive_when_recording_starts_carry_where_they_are(m):
+    a = ca.ones(1000, manager=m)
+    b = ca.ones(1000, manager=m)
+    ca.evict(b)
+    with ca.trace(m) as t:
+        pass
+    ids = StableIds.of(m).sid
+    allocs = {e[1]: e[3] for e in t.events if e[0] == "alloc"}
+    assert allocs[ids[a.object.id]] == "fast" and allocs[ids[b.object.id]] == "slow"
+    run = ca.replay(t, "lru", fast="1MiB", slow="16MiB")       # the replay starts the same way
+    assert run.result.total.peak["slow"] == b.nbytes and run.result.total.peak["fast"] == a.nbytes
