@@ -54,11 +54,9 @@ def evaluate(trace, decisions=None, profile=None, devices=None, stats=None,
     devices = list(devices or trace.devices)
     if not devices:
         raise TraceError("the trace names no devices; record it with ca.trace or pass devices=")
-    if profile is None:
-        profile = trace.meta.get("profiles") or None
-        if profile is not None:
-            profile = {d: profile.get(d) or ("dram" if i == 0 else "optane")
-                       for i, d in enumerate(devices)}
+    if profile is None:                       # the recorded tiers' profiles; the cost model
+        recorded = trace.meta.get("profiles") or {}     # fills in the defaults for the rest
+        profile = {d: p for d, p in recorded.items() if d in devices and p}
     decisions = trace.decisions if decisions is None else decisions
     result = costmodel.evaluate(trace.times, decisions, devices, profile, slow_output_factor)
     groups = trace.step_kernels()

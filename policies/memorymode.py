@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, fields, replace
 import numpy as np
 from numba import njit
 
+from .. import costmodel
 from ..registry import register_policy
 from .simple import SlowOnly
 
@@ -54,21 +55,17 @@ class DeviceProfile:
                     )
 
 
-# Named profiles; edit here or override with load_profiles(path).
-PROFILES: dict[str, DeviceProfile] = {
-    # Dissertation §2.3.3: six interleaved 512 GiB Optane DIMMs on one socket reach "just over 30 GB/s
-    # read and 11 GB/s write". DRAM read: 110 GB/s (Fig. 3.3, quoted in §5.3.3). The text gives no
-    # DRAM write figure; 60 GB/s is an assumption.
-    "optane": DeviceProfile("optane", 110.0, 60.0, 30.0, 11.0),
-    # §2.4.4: the highest PM bandwidth seen while running in 2LM is 23 GB/s read and 8 GB/s write
-    # (60% and 72% of the app-direct peak), because a cache's miss traffic is poorly shaped.
-    "optane-2lm": DeviceProfile("optane-2lm", 110.0, 60.0, 23.0, 8.0),
-    # Not from the dissertation: an illustrative CXL Type-3 expander on PCIe 5.0 x8 (~32 GB/s raw
-    # per direction).
-    "cxl": DeviceProfile("cxl", 110.0, 60.0, 25.0, 20.0),
-    # Slow memory as fast as DRAM: isolates the cost of the cache's extra DRAM traffic.
-    "dram": DeviceProfile("dram", 110.0, 60.0, 110.0, 60.0),
-}
+def _from_tiers():
+    """The cache's view of the cost model's tier profiles (one table of figures: costmodel)."""
+    dram = costmodel.PROFILES["dram"]
+    return {name: DeviceProfile(name, dram.read_gbps, dram.write_gbps, p.read_gbps, p.write_gbps)
+            for name, p in costmodel.PROFILES.items() if p.latency == 0}
+
+
+# Named profiles: DRAM in front of each latency-free slow tier of ``costmodel.PROFILES`` (optane,
+# optane-2lm, cxl, and dram itself, which isolates the cost of the cache's extra DRAM traffic).
+# Override with load_profiles(path).
+PROFILES: dict[str, DeviceProfile] = _from_tiers()
 
 
 def get_profile(profile: str | DeviceProfile | None = None) -> DeviceProfile:

@@ -4,11 +4,23 @@ Imported as ``from helpers import assert_eq``: pytest puts this folder on ``sys.
 test modules and conftest.py (the default "prepend" import mode).
 """
 
+import importlib.util
+import pathlib
+
 import numpy as np
 
 import cachedarrays as ca
 
-__all__ = ["assert_eq", "same", "RTOL"]
+__all__ = ["assert_eq", "same", "RTOL", "load_benchmark"]
+
+
+def load_benchmark(name):
+    """The module of benchmarks/<name>.py (the benchmarks are scripts, not a package)."""
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 # Relative tolerance of inexact comparisons, by the byte size of one real component: a few
 # thousand units in the last place, enough for a reordered sum, too little for a wrong value.

@@ -166,14 +166,19 @@ def test_every_kind_of_use_waits(mgr, monkeypatch, use):
     np.testing.assert_array_equal(values(x), want)
 
 
-def test_free_during_a_copy_cancels_it(mgr, monkeypatch):
+def _prefetch_held_mid_copy(mgr, monkeypatch):
+    """(manager, array, job): a background prefetch of a large array, held mid-copy."""
     m = mgr()
     x = ca.asarray(np.arange(BIG // 8, dtype=np.float64), manager=m)
     ca.evict(x)
     gate = Gate(monkeypatch)
     ca.prefetch(x, wait=False)
     assert gate.started.wait(T)
-    job = m._copies[x.object.id].job
+    return m, x, m._copies[x.object.id].job
+
+
+def test_free_during_a_copy_cancels_it(mgr, monkeypatch):
+    m, x, job = _prefetch_held_mid_copy(mgr, monkeypatch)
     ca.unsafe_free(x)                               # asks the running job to stop
     assert job.done() and job.cancelled()
     s = m.stats()
@@ -185,13 +190,7 @@ def test_free_during_a_copy_cancels_it(mgr, monkeypatch):
 
 
 def test_a_garbage_collected_array_cancels_its_copy(mgr, monkeypatch):
-    m = mgr()
-    x = ca.asarray(np.arange(BIG // 8, dtype=np.float64), manager=m)
-    ca.evict(x)
-    gate = Gate(monkeypatch)
-    ca.prefetch(x, wait=False)
-    assert gate.started.wait(T)
-    job = m._copies[x.object.id].job
+    m, x, job = _prefetch_held_mid_copy(mgr, monkeypatch)
     del x
     gc.collect()
     m.drain()

@@ -1,8 +1,5 @@
 """DLRM: one training step against an independent NumPy reference, table kinds agree, loss falls."""
 
-import importlib.util
-import pathlib
-
 import numpy as np
 import pytest
 
@@ -12,6 +9,7 @@ from cachedarrays.models.dlrm import configs
 from cachedarrays.models.dlrm.data import Batch
 from cachedarrays.models.dlrm.model import (DLRM, bce_with_logits, dot_interaction,
                                             dot_interaction_backward, synthetic_dataset)
+from helpers import load_benchmark
 
 
 def random_batch(cfg, seed=0, distribution="uniform"):
@@ -278,11 +276,7 @@ def test_bad_batches_are_refused(m):
 
 
 def _load_benchmark():
-    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "dlrm.py"
-    spec = importlib.util.spec_from_file_location("bench_dlrm", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("dlrm")
 
 
 def test_torch_peer_trains_to_the_same_losses(m):

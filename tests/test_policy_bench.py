@@ -1,9 +1,6 @@
 """The MemoryMode (2LM) policy's cost-model records, worked out by hand, and benchmarks/policies.py's
 core (record a tiny CNN, replay every policy at every budget) on a small configuration."""
 
-import importlib.util
-import pathlib
-
 import numpy as np
 import pytest
 
@@ -11,17 +8,14 @@ import cachedarrays as ca
 from cachedarrays import costmodel
 from cachedarrays.policies import MemoryMode, SlowOnly
 from cachedarrays.registry import resolve
+from helpers import load_benchmark
 
 L = 64                       # MemoryMode's default line size
 KB = 1024                    # each object of the hand-made case: 16 lines
 
 
 def _load_benchmark():
-    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "policies.py"
-    spec = importlib.util.spec_from_file_location("bench_policies", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("policies")
 
 
 # ---- MemoryMode ---------------------------------------------------------------------------------
