@@ -6,8 +6,9 @@
 --fast is the fast memory of the CachedArrays setups and --dram-cache the simulated DRAM cache
 of the 2LM setups (by default the --fast size, so every setup has the same DRAM); each is bytes,
 a size ("256MiB") or a percentage of the footprint measured by one iteration with everything in
-fast memory. --setup takes one setup or a comma-separated list of
-2lm, 2lm-none, none (CA:0), L, LM, LMP, fast-only. Policy figures (bytes moved, modelled time
+fast memory. --setup (or --mode) takes one setup or a comma-separated list of
+2lm, 2lm-none, none (CA:0), L, LM, LMP, fast-only, sentinel, deeptm, autotm (the planning
+policies profile the second iteration and run their plan from the third on). Policy figures (bytes moved, modelled time
 on a slow-device profile) and wall-clock figures are printed in separate tables: on machines
 without persistent memory the slow device is a file mapping the OS keeps in DRAM, so only the
 bytes and the modelled time say what a real slow device would cost.
@@ -88,7 +89,8 @@ def parse_args(argv):
     p.add_argument("--dram-cache", default=None,
                    help="simulated DRAM cache of the 2lm setups (default: the --fast size)")
     p.add_argument("--slow", default=None, help="slow memory size (default: 3x the estimate)")
-    p.add_argument("--setup", default="2lm,LM,fast-only")
+    p.add_argument("--setup", "--mode", dest="setup", default="2lm,LM,fast-only",
+                   help=f"setups, comma-separated: {', '.join(cnn.SETUPS)}")
     p.add_argument("--iterations", type=int, default=4,
                    help="iterations per setup; the first warms up, the rest give medians")
     p.add_argument("--threads", type=int, default=2)
@@ -225,8 +227,10 @@ def _median(values):
 
 def _policy_row(setup, budget, recs):
     """Policy figures (cost model; each the median over the iterations after the first, which
-    warms the cache) and wall-clock figures of one setup."""
-    use = recs[1:] if len(recs) > 1 else recs
+    warms the cache, or for a planning setup after the profiled one) and wall-clock figures of
+    one setup."""
+    skip = 2 if setup in cnn.PLANNED else 1      # planning setups run their plan from the third
+    use = recs[skip:] if len(recs) > skip else recs[-1:]
     r = use[len(use) // 2]
     row = {"setup": setup, "budget": budget, "n": len(use), "loss": r["loss"],
            "wall": statistics.median(x["wall"] for x in use),

@@ -68,7 +68,14 @@ POLICIES = (
     ("CA:LMP", "lru", {"preset": "CA:LMP"}),
     ("FirstTouch", "firsttouch", None),
     ("MemoryMode", "memorymode", None),
+    ("Sentinel", "sentinel", None),
+    ("DeepTM", "deeptm", {"mode": "greedy"}),
+    ("AutoTM", "autotm", None),
 )
+# DeepTM's DQN trains only on small graphs (its paper: AlexNet/VGG-sized); the models it runs on.
+DQN = ("DeepTM-DQN", "deeptm", {"mode": "dqn"})
+DQN_MODELS = ("vgg11", "resnet18")
+SEED_POLICIES = ("Sentinel", "DeepTM", "DeepTM-DQN", "AutoTM")
 # The compared models (batch 16, 64 px) and a DLRM step; "tinycnn" is for tests and smoke runs.
 MODELS = {
     "resnet50": dict(kind="cnn", model="resnet", depth=50, batch=16, image=64, width=1, classes=10,
@@ -79,10 +86,15 @@ MODELS = {
                         classes=10, lr=1e-3),
     "dlrm": dict(kind="dlrm", config="small", scale=0.02, width_scale=1.0, batch_size=2048,
                  distribution="zipf"),
+    # DeepTM's DQN trains on small graphs (its paper: AlexNet/VGG-sized)
+    "vgg11": dict(kind="cnn", model="vgg", depth=11, batch=16, image=64, width=1, classes=10,
+                  lr=1e-3),
+    "resnet18": dict(kind="cnn", model="resnet", depth=18, batch=16, image=64, width=1,
+                     classes=10, lr=1e-3),
     "tinycnn": dict(kind="cnn", model="resnet", depth=18, batch=2, image=16, width=8, classes=10,
                     lr=1e-3),
 }
-DEFAULT_MODELS = ("resnet50", "vgg16", "densenet121", "dlrm")
+DEFAULT_MODELS = ("resnet50", "vgg16", "densenet121", "dlrm", "vgg11", "resnet18")
 DEFAULT_TRACES = os.path.join(os.path.dirname(os.path.abspath(__file__)), ".traces")
 # (lr 1e-3: VGG-16 without batch norm diverges to NaN within 4 steps of one batch at 1e-2, and
 # kernels on NaN or denormal data do not time like a real run's.)
@@ -353,6 +365,11 @@ def program_view(trace, switches):
     return t
 
 
+def policies_for(model):
+    """The compared policies of a model: POLICIES, plus DeepTM's DQN on the small graphs."""
+    return POLICIES + ((DQN,) if model in DQN_MODELS else ())
+
+
 # ---- the sweep --------------------------------------------------------------------------------
 
 def _cache_profile(profile):
@@ -411,8 +428,9 @@ def sweep(trace, policies=POLICIES, budgets=BUDGETS, profile="optane"):
             row = dict(label=label, policy=name, options=options, pct=pct, budget=budget,
                        profile=prof, steps=trace.steps, oom=False)
             t = time.perf_counter()
+            policy = resolve(name)(**(options or {}))
             try:
-                run = ca.replay(view, name, fast=budget, policy_options=options, profile=prof)
+                run = ca.replay(view, policy, fast=budget, profile=prof)
             except ca.OutOfMemoryError as e:
                 row.update(oom=True, error=str(e).split(";")[0], seconds=time.perf_counter() - t)
                 rows.append(row)
@@ -427,13 +445,22 @@ def sweep(trace, policies=POLICIES, budgets=BUDGETS, profile="optane"):
                        cache_records=sum(1 for d in run.decisions if d[0] == "cache"))
             if name in ("memorymode", "2lm"):
                 row["peak_fast"] = min(run.info.get("fast", budget), foot)
+            if getattr(policy, "info", None):       # what a planning policy found
+                row["info"] = dict(policy.info)
             rows.append(row)
     return rows
 
 
+def _modelled(v):
+    if isinstance(v, dict):
+        return {k: _modelled(x) for k, x in v.items()
+                if not (isinstance(k, str) and "seconds" in k)}
+    return v
+
+
 def numbers(rows):
     """The modelled content of rows (everything but wall-clock seconds), for comparisons."""
-    return [{k: v for k, v in r.items() if k != "seconds"} for r in rows]
+    return [_modelled(r) for r in rows]
 
 
 # ---- reporting --------------------------------------------------------------------------------
@@ -525,9 +552,51 @@ def targets(rows, footprint):
     return out
 
 
+TARGET_SENTINEL_20 = 1.09   # Sentinel at 20%: its paper runs 9% below DRAM-only
+TARGET_BEST_25 = 1.05       # the best policy at 25%
+
+
+def seed_targets(rows):
+    """[(name, passed or None, detail)] of the seed policies' targets."""
+    out = []
+    s20 = _find(rows, "Sentinel", 20)
+    if s20 is None:
+        out.append(("Sentinel at 20% <= 1.09x fast-only", None, "no Sentinel row at 20%"))
+    else:
+        out.append(("Sentinel at 20% <= 1.09x fast-only",
+                    not s20["oom"] and s20["ratio"] <= TARGET_SENTINEL_20,
+                    "OOM" if s20["oom"] else f"{s20['ratio']:.4f}x"))
+    at25 = [r for r in rows if r["pct"] == 25 and not r["oom"]]
+    if not at25:
+        out.append(("best policy at 25% <= 1.05x fast-only", None, "no row at 25%"))
+    else:
+        best = min(at25, key=lambda r: r["ratio"])
+        out.append(("best policy at 25% <= 1.05x fast-only", best["ratio"] <= TARGET_BEST_25,
+                    f"{best['label']} {best['ratio']:.4f}x"))
+    base = [_find(rows, b, 20) for b in ("LRU", "MemoryMode")]
+    seeds = [r for r in rows if r["label"] in SEED_POLICIES and r["pct"] == 20]
+    if not seeds or any(b is None for b in base):
+        out.append(("every seed policy beats LRU and 2LM at 20%", None,
+                    "needs LRU, MemoryMode and seed policy rows at 20%"))
+    else:
+        worst = min((b for b in base if not b["oom"]), key=lambda r: r["ratio"], default=None)
+        bad, detail = [], []
+        for r in seeds:
+            ok = not r["oom"] and (worst is None or r["ratio"] < worst["ratio"])
+            detail.append(f"{r['label']} {'OOM' if r['oom'] else format(r['ratio'], '.4f')}")
+            if not ok:
+                bad.append(r["label"])
+        ref = ", ".join(f"{b['label']} {'OOM' if b['oom'] else format(b['ratio'], '.4f')}"
+                        for b in base)
+        out.append(("every seed policy beats LRU and 2LM at 20%", not bad,
+                    f"{'; '.join(detail)} vs {ref}" + (f" (not: {', '.join(bad)})" if bad
+                                                       else "")))
+    return out
+
+
 def target_lines(rows, footprint):
     out = []
-    for name, ok, detail in targets(rows, footprint):
+    for name, ok, detail in targets(rows, footprint) + seed_targets(rows):
         status = "n/a " if ok is None else ("PASS" if ok else "FAIL")
         out.append(f"target {status}  {name}: {detail}")
     return out
@@ -556,16 +625,109 @@ def report(name, trace, rows, profile, out=print):
         out(line)
     for line in floor_lines(rows, foot):
         out(line)
+    for line in migrated_lines(rows):
+        out(line)
+    for line in autotm_lines(rows):
+        out(line)
+    if any(r["label"] == "Sentinel" for r in rows):
+        for line in sentinel_lines(name, trace, profile):
+            out(line)
+    if any(r["label"] == "DeepTM" for r in rows):
+        for line in deeptm_lines(name, trace, profile):
+            out(line)
     for line in target_lines(rows, foot):
         out(line)
     secs = [r["seconds"] for r in rows]
-    slow = max(rows, key=lambda r: r["seconds"])
+    plain = [r for r in rows if r["label"] not in SEED_POLICIES] or rows   # no planning inside
+    slow = max(plain, key=lambda r: r["seconds"])
     per_step = slow["seconds"] / max(1, trace.steps)
     out(f"[wall] sweep: {len(rows)} replays in {sum(secs):.2f} s; slowest {slow['label']} at "
         f"{slow['pct']}%: {slow['seconds']:.2f} s for {trace.steps} steps = {per_step:.3f} s/step"
         + (f" ({'PASS' if per_step < 2 else 'FAIL'}: a ResNet-50 step replays in < 2 s)"
-           if name == "resnet50" else ""))
-    return targets(rows, foot)
+           if name == "resnet50" else "") + " (policies that do not plan)")
+    return targets(rows, foot) + seed_targets(rows)
+
+
+MIL_SWEEP = (1, 2, 4, 8, 16)
+TABLE_IV = ("LRU", "CA:LM", "CA:LMP", "MemoryMode", "AutoTM", "Sentinel", "DeepTM",
+            "DeepTM-DQN")
+
+
+def migrated_lines(rows, pct=20):
+    """Sentinel's Table IV analogue: bytes moved between the tiers per step at one budget."""
+    out = [f"bytes migrated per step at {pct}% (Sentinel's Table IV; memory mode moves lines, "
+           "not arrays: its slow traffic is in the table above):"]
+    for label in TABLE_IV:
+        r = _find(rows, label, pct)
+        if r is not None and not r["oom"]:
+            out.append(f"  {label:<11} {_size(r['moved']):>11}  ({r['ratio']:.4f}x)")
+    return out
+
+
+def sentinel_lines(name, trace, profile, pct=20, mils=MIL_SWEEP):
+    """Sentinel's characterization of the trace and its MIL sweep at one budget (Fig. 5)."""
+    from cachedarrays.policies import sentinel
+    out = [f"{name}: Sentinel's characterization of the last step:"]
+    out += ["  " + line for line in sentinel.format_characterization(
+        sentinel.characterize(trace))]
+    budget = max(int(trace.footprint() * pct / 100), 1 << 16)
+    sweep = sentinel.mil_sweep(trace, budget, profile=profile, mils=mils)
+    out.append(f"Sentinel MIL sweep at {pct}% (Fig. 5; layers per interval: modelled time / "
+               "fast-only): " + ", ".join(f"{m}: {r:.4f}" for m, r in sweep))
+    return out
+
+
+def autotm_lines(rows):
+    """AutoTM's integer program per budget: size, its own modelled step, bound, gap."""
+    out = []
+    for r in rows:
+        info = r.get("info") or {}
+        if r["label"] != "AutoTM" or "objective" not in info:
+            continue
+        fo = info.get("fast_only") or 0
+        out.append(f"  {r['pct']:>4}%  {info['variables']:>6} variables {info['constraints']:>6} "
+                   f"rows {info['nonzeros']:>7} nonzeros  program {info['ratio']:.4f}x, "
+                   f"bound {info['bound'] / fo if fo else float('nan'):.4f}x, gap "
+                   f"{info['gap']:.1e} ({info['status']}); replay {r['ratio']:.4f}x")
+    if out:
+        out.insert(0, "AutoTM's integer linear program (HiGHS), per budget:")
+        secs = [(r["pct"], (r.get("info") or {}).get("solve_seconds_total"))
+                for r in rows if r["label"] == "AutoTM"]
+        out.append("[wall] AutoTM solve seconds (all attempts): " + ", ".join(
+            f"{p}% {x:.1f} s" for p, x in secs if x is not None))
+    return out
+
+
+FIG17 = ((0.9, ("deeptm", None), ("sentinel", None), ("lru", {"preset": "CA:LMP"}),
+          ("lru", None)),
+         (0.98, ("deeptm", None), ("lru", {"preset": "CA:LMP"})))
+BETAS = (0.25, 0.5, 0.75, 1.0)
+
+
+def deeptm_lines(name, trace, profile):
+    """DeepTM's figures: the smallest budget reaching a share of fast-only speed (Fig. 17),
+    against other policies, and the β curve of DRAM bought against speed (Fig. 16)."""
+    from cachedarrays.policies import deeptm
+    out = [f"{name}: smallest fast budget (5% steps) reaching a share of fast-only speed "
+           "(DeepTM's Fig. 17):"]
+    for target, *policies in FIG17:
+        cells = []
+        for pol, opts in policies:
+            sw = program_switches(pol, opts)
+            f = deeptm.smallest_budget(program_view(trace, sw), target=target, profile=profile,
+                                       policy=pol if pol != "deeptm" else None,
+                                       policy_options=opts)
+            label = "CA:LMP" if opts else {"lru": "LRU", "deeptm": "DeepTM",
+                                           "sentinel": "Sentinel"}[pol]
+            cells.append(f"{label} {'none' if f is None else format(f, '.0%')}")
+        out.append(f"  {target:.0%} of fast-only: " + ", ".join(cells))
+    out.append("DeepTM's beta curve (Fig. 16; all memory available; DRAM the plan uses, "
+               "modelled time / fast-only, memory cost at $23.81/GB DRAM, $7.85/GB PM):")
+    for row in deeptm.beta_curve(program_view(trace, program_switches("deeptm")), BETAS,
+                                 profile=profile):
+        out.append(f"  beta {row.beta:.2f}: DRAM {_size(row.dram_bytes):>10}  "
+                   f"{row.ratio:.4f}x  ${row.cost:.2f}")
+    return out
 
 
 def plot(path, results, profile=None):
@@ -661,17 +823,18 @@ def main(argv=None, out=print):
         t = load_or_record(name, MODELS[name], folder, not args.record, backend,
                            args.steps, log=out)
         t0 = time.perf_counter()
-        rows = sweep(t, POLICIES, budgets, args.profile)
+        rows = sweep(t, policies_for(name), budgets, args.profile)
         results[name] = rows
         verdicts[name] = report(name, t, rows, args.profile, out=out)
-        out(f"[wall] {name}: sweep of {len(POLICIES)} policies x {len(budgets)} budgets in "
+        out(f"[wall] {name}: sweep of {len(policies_for(name))} policies x {len(budgets)} budgets in "
             f"{time.perf_counter() - t0:.2f} s")
     out("")
     out("summary of the targets:")
     for name, vs in verdicts.items():
         out(f"  {name:<12} " + "  ".join(
             f"{key}: {'n/a' if ok is None else ('PASS' if ok else 'FAIL')}"
-            for key, (_, ok, _) in zip(("LM@25%", "LMP<=LM", "LM writes/floor"), vs)))
+            for key, (_, ok, _) in zip(("LM@25%", "LMP<=LM", "LM writes/floor",
+                                        "Sentinel@20%", "best@25%", "seeds>LRU,2LM"), vs)))
     if args.plot:
         plot(args.plot, results, args.profile)
         out(f"wrote {args.plot}")

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from . import costmodel
 from .manager import Manager
 from .sizes import parse_size
-from .trace import Recorder, Trace, TraceError
+from .trace import KernelClock, Recorder, Trace, TraceError
 
 __all__ = ["replay", "Run", "evaluate"]
 
@@ -80,8 +80,14 @@ def replay(trace, policy="lru", fast=None, slow=None, *, tiers=None, policy_opti
         fast = _size(fast if fast is not None else 1.0, foot, "fast")
         slow = _size(slow, foot, "slow") if slow is not None else \
             max(_SLOW_FACTOR * foot, 1 << 20)
-        m = Manager(fast=fast, slow=slow, policy=policy, virtual=True,
-                    policy_options=policy_options, granularity=granularity)
+        if isinstance(profile, (str, costmodel.Profile)):   # the tiers carry it: policies
+            m = Manager(tiers=[("fast", fast, None, "dram"),    # that plan read it there
+                               ("slow", slow, None, costmodel.get_profile(profile))],
+                        policy=policy, virtual=True, policy_options=policy_options,
+                        granularity=granularity)
+        else:
+            m = Manager(fast=fast, slow=slow, policy=policy, virtual=True,
+                        policy_options=policy_options, granularity=granularity)
     else:
         tiers = [(t[0], _size(t[1], foot, t[0]), None, *t[3:]) if not hasattr(t, "name") else t
                  for t in tiers]
@@ -111,9 +117,12 @@ def _drive(m, trace, rec):
     """Issue the trace's events to manager m (whose recorder rec forces the stable ids)."""
     held = {}       # kernel index -> operands it pins (released at its end, or on an error)
     made = {}       # kernel index -> new objects it keeps pinned until its end
+    pending = []    # new objects held until the next kernel's end
     try:
-        _issue(m, trace, rec, held, made)
+        _issue(m, trace, rec, held, made, pending)
     finally:
+        if pending:
+            m.release(pending)
         # A failure inside a kernel (an OutOfMemoryError) or a trace that ends inside one
         # leaves pins behind; close() would wait for them and then hide the error.
         for k, objs in reversed(list(held.items())):
@@ -124,10 +133,12 @@ def _drive(m, trace, rec):
             m.release(objs)
 
 
-def _issue(m, trace, rec, held, made):
+def _issue(m, trace, rec, held, made, pending):
     live = {}
     kernels = trace.kernels
+    times = trace.times
     ids = rec.ids
+    clock = KernelClock.of(m)
     for i, e in enumerate(trace.events):
         kind = e[0]
         try:
@@ -135,9 +146,13 @@ def _issue(m, trace, rec, held, made):
                 name, r, w = kernels[e[1]]
                 reads, writes = [live[s] for s in r], [live[s] for s in w]
                 part = trace.touched.get(e[1])
+                clock.force_next(times[e[1]])
                 m.acquire(reads, writes, name,
                           {live[s].id: n for s, n in part.items()} if part else None)
                 held[e[1]] = reads + writes
+                if pending:                     # new arrays held through this kernel
+                    made.setdefault(e[1], []).extend(pending)
+                    pending.clear()
             elif kind == "end":
                 if e[1] not in held:
                     raise TraceError(f"event {i} {e!r}: ends a kernel that is not open; the "
@@ -150,7 +165,9 @@ def _issue(m, trace, rec, held, made):
                 ids.force_next(e[1])
                 obj = m.new_pinned(e[2], e[3])
                 live[e[1]] = obj
-                if len(e) > 4 and e[4] and held:        # pinned until the kernel's end
+                if len(e) > 4 and e[4] == "next":       # pinned until the next kernel ends
+                    pending.append(obj)
+                elif len(e) > 4 and e[4] and held:      # pinned until the kernel's end
                     made.setdefault(next(reversed(held)), []).append(obj)
                 else:
                     m.release((obj,))

@@ -20,6 +20,7 @@ EVENTS = (
     "defrag_moves",            # a heap defragmentation pass
     "evict_skipped_pinned",    # an eviction walk passed over a pinned region
     "prefetch_refused",        # a prefetch that did not fit in fast memory
+    "plan_missed",             # a planning policy could not do what its plan said (no room)
     "writebacks_elided",       # a clean eviction that dropped the fast copy without a copy
 )
 

@@ -28,7 +28,7 @@ from .costmodel import Profile
 from .errors import CachedArraysError
 from .manager import Observer
 
-__all__ = ["Trace", "trace", "StableIds", "Recorder", "TraceError"]
+__all__ = ["Trace", "trace", "StableIds", "KernelClock", "Recorder", "TraceError"]
 
 _FORMAT = "cachedarrays-trace"
 _VERSION = 1
@@ -56,6 +56,17 @@ def _site():
     return f"{os.path.basename(f.f_code.co_filename)}:{f.f_lineno}"
 
 
+def _first_observer(cls, manager):
+    """The manager's observer of class cls, made and put first in its list if it has none."""
+    for o in manager._observers:
+        if isinstance(o, cls):
+            return o
+    made = cls()
+    with manager.atomic():
+        manager._observers = (made,) + manager._observers
+    return made
+
+
 class StableIds(Observer):
     """Gives every new object of a manager a stable id: site#ordinal within the step.
 
@@ -74,13 +85,7 @@ class StableIds(Observer):
 
     @classmethod
     def of(cls, manager):
-        for o in manager._observers:
-            if isinstance(o, cls):
-                return o
-        ids = cls()
-        with manager.atomic():
-            manager._observers = (ids,) + manager._observers   # first: others read its ids
-        return ids
+        return _first_observer(cls, manager)      # first: others read its ids
 
     def force_next(self, sid):
         """The next new object gets this id (replays)."""
@@ -123,6 +128,48 @@ class StableIds(Observer):
             self._ordinal.clear()
 
 
+class KernelClock(Observer):
+    """Kernel times of a manager: the exclusive seconds of each kernel, measured once.
+
+    One per manager (``KernelClock.of(m)``), shared by every recorder (traces, the profiles of
+    planning policies), so they all see the same figure. A replay forces each kernel's recorded
+    time with ``force_next``: what a policy measures in a replay is what the trace measured.
+    """
+
+    def __init__(self):
+        self._stacks = defaultdict(list)   # thread id -> [[key, start, nested, forced]]
+        self._forced = None
+        self._last = {}                    # thread id -> seconds of its last ended kernel
+
+    @classmethod
+    def of(cls, manager):
+        return _first_observer(cls, manager)      # before the recorders
+
+    def force_next(self, seconds):
+        """The next kernel takes this many seconds, whatever the wall clock says (replays)."""
+        self._forced = float(seconds)
+
+    def last(self):
+        """Exclusive seconds of the kernel that just ended in this thread."""
+        return self._last.get(threading.get_ident(), 0.0)
+
+    def on_acquire(self, name, reads, writes, touched=None):
+        forced, self._forced = self._forced, None
+        self._stacks[threading.get_ident()].append(
+            [sorted(o.id for o in (*reads, *writes)), _perf(), 0.0, forced])
+
+    def on_release(self, objs):
+        tid = threading.get_ident()
+        stack = self._stacks.get(tid)
+        if not stack or stack[-1][0] != sorted(o.id for o in objs):
+            return
+        _, start, nested, forced = stack.pop()
+        spent = _perf() - start
+        self._last[tid] = forced if forced is not None else max(0.0, spent - nested)
+        if stack:
+            stack[-1][2] += spent
+
+
 # ---- the trace ---------------------------------------------------------------------------
 
 class Trace:
@@ -133,7 +180,8 @@ class Trace:
     ``("evict", sid, to, wait)``, ``("softevict", sid)``, ``("layer",)``, ``("step",)``,
     ``("defrag", device)``); an alloc made inside a kernel that kept the new object pinned
     until the kernel's end (a ufunc's output) ends with True: ``("alloc", sid, nbytes,
-    placement, True)``; ``kernels``: (name, read sids, write sids) per kernel index;
+    placement, True)``; one made before a kernel and held until that kernel's end (a copy's
+    output) ends with "next"; ``kernels``: (name, read sids, write sids) per kernel index;
     ``times``: seconds per kernel; ``decisions``: the decision log of the run (see
     ``cachedarrays.costmodel``); ``devices``: the tier names of that run, fastest first;
     ``touched``: kernel index -> {sid: bytes} for kernels that touch only part of an object.
@@ -357,13 +405,15 @@ class Recorder(Observer):
     def __init__(self, manager, events=True):
         self.m = manager
         self.ids = StableIds.of(manager)
+        self.clock = KernelClock.of(manager)
         self.record_events = events
         self.trace = Trace(devices=[d.name for d in manager.tiers],
                            meta={"profiles": {d.name: d.profile for d in manager.tiers}})
-        # thread id -> [[k, key, start, nested seconds, {new object id: its alloc event}]]
+        # thread id -> [[k, key, {new object id: its alloc event}]]
         self._stacks = defaultdict(list)
+        self._loose = defaultdict(dict)         # thread id -> {new object id: its alloc event}
         self._lock = threading.Lock()
-        self._traffic = getattr(manager.policy, "kernel_traffic", None)
+        self._traffic = getattr(getattr(manager, "policy", None), "kernel_traffic", None)
 
     def _sid(self, obj):
         return self.ids.get(obj.id)
@@ -373,9 +423,12 @@ class Recorder(Observer):
             sid = self._sid(obj)
             self.trace.objects[sid] = obj.nbytes
             self.trace.events.append(("alloc", sid, obj.nbytes, placement))
-            stack = self._stacks.get(threading.get_ident())
+            tid = threading.get_ident()
+            stack = self._stacks.get(tid)
             if stack:                           # made inside a kernel: see on_release
-                stack[-1][4][obj.id] = len(self.trace.events) - 1
+                stack[-1][2][obj.id] = len(self.trace.events) - 1
+            else:                               # it may stay pinned through the next kernel
+                self._loose[tid][obj.id] = len(self.trace.events) - 1
 
     def on_free(self, obj_id):
         sid = self.ids.sid.get(obj_id)
@@ -407,27 +460,37 @@ class Recorder(Observer):
             if extra is not None:
                 t.decisions.append(extra)
         key = sorted(o.id for o in (*reads, *writes))
-        self._stacks[threading.get_ident()].append([k, key, _perf(), 0.0, {}])
+        tid = threading.get_ident()
+        loose = self._loose.get(tid)
+        carried = {}
+        if loose:                               # new arrays not released yet (a copy's output)
+            carried, self._loose[tid] = loose, {}
+        self._stacks[tid].append([k, key, {}, carried])
 
     def on_release(self, objs):
-        stack = self._stacks.get(threading.get_ident())
+        tid = threading.get_ident()
+        loose = self._loose.get(tid)
+        if loose:
+            for o in objs:
+                loose.pop(o.id, None)
+        stack = self._stacks.get(tid)
         if not stack:
             return
         top = stack[-1]
         if top[1] != sorted(o.id for o in objs):
             for o in objs:                      # a new array's first release: not a kernel
-                top[4].pop(o.id, None)
+                top[2].pop(o.id, None)
+                top[3].pop(o.id, None)
             return
         stack.pop()
-        k, _, start, nested, made = top
-        spent = _perf() - start
-        self.trace.times[k] = max(0.0, spent - nested)
-        if stack:
-            stack[-1][3] += spent
+        k, _, made, carried = top
+        self.trace.times[k] = self.clock.last()
         if self.record_events:
             events = self.trace.events
             for i in made.values():             # new arrays still pinned: released after the
                 events[i] = (*events[i], True)  # kernel's operands (a ufunc's output)
+            for i in carried.values():          # made before the kernel, held through it
+                events[i] = (*events[i], "next")
             events.append(("end", k))
 
     def on_annotation(self, op, obj, args):

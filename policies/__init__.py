@@ -5,6 +5,11 @@ from .base import Policy
 from .lru import LRU, PRESETS
 from .simple import FastOnly, FirstTouch, SlowOnly   # each module registers its policies
 from .memorymode import MemoryMode
+from .planned import PlannedPolicy
+from .sentinel import Sentinel
+from .autotm import AutoTM
+from .deeptm import DeepTM
 
-__all__ = ["Policy", "LRU", "FirstTouch", "FastOnly", "SlowOnly", "MemoryMode", "PRESETS",
+__all__ = ["Policy", "LRU", "FirstTouch", "FastOnly", "SlowOnly", "MemoryMode", "PlannedPolicy",
+           "Sentinel", "DeepTM", "AutoTM", "PRESETS",
            "register_policy"]

@@ -11,7 +11,8 @@ import numpy as np
 
 import cachedarrays as ca
 
-__all__ = ["assert_eq", "same", "RTOL", "load_benchmark"]
+__all__ = ["assert_eq", "same", "RTOL", "load_benchmark", "layered_program", "traced_training",
+           "beside_fast_only"]
 
 
 def load_benchmark(name):
@@ -21,6 +22,56 @@ def load_benchmark(name):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+def layered_program(m, n=20_000, arrays=4, steps=4):
+    """Arrays used in turn, a layer each, then the first updated, for steps steps (a repeating
+    program for plans); returns the final data of the arrays as ndarrays."""
+    ws = [ca.asarray(np.full(n, float(i)), manager=m) for i in range(arrays)]
+    for _ in range(steps):
+        h = ca.zeros(n, manager=m)
+        for i, w in enumerate(ws):
+            with ca.kernel(f"acc{i}", (w,), (h,)) as (a, out):
+                out += a
+            ca.mark_layer(m)
+        with ca.kernel("update", (h,), (ws[0],)) as (a, out):
+            out += a / 100
+        del h
+        ca.mark_step(m)
+    return [np.asarray(w.copy()) for w in ws]
+
+
+def beside_fast_only(policy, program, fast, slow="8MiB"):
+    """Run program under fast-only, then traced under policy (fast bytes); checks the data is
+    equal and returns (trace, closed manager) of the policy's run."""
+    with ca.Manager(fast="64MiB", slow="1MiB", policy="fastonly") as ref:
+        want = program(ref)
+    with ca.Manager(fast=fast, slow=slow, policy=policy) as m:
+        with ca.trace(m) as t:
+            got = program(m)
+        m.wait_copies()
+        m.check()
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+    return t, m
+
+
+def traced_training(setup="LM", budget="96KiB", steps=3, name="resnet", depth=18, shape=None,
+                    slow="64MiB"):
+    """(model, trace of init + steps CNN training iterations, manager) of one setup; the
+    manager is closed (its sizes and the model's weights stay readable)."""
+    from cachedarrays.models import cnn
+    model = cnn.build(name, depth, **(shape or dict(batch=2, image=16, classes=5, width=16)))
+    m, s = cnn.make_session(setup, slow=slow, backend="numpy", **cnn.dram_budget(setup, budget))
+    with m:
+        with ca.trace(m) as t:
+            model.init(s, seed=3)
+            for i in range(steps):
+                x, y = cnn.synthetic_batch(model, seed=i)
+                cnn.train_step(s, model, x, y, cnn.SGD(0.05))
+        m.wait_copies()
+        model.weights_at_close = model.weights()
+    return model, t, m
+
 
 # Relative tolerance of inexact comparisons, by the byte size of one real component: a few
 # thousand units in the last place, enough for a reordered sum, too little for a wrong value.

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import cachedarrays as ca
+from helpers import traced_training
 from cachedarrays.models import cnn
 from cachedarrays.models.backend import available_backends
 from cachedarrays.replay import evaluate
@@ -315,7 +316,9 @@ def test_setups_use_the_lru_presets_of_table_4_7():
         p = cnn.make_policy(setup)
         assert isinstance(p, LRU)
         assert (p.local_alloc, p.allows_cleanup, p.allows_prefetch) == switches
-    assert cnn.SETUPS == ("none", "L", "LM", "LMP", "fast-only", "2lm", "2lm-none")
+    assert cnn.SETUPS == ("none", "L", "LM", "LMP", "fast-only", "2lm", "2lm-none",
+                          "sentinel", "deeptm", "autotm")
+    assert cnn.PLANNED == cnn.SETUPS[-3:]
 
 
 def test_a_budget_is_bytes_a_size_or_a_percentage_of_the_footprint():
@@ -387,16 +390,8 @@ def reference():
 
 def _traced(setup="LM", budget="96KiB", steps=3, name="resnet", depth=18, shape=TINY):
     """(model, trace of init + steps training iterations, fast memory size) of one setup."""
-    model = cnn.build(name, depth, **shape)
-    m, s = cnn.make_session(setup, slow="64MiB", backend="numpy",
-                            **cnn.dram_budget(setup, budget))
-    with m:
-        with ca.trace(m) as t:
-            model.init(s, seed=3)
-            for i in range(steps):
-                x, y = cnn.synthetic_batch(model, seed=i)
-                cnn.train_step(s, model, x, y, cnn.SGD(0.05))
-        return model, t, m.fast.size
+    model, t, m = traced_training(setup, budget, steps, name, depth, shape)
+    return model, t, m.fast.size
 
 
 def test_a_traced_iteration_has_named_kernels_layer_and_step_marks_and_stable_ids():

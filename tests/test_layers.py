@@ -16,7 +16,7 @@ LAYERS = [
     ("native", ["_native", "errors", "sizes", "heap", "copyengine"]),
     ("devices", ["devices"]),
     ("manager", ["registry", "poison", "telemetry", "manager"]),
-    ("policy lab", ["trace", "torchtrace", "costmodel", "replay", "triggers"]),
+    ("policy lab", ["trace", "torchtrace", "costmodel", "replay", "triggers", "stepprofile"]),
     ("policies", ["policies"]),
     ("array", ["array", "scopes", "ufuncs", "dispatch", "creation", "routines", "defaults"]),
     ("annotations", ["annotations"]),

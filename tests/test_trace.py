@@ -701,3 +701,19 @@ def test_arrays_alive_when_recording_starts_carry_where_they_are(m):
     assert allocs[ids[a.object.id]] == "fast" and allocs[ids[b.object.id]] == "slow"
     run = ca.replay(t, "lru", fast="1MiB", slow="16MiB")       # the replay starts the same way
     assert run.result.total.peak["slow"] == b.nbytes and run.result.total.peak["fast"] == a.nbytes
+
+
+def test_a_new_array_held_through_the_next_kernel_is_recorded_and_replayed_pinned():
+    """x.copy() makes its output, then reads x with the output still pinned: the trace says
+    so ("next"), and a replay keeps it pinned through that kernel, as the run did (a policy
+    making room during the kernel must not evict it)."""
+    with ca.Manager(fast="1MiB", slow="4MiB") as m:
+        x = ca.asarray(np.arange(1000.0), manager=m)
+        with ca.trace(m) as t:
+            y = x.copy()
+            ca.mark_step(m)
+        np.testing.assert_array_equal(np.asarray(y), np.arange(1000.0))
+    allocs = [e for e in t.events if e[0] == "alloc" and e[1] != t.events[0][1]]
+    assert allocs and allocs[-1][-1] == "next"
+    run = ca.replay(t, "lru", fast=1 << 20)
+    assert run.decisions == t.decisions

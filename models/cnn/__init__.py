@@ -17,7 +17,7 @@ from .layers import (AvgPool2d, BatchNorm2d, Chain, Conv2d, Dense, Flatten, MaxP
                      softmax_cross_entropy)
 from .nets import (DenseLayer, Model, ResidualBlock, build, densenet, resnet, train_step, vgg,
                    MODELS)
-from .runner import (REFERENCE_ITERATIONS, SETUPS, Trainer, check_setup, dram_budget,
+from .runner import (PLANNED, REFERENCE_ITERATIONS, SETUPS, Trainer, check_setup, dram_budget,
                      fast_only_reference, make_policy, make_session, measure_footprint,
                      parse_budget, run, synthetic_batch)
 from .trace import FORMULA, evaluate, figures, step_times, with_reference_times
@@ -25,7 +25,7 @@ from .trace import FORMULA, evaluate, figures, step_times, with_reference_times
 __all__ = ["Session", "Param", "Unit", "SGD", "Conv2d", "BatchNorm2d", "ReLU", "MaxPool2d",
            "AvgPool2d", "Flatten", "Dense", "Chain", "add", "softmax_cross_entropy", "Model",
            "ResidualBlock", "DenseLayer", "build", "vgg", "resnet", "densenet", "train_step",
-           "MODELS", "SETUPS", "Trainer", "check_setup", "dram_budget", "make_policy",
+           "MODELS", "PLANNED", "SETUPS", "Trainer", "check_setup", "dram_budget", "make_policy",
            "make_session", "measure_footprint", "parse_budget", "run", "synthetic_batch",
            "fast_only_reference", "REFERENCE_ITERATIONS", "FORMULA", "evaluate",
            "figures", "step_times", "with_reference_times", "demo"]

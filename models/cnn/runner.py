@@ -12,6 +12,9 @@ LMP        CA:LMP — plus prefetch annotations
 fast-only  FastOnly policy, fast budget = everything (the all-DRAM reference)
 2lm        2LM:M — every array in slow memory behind a simulated DRAM cache, with cleanup
 2lm-none   2LM:0 — the same without cleanup / noescape
+sentinel   Sentinel — profiles one step, then short-lived arena + interval prefetch/eviction
+deeptm     DeepTM — profiles one step, then placement by heat (greedy) against its cost model
+autotm     AutoTM — profiles one step, then the placement of its integer linear program
 =========  ==================================================================================
 
 The CachedArrays setups use the LRU policy's presets (``LRU(preset="CA:LM")``); the 2LM setups
@@ -35,6 +38,7 @@ import numpy as np
 
 import cachedarrays as ca
 from cachedarrays.policies import LRU, FastOnly, MemoryMode
+from cachedarrays.registry import resolve
 from cachedarrays.trace import StableIds
 
 from .core import SGD, Session
@@ -43,14 +47,17 @@ from .trace import evaluate, figures
 
 log = logging.getLogger(__name__)
 
-__all__ = ["SETUPS", "Trainer", "check_setup", "dram_budget", "fast_only_reference",
+__all__ = ["SETUPS", "PLANNED", "Trainer", "check_setup", "dram_budget", "fast_only_reference",
            "make_policy", "make_session", "measure_footprint", "parse_budget", "run",
            "synthetic_batch", "REFERENCE_ITERATIONS"]
 
 #: Fast-only iterations of a reference run: the first warms up, the others give the medians.
 REFERENCE_ITERATIONS = 4
 
-SETUPS = ("none", "L", "LM", "LMP", "fast-only", "2lm", "2lm-none")
+SETUPS = ("none", "L", "LM", "LMP", "fast-only", "2lm", "2lm-none", "sentinel", "deeptm",
+          "autotm")
+# Setups that run a planning policy (``cachedarrays.policies.planned``) under its own name.
+PLANNED = ("sentinel", "deeptm", "autotm")
 _LRU_PRESETS = {"none": "CA:0", "L": "CA:L", "LM": "CA:LM", "LMP": "CA:LMP"}
 
 
@@ -118,6 +125,8 @@ def make_policy(setup, dram_cache=None, line_size=64):
         return LRU(preset=_LRU_PRESETS[setup])
     if setup == "fast-only":
         return FastOnly()
+    if setup in PLANNED:
+        return resolve(setup)()
     if dram_cache is None:
         raise _need_dram_cache(setup)
     return MemoryMode(line_size=int(line_size),
