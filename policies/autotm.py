@@ -39,6 +39,7 @@ import time
 from dataclasses import dataclass, field
 
 from .. import costmodel
+from ..errors import OutOfMemoryError
 from ..registry import register_policy
 from ..stepprofile import StepProfile
 from ..trace import Trace
@@ -777,8 +778,15 @@ class AutoTM(PlannedPolicy):
         else:
             trace, probe = step.trace, _Probe(sol, step, self.profile_step)
         probe.last_step = len(trace.step_kernels()) - 1
-        run = replay(trace, probe, fast=m.fast.size, slow=m.slow.size, profile=slow,
-                     granularity=m.fast.granularity)
+        # Slow memory as large as the run's, or the profile's (a profile from another run may
+        # need more); virtual devices cost only address space.
+        room = max(m.slow.size, 2 * trace.footprint())
+        try:
+            run = replay(trace, probe, fast=m.fast.size, slow=room, profile=slow,
+                         granularity=m.fast.granularity)
+        except OutOfMemoryError as e:               # the plan cannot be checked: keep it
+            self.info["probe"] = f"not replayable here: {e}"
+            return math.inf, {}
         return run.last.time, probe.overflow
 
     # ---- actions --------------------------------------------------------------------------

@@ -7,7 +7,8 @@ import pytest
 import cachedarrays as ca
 from cachedarrays.models import cnn
 from cachedarrays.replay import evaluate
-from helpers import traced_training
+from cachedarrays.registry import resolve
+from helpers import beside_fast_only, layered_program, traced_training
 
 TINY = dict(batch=2, image=16, channels=3, classes=10, width=8)
 STEPS = 4           # the planning policies profile step 1 and run their plan in steps 2 and 3
@@ -37,3 +38,25 @@ def test_a_seed_policy_trains_bitwise_like_fast_only_and_replays_its_own_run(set
     assert run.decisions == t.decisions, setup
     assert run.last.bytes_moved == real.last.bytes_moved
     assert run.result.total.bytes_moved == real.result.total.bytes_moved
+
+
+def _foreign_trace():
+    """Two steps of another program, with arrays larger than the run's whole slow memory."""
+    big = 12 << 20
+    objects = {"w": big, "a": big, "a@1": big}
+    ev, kernels = [("alloc", "w", big, None)], []
+    for a in ("a", "a@1"):
+        k = len(kernels)
+        kernels += [("make", ("w",), (a,)), ("use", (a,), ("w",))]
+        ev += [("alloc", a, big, None), ("kernel", k), ("end", k), ("layer",), ("kernel", k + 1),
+               ("end", k + 1), ("free", a), ("step",)]
+    return ca.Trace(objects, ev, kernels, [1e-3] * len(kernels), devices=["fast", "slow"])
+
+
+@pytest.mark.parametrize("setup", cnn.PLANNED)
+def test_a_profile_of_another_program_plans_without_breaking_the_run(setup):
+    """Nothing in the profile matches: the plan's actions find no live object, its allocation
+    places are taken as given, and the data stays right."""
+    policy = resolve(setup)(profile=_foreign_trace(), profile_step=1)
+    t, m = beside_fast_only(policy, layered_program, "512KiB", slow="8MiB")
+    assert policy.planned and t.steps == 4
