@@ -1,7 +1,16 @@
 """Comparing placement policies on recorded traces (dissertation Fig. 4.10).
 
-    .venv/bin/python benchmarks/policies.py [--models resnet50,vgg16,densenet121,dlrm]
+    .venv/bin/python benchmarks/policies.py [--models resnet50,vgg16,densenet121,dlrm,vgg11,resnet18]
         [--budgets 10,20,25,50,100] [--profile optane] [--traces DIR] [--record] [--plot out.png]
+
+The compared policies: LRU and its presets CA:0/L/LM/LMP, FirstTouch, memory mode, and the
+planning policies Sentinel, DeepTM (greedy; its DQN too on the small graphs VGG-11 and
+ResNet-18) and AutoTM's integer program. Besides the table, each model gets: bytes migrated per
+step at 20% (Sentinel's Table IV), AutoTM's program size, bound and gap per budget, Sentinel's
+characterization and MIL sweep (Fig. 5), the smallest budget reaching 90% and 98% of fast-only
+speed (DeepTM's Fig. 17) and DeepTM's beta curve (Fig. 16), and the targets (LM, LMP, the floor;
+Sentinel at 20% <= 1.09x, the best policy at 25% <= 1.05x, every planning policy ahead of LRU
+and memory mode at 20%).
 
 Each model is run once for ``--steps`` training steps with everything in fast memory and recorded
 (``ca.trace``); its kernel times become the median over the steps after the first
