@@ -115,9 +115,6 @@ class StepProfile:
     def __len__(self):
         return len(self.kernels)
 
-    def nbytes(self, sid):
-        return self.objects[sid]
-
     def lifetime(self, sid):
         """(first kernel it exists at, kernel before which it is freed) in the step: resident
         objects start at 0, survivors end at len(self)."""
@@ -158,10 +155,6 @@ class StepProfile:
         idx = self._use_index.get(sid)
         return idx[-1] if idx else None
 
-    def first_use(self, sid):
-        idx = self._use_index.get(sid)
-        return idx[0] if idx else None
-
     def written(self, sid, lo=0, hi=None):
         """True if a kernel in [lo, hi) writes sid."""
         hi = len(self.kernels) if hi is None else hi
@@ -175,10 +168,6 @@ class StepProfile:
     def operand_bytes(self, k, sid):
         """Bytes kernel k touches of sid."""
         return self.touched.get((k, sid), self.objects.get(sid, 0))
-
-    def live_at(self, k):
-        """sids alive while kernel k runs."""
-        return [s for s in self.objects if self.lifetime(s)[0] <= k < self.lifetime(s)[1]]
 
     def live_bytes(self):
         """Bytes alive during each kernel of the step (a list, one entry per kernel)."""

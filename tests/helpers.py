@@ -57,8 +57,8 @@ def beside_fast_only(policy, program, fast, slow="8MiB"):
 
 def traced_training(setup="LM", budget="96KiB", steps=3, name="resnet", depth=18, shape=None,
                     slow="64MiB"):
-    """(model, trace of init + steps CNN training iterations, manager) of one setup; the
-    manager is closed (its sizes and the model's weights stay readable)."""
+    """(model, trace of init + steps CNN training iterations, closed manager, final weights)
+    of one setup."""
     from cachedarrays.models import cnn
     model = cnn.build(name, depth, **(shape or dict(batch=2, image=16, classes=5, width=16)))
     m, s = cnn.make_session(setup, slow=slow, backend="numpy", **cnn.dram_budget(setup, budget))
@@ -69,8 +69,8 @@ def traced_training(setup="LM", budget="96KiB", steps=3, name="resnet", depth=18
                 x, y = cnn.synthetic_batch(model, seed=i)
                 cnn.train_step(s, model, x, y, cnn.SGD(0.05))
         m.wait_copies()
-        model.weights_at_close = model.weights()
-    return model, t, m
+        weights = model.weights()
+    return model, t, m, weights
 
 
 # Relative tolerance of inexact comparisons, by the byte size of one real component: a few

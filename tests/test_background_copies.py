@@ -67,6 +67,14 @@ class Gate:
 
         monkeypatch.setattr(ce, "copy", gated)
 
+    @classmethod
+    def holding(cls, monkeypatch, issue):
+        """A gate, then issue() (a background copy), returned once its first chunk is held."""
+        gate = cls(monkeypatch)
+        issue()
+        assert gate.started.wait(T)
+        return gate
+
     def open(self, after=0.0):
         """Open now, or after `after` seconds from a timer thread."""
         if after:
@@ -123,9 +131,7 @@ def test_a_use_waits_for_its_copy_and_counts_stall(mgr, monkeypatch):
     want = np.arange(3 * MiB // 8, dtype=np.float64)
     x = ca.asarray(want, manager=m)
     ca.evict(x)
-    gate = Gate(monkeypatch)
-    ca.prefetch(x, wait=False)
-    assert gate.started.wait(T)
+    gate = Gate.holding(monkeypatch, lambda: ca.prefetch(x, wait=False))
     gate.open(after=0.05)
     with ca.kernel("double", [x], []) as (v,):       # must wait for the prefetch
         assert gate.opened.is_set()
@@ -144,9 +150,7 @@ def test_every_kind_of_use_waits(mgr, monkeypatch, use):
     m = mgr()
     want = np.arange(MiB // 8, dtype=np.float64)
     x = ca.asarray(want, manager=m)
-    gate = Gate(monkeypatch)
-    ca.evict(x, wait=False)
-    assert gate.started.wait(T)
+    gate = Gate.holding(monkeypatch, lambda: ca.evict(x, wait=False))
     gate.open(after=0.02)
     if use == "ufunc":
         y = x + 1
@@ -171,9 +175,7 @@ def _prefetch_held_mid_copy(mgr, monkeypatch):
     m = mgr()
     x = ca.asarray(np.arange(BIG // 8, dtype=np.float64), manager=m)
     ca.evict(x)
-    gate = Gate(monkeypatch)
-    ca.prefetch(x, wait=False)
-    assert gate.started.wait(T)
+    Gate.holding(monkeypatch, lambda: ca.prefetch(x, wait=False))
     return m, x, m._copies[x.object.id].job
 
 
@@ -205,9 +207,7 @@ def test_cancel_a_prefetch_puts_the_array_back(mgr, monkeypatch):
     ca.evict(x)
     obj = x.object
     assert m.cancel(obj) is False                   # no copy in flight
-    gate = Gate(monkeypatch)
-    ca.prefetch(x, wait=False)
-    assert gate.started.wait(T)
+    gate = Gate.holding(monkeypatch, lambda: ca.prefetch(x, wait=False))
     assert x.device == "fast"
     assert m.cancel(obj) is True
     assert x.device == "slow" and set(obj.regions) == {"slow"}
@@ -223,9 +223,7 @@ def test_cancel_refuses_a_background_eviction(mgr, monkeypatch):
     m = mgr()
     want = np.arange(MiB // 8, dtype=np.float64)
     x = ca.asarray(want, manager=m)
-    gate = Gate(monkeypatch)
-    ca.evict(x, wait=False)
-    assert gate.started.wait(T)
+    gate = Gate.holding(monkeypatch, lambda: ca.evict(x, wait=False))
     assert m.cancel(x.object) is False              # its source is gone: it must complete
     gate.open()
     assert x.device == "slow"
@@ -249,9 +247,7 @@ def test_memory_read_by_a_background_eviction_is_not_reused_early(mgr, monkeypat
     want = np.arange(n, dtype=np.float64)
     a = ca.asarray(want, manager=m)
     offset = a.object.primary.offset
-    gate = Gate(monkeypatch)
-    ca.evict(a, wait=False)
-    assert gate.started.wait(T)
+    gate = Gate.holding(monkeypatch, lambda: ca.evict(a, wait=False))
     gate.open(after=0.05)
     b = ca.full(n, -1.0, manager=m)                 # lands where a was: waits for the read
     assert b.device == "fast" and b.object.primary.offset == offset
@@ -269,9 +265,7 @@ def test_a_smaller_block_over_an_eviction_source_does_not_corrupt_it(mgr, monkey
     m = mgr(fast="1MiB", slow="4MiB", granularity=256)
     want = np.arange(1, n + 1, dtype=np.float64)
     a = ca.asarray(want, manager=m)
-    gate = Gate(monkeypatch)
-    ca.evict(a, wait=False)
-    assert gate.started.wait(T)
+    gate = Gate.holding(monkeypatch, lambda: ca.evict(a, wait=False))
     gate.open(after=0.02)
     b = ca.full(small, -1.0, manager=m)             # reuses the start of a's old block
     c = ca.full(small, -2.0, manager=m)
@@ -288,9 +282,8 @@ def test_defrag_waits_for_copies_in_flight(mgr, monkeypatch):
     x = ca.asarray(want, manager=m)
     c = ca.full(n, 3.0, manager=m)
     ca.unsafe_free(a)
-    gate = Gate(monkeypatch)
-    ca.evict(x, wait=False)                         # c slides over x's old memory
-    assert gate.started.wait(T)
+    # c slides over x's old memory
+    gate = Gate.holding(monkeypatch, lambda: ca.evict(x, wait=False))
     gate.open(after=0.02)
     assert m.defrag("fast") >= 1
     np.testing.assert_array_equal(values(x), want)
@@ -308,9 +301,7 @@ def test_copy_into_a_region_still_being_filled_waits(mgr, monkeypatch):
     want = np.arange(MiB // 8, dtype=np.float64)
     x = ca.asarray(want, manager=m)
     ca.evict(x)
-    gate = Gate(monkeypatch)
-    ca.prefetch(x, wait=False)
-    assert gate.started.wait(T)
+    gate = Gate.holding(monkeypatch, lambda: ca.prefetch(x, wait=False))
     ca.evict(x, wait=False)                         # clean: the fast copy is just dropped
     assert x.device == "slow" and events(m, "copy_cancelled") == 1
     gate.open()

@@ -390,7 +390,7 @@ def reference():
 
 def _traced(setup="LM", budget="96KiB", steps=3, name="resnet", depth=18, shape=TINY):
     """(model, trace of init + steps training iterations, fast memory size) of one setup."""
-    model, t, m = traced_training(setup, budget, steps, name, depth, shape)
+    model, t, m, _ = traced_training(setup, budget, steps, name, depth, shape)
     return model, t, m.fast.size
 
 

@@ -16,8 +16,8 @@ STEPS = 4           # the planning policies profile step 1 and run their plan in
 
 def _train(setup, fast, name="resnet", depth=18, steps=STEPS):
     """(weights, trace of the whole run, manager sizes) of a run of setup."""
-    model, t, m = traced_training(setup, fast, steps, name, depth, TINY)
-    return model.weights_at_close, t, (m.fast.size, m.slow.size)
+    _, t, m, weights = traced_training(setup, fast, steps, name, depth, TINY)
+    return weights, t, (m.fast.size, m.slow.size)
 
 
 @pytest.fixture(scope="module")
