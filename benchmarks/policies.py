@@ -57,15 +57,15 @@ from cachedarrays.policies import FastOnly  # noqa: E402
 from cachedarrays.registry import resolve  # noqa: E402
 
 
-def _load_common():
-    spec = importlib.util.spec_from_file_location("_policies_bench_common",
-                                                  os.path.join(_HERE, "_common.py"))
+def _load(name):
+    spec = importlib.util.spec_from_file_location(f"_policies_bench{name}",
+                                                  os.path.join(_HERE, f"{name}.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
 
 
-_common = _load_common()
+_common = _load("_common")
 
 BUDGETS = (10, 20, 25, 50, 100)
 # (label, registered policy name, policy options)
@@ -103,6 +103,11 @@ MODELS = {
     "tinycnn": dict(kind="cnn", model="resnet", depth=18, batch=2, image=16, width=8, classes=10,
                     lr=1e-3),
 }
+# The same CNNs at a second batch size: with the batch-16 traces, a batch family
+# (``family``: the model at any batch, sizes and kernel times linear in the batch).
+FAMILIES = {name: (name, f"{name}@8") for name in ("resnet50", "vgg16", "densenet121")}
+for _name, _second in FAMILIES.values():
+    MODELS[_second] = dict(MODELS[_name], batch=8)
 DEFAULT_MODELS = ("resnet50", "vgg16", "densenet121", "dlrm", "vgg11", "resnet18")
 DEFAULT_TRACES = os.path.join(os.path.dirname(os.path.abspath(__file__)), ".traces")
 # (lr 1e-3: VGG-16 without batch norm diverges to NaN within 4 steps of one batch at 1e-2, and
@@ -321,6 +326,33 @@ def load_or_record(name, spec, folder, reuse, backend, steps, log=print):
     t.save(path)
     log(f"{name}: trace saved to {path}")
     return t
+
+
+def family(name, folder=DEFAULT_TRACES, log=print, *, backend="onednn", steps=4, reuse=True):
+    """The batch family of a CNN in ``FAMILIES`` (``cachedarrays.batching.BatchFamily``): its
+    traces at two batch sizes, loaded from ``folder`` or recorded there. The second trace is
+    recorded with the backend and thread count the first one was recorded with, so that their
+    kernel times compare."""
+    from cachedarrays.batching import BatchFamily
+    from cachedarrays.trace import TraceError
+    if name not in FAMILIES:
+        raise ValueError(f"no batch family {name!r}; choose from {', '.join(FAMILIES)}")
+    os.makedirs(folder, exist_ok=True)
+    first, second = FAMILIES[name]
+    ta = load_or_record(first, MODELS[first], folder, reuse,
+                        lambda spec: pick_backend(backend, spec, log=log), steps, log=log)
+    threads = ta.meta.get("threads")
+    if threads:
+        set_threads(threads)
+    tb = load_or_record(second, MODELS[second], folder, reuse,
+                        ta.meta.get("backend") or backend, steps, log=log)
+    try:
+        return BatchFamily(ta, MODELS[first]["batch"], tb, MODELS[second]["batch"])
+    except TraceError as e:
+        if not reuse:
+            raise
+        log(f"{name}: the saved traces are not the same program ({e}); recording both again")
+    return family(name, folder, log, backend=backend, steps=steps, reuse=False)
 
 
 # ---- what each policy's program looks like -----------------------------------------------------
@@ -773,6 +805,9 @@ def plot(path, results, profile=None):
 
 # ---- command line -----------------------------------------------------------------------------
 
+SECTIONS = ("sweep", "capuchin", "g10")
+
+
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default=",".join(DEFAULT_MODELS),
@@ -792,7 +827,12 @@ def parse_args(argv):
                    help="kernels of the recorded run (default onednn, the faster on full-size "
                    "models; auto: probe both on this machine, which is noisy when it is loaded)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="oneDNN threads")
-    p.add_argument("--plot", default=None, metavar="PNG", help="write the Fig. 4.10 sweep")
+    p.add_argument("--plot", default=None, metavar="PNG", help="write the Fig. 4.10 sweep (and "
+                   "the G10 sweeps next to it, as <name>-g10.png)")
+    p.add_argument("--sections", default=",".join(SECTIONS),
+                   help=f"comma-separated, from {', '.join(SECTIONS)}: the policy sweep, the "
+                   "Capuchin max-batch table (batch families of the three CNNs) and the G10 "
+                   "three-tier figures")
     return p.parse_args(argv)
 
 
@@ -809,6 +849,10 @@ def main(argv=None, out=print):
         costmodel.get_profile(args.profile)
         if args.steps < 2:
             raise ValueError("--steps must be >= 2 (the first step warms up)")
+        sections = [x.strip() for x in args.sections.split(",") if x.strip()]
+        for x in sections:
+            if x not in SECTIONS:
+                raise ValueError(f"unknown section {x!r}; choose from {', '.join(SECTIONS)}")
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
     out(_common.machine())
@@ -828,7 +872,7 @@ def main(argv=None, out=print):
         f"{', '.join(f'{b}%' for b in budgets)} of each trace's footprint; traces in "
         f"{folder}")
     results, verdicts = {}, {}
-    for name in names:
+    for name in names if "sweep" in sections else ():
         t = load_or_record(name, MODELS[name], folder, not args.record, backend,
                            args.steps, log=out)
         t0 = time.perf_counter()
@@ -844,9 +888,25 @@ def main(argv=None, out=print):
             f"{key}: {'n/a' if ok is None else ('PASS' if ok else 'FAIL')}"
             for key, (_, ok, _) in zip(("LM@25%", "LMP<=LM", "LM writes/floor",
                                         "Sentinel@20%", "best@25%", "seeds>LRU,2LM"), vs)))
-    if args.plot:
+    if args.plot and results:
         plot(args.plot, results, args.profile)
         out(f"wrote {args.plot}")
+    cnns = [n for n in names if n in FAMILIES]
+    if "capuchin" in sections and cnns:
+        out("")
+        _capuchin = _load("_capuchin")
+        t0 = time.perf_counter()
+        _capuchin.main(cnns, folder, out=out)
+        out(f"[wall] Capuchin section in {time.perf_counter() - t0:.1f} s")
+    if "g10" in sections and cnns:
+        out("")
+        _g10 = _load("_g10")
+        for n in cnns:                      # recorded now if missing
+            load_or_record(n, MODELS[n], folder, not args.record, backend, args.steps, log=out)
+        t0 = time.perf_counter()
+        g10_plot = f"{os.path.splitext(args.plot)[0]}-g10.png" if args.plot else None
+        _g10.main(cnns, folder, plot_path=g10_plot, out=out)
+        out(f"[wall] G10 section in {time.perf_counter() - t0:.1f} s")
     return 0
 
 

@@ -7,17 +7,17 @@ memory or a file-backed mapping); a pluggable policy decides where, and moves wh
 from . import errors
 from .array import CachedArray, check_dtype
 from .dispatch import implements
-from .scopes import access, kernel, readable, writable
+from .scopes import access, compute, kernel, readable, writable
 from . import routines, ufuncs  # NumPy dispatch: ufunc handler, dedicated routines
-from .annotations import (annotate, arrays_in, cleanup, evict, in_fast, mark_layer, mark_step,
-                          noescape, onobjects, prefetch, preserve, register_leaf_type, softevict,
-                          unsafe_free)
+from .annotations import (annotate, arrays_in, cleanup, drop, evict, in_fast, mark_layer,
+                          mark_step, noescape, onobjects, prefetch, preserve, regenerate,
+                          register_leaf_type, softevict, unsafe_free)
 from .creation import (array, asarray, empty, empty_like, full, full_like, ones, ones_like,
                        zeros, zeros_like)
 from .defaults import default_manager, set_default_manager
 from .devices import DRAM, Device, SlowDevice, VirtualDevice
 from .errors import (CachedArraysError, DeviceError, HeapCorruptionError, OutOfMemoryError,
-                     PinnedError, UseAfterFreeError)
+                     PinnedError, RecomputeError, UseAfterFreeError)
 from .manager import Manager, Object, Observer, Region
 from .trace import Trace, trace
 from .torchtrace import from_torch
@@ -33,7 +33,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CachedArray", "Manager", "Object", "Region", "Device", "DRAM", "SlowDevice", "VirtualDevice",
-    "Observer", "trace", "Trace", "from_torch", "replay", "costmodel", "kernel", "mark_layer", "mark_step",
+    "Observer", "trace", "Trace", "from_torch", "replay", "costmodel", "kernel", "compute",
+    "mark_layer", "mark_step", "drop", "regenerate",
     "asarray", "array", "empty", "zeros", "ones", "full",
     "empty_like", "zeros_like", "ones_like", "full_like",
     "readable", "writable", "access", "prefetch", "evict", "softevict", "in_fast", "unsafe_free",
@@ -41,5 +42,5 @@ __all__ = [
     "default_manager", "set_default_manager", "policies", "policy_names", "register_policy",
     "check_dtype", "implements", "parse_size", "format_size", "errors",
     "CachedArraysError", "OutOfMemoryError", "DeviceError", "UseAfterFreeError",
-    "PinnedError", "HeapCorruptionError",
+    "PinnedError", "HeapCorruptionError", "RecomputeError",
 ]

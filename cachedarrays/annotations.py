@@ -297,10 +297,25 @@ def _mark(kind, managers):
 
 
 def in_fast(x):
-    """True if x's newest data is in fast memory (UseAfterFreeError if x was freed)."""
+    """True if x's newest data is in fast memory (UseAfterFreeError if x was freed; False if
+    it was dropped)."""
     if x._obj.freed:
         raise _freed_error("in_fast", x)
+    if x._obj.dropped:
+        return False
     return x.manager.policy.in_fast(x._obj)
+
+
+def drop(*xs):
+    """Let the data of every array in xs go (no write-back): each is rebuilt bitwise from the
+    ``ca.compute`` kernels that made it at its next use. RecomputeError names the reason when
+    an array cannot be rebuilt (see ``Manager.why_not_regenerable``)."""
+    _each("drop", xs, True, True)
+
+
+def regenerate(*xs):
+    """Rebuild every dropped array in xs now (its next use would do it anyway)."""
+    _each("regenerate", xs, True, True)
 
 
 def unsafe_free(*xs):

@@ -31,6 +31,8 @@ Rules (t = compute clock, starts at 0; each record updates the current interval 
   over s = devices[1]. Replaces that kernel's P and its kernel traffic:
       P = dr/R(fast) + dw/W(fast) + sr/R(s) + sw/W(s) - (rr/R(fast) + rw/W(fast))
       kernel_read[fast] += dr, kernel_write[fast] += dw, kernel_read[s] += sr, kernel_write[s] += sw
+* ("fault", sid): a kernel used sid while it was not in fast memory (kernels-in-fast mode) and it is
+  fetched on demand (the copy record follows): t += fault_latency; stall += fault_latency; faults += 1.
 * ("step",) closes an interval (a trailing interval counts as a step if it ran a kernel); ("layer",)
   is ignored. Interval time = t at its end - t at its start. Copies in flight at the end add no time.
 """
@@ -133,6 +135,7 @@ class StepResult:
     peak: dict = field(default_factory=dict)           # device -> peak bytes allocated
     kernels: int = 0
     devices: tuple = ()                                # tier order, fast first
+    faults: int = 0                                    # on-demand fetches (kernels-in-fast)
 
     @property
     def slow_read(self) -> int:
@@ -198,14 +201,15 @@ class _Acc:
     def __init__(self, devices, used, t):
         self.t0 = self.t1 = t
         self.compute = self.penalty = self.stall = 0.0
-        self.moved, self.copies, self.kernels = {}, {}, 0
+        self.moved, self.copies, self.kernels, self.faults = {}, {}, 0, 0
         self.kread, self.kwrite = dict.fromkeys(devices, 0), dict.fromkeys(devices, 0)
         self.peak = dict(used)
 
     def result(self, devices) -> StepResult:
         return StepResult(self.t1 - self.t0, self.compute, self.penalty, self.stall,
                           dict(sorted(self.moved.items())), dict(sorted(self.copies.items())),
-                          dict(self.kread), dict(self.kwrite), dict(self.peak), self.kernels, devices)
+                          dict(self.kread), dict(self.kwrite), dict(self.peak), self.kernels, devices,
+                          self.faults)
 
 
 class _Copy:
@@ -216,7 +220,8 @@ class _Copy:
         self.end, self.prev, self.acc, self.cancelled = start + lat + dur, prev, acc, False
 
 
-_ARITY = {"kernel": 3, "cache": 8, "alloc": 5, "free": 5, "copy": 8, "cancel": 4, "step": 1, "layer": 1}
+_ARITY = {"kernel": 3, "cache": 8, "alloc": 5, "free": 5, "copy": 8, "cancel": 4, "fault": 2, "step": 1,
+          "layer": 1}
 
 
 def _kind(rec):
@@ -228,8 +233,9 @@ def _overlap(a, m, b, n):
 
 
 class _Model:
-    def __init__(self, times, profiles, factor):
+    def __init__(self, times, profiles, factor, fault_latency=0.0):
         self.times, self.F, self.t = [float(x) for x in times], factor, 0.0
+        self.fault_latency = fault_latency
         self.devices = tuple(profiles)
         self.fast = self.devices[0]
         self.R = {d: p.read_gbps * _GB for d, p in profiles.items()}
@@ -285,7 +291,8 @@ class _Model:
                 self.steps.append(self.cur)
                 self.cur = _Acc(self.devices, self.used, self.t)
             elif kind != "layer":
-                handler = {"alloc": self.alloc, "free": self.free, "copy": self.copy, "cancel": self.cancel}
+                handler = {"alloc": self.alloc, "free": self.free, "copy": self.copy, "cancel": self.cancel,
+                           "fault": self.fault}
                 handler[kind](rec)
             i += 1 if cache is None else 2
         if self.cur.kernels:
@@ -335,6 +342,10 @@ class _Model:
         if wait:
             self._add(stall=max(0.0, c.end - self.t))
             self.t = max(self.t, c.end)
+
+    def fault(self, rec):
+        self.t += self.fault_latency
+        self._add(stall=self.fault_latency, faults=1)
 
     def cancel(self, rec):
         _, sid, src, dst = rec
@@ -398,12 +409,17 @@ class _Model:
                 a.kwrite[dev] += wr
 
 
-def evaluate(times, decisions, devices, profile=None, slow_output_factor=SLOW_OUTPUT_FACTOR) -> Result:
+def evaluate(times, decisions, devices, profile=None, slow_output_factor=SLOW_OUTPUT_FACTOR,
+             fault_latency=0.0) -> Result:
     """Modelled time of a decision log (rules in the module docstring). ``times[k]``: compute seconds of
-    kernel k from a fast-only run; ``devices``: tier order, fast first; ``profile``: as tier_profiles."""
+    kernel k from a fast-only run; ``devices``: tier order, fast first; ``profile``: as tier_profiles;
+    ``fault_latency``: seconds charged per on-demand fetch (a GPU's unified-memory fault: 45e-6)."""
     profiles = tier_profiles(devices, profile)
     f = slow_output_factor
     if not (_number(f) and math.isfinite(f) and f >= 1):
         raise ValueError(f"slow_output_factor={f!r}: give a finite number >= 1 (1 = no slowdown; "
                          f"default {SLOW_OUTPUT_FACTOR})")
-    return _Model(times, profiles, float(f)).run(decisions)
+    if not (_number(fault_latency) and math.isfinite(fault_latency) and fault_latency >= 0):
+        raise ValueError(f"fault_latency={fault_latency!r}: give a finite number of seconds >= 0, "
+                         "e.g. 45e-6 (0.0 charges nothing)")
+    return _Model(times, profiles, float(f), float(fault_latency)).run(decisions)

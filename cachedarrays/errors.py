@@ -23,3 +23,8 @@ class PinnedError(CachedArraysError, RuntimeError):
 
 class HeapCorruptionError(CachedArraysError, RuntimeError):
     """A heap invariant does not hold (reported by Heap.check)."""
+
+
+class RecomputeError(CachedArraysError, RuntimeError):
+    """An array cannot be dropped or regenerated: its data cannot be recomputed from its lineage
+    (an input was freed or changed, or a kernel that wrote it is not a ``ca.compute`` kernel)."""

@@ -21,8 +21,10 @@ import numpy as np
 from . import copyengine
 from .devices import DRAM, Device, SlowDevice, VirtualDevice
 from .errors import (CachedArraysError, DeviceError, OutOfMemoryError, PinnedError,
-                     UseAfterFreeError)
+                     RecomputeError, UseAfterFreeError)
 from .heap import HEADER
+from .lineage import scratch as _scratch
+from .lineage import why_not as _why_not
 from .poison import Poison
 from .poison import enabled as debug_enabled
 from .registry import resolve as resolve_policy
@@ -65,10 +67,15 @@ class Region:
 
 
 class Object:
-    """What the program holds: one primary region (newest data) and linked regions elsewhere."""
+    """What the program holds: one primary region (newest data) and linked regions elsewhere.
+
+    ``version`` counts the kernels that wrote it; ``dropped``: its data was let go
+    (``Manager.drop``) and is rebuilt from its ``chain`` (see ``cachedarrays.lineage``) at its
+    next use.
+    """
 
     __slots__ = ("id", "nbytes", "primary", "regions", "_pins", "freed", "_manager",
-                 "__weakref__")
+                 "version", "dropped", "chain", "__weakref__")
 
     def __init__(self, manager_ref, obj_id, nbytes):
         self.id = obj_id
@@ -78,6 +85,9 @@ class Object:
         self._pins = 0
         self.freed = False
         self._manager = manager_ref   # a weak reference: objects never keep a manager alive
+        self.version = 0
+        self.dropped = False
+        self.chain = None             # lineage: the recipes that made its data (lineage.py)
 
     @property
     def manager(self):
@@ -94,6 +104,8 @@ class Object:
             m = self._manager()
             if m is None or m.closed:
                 raise _closed_error((self,))
+            if self.dropped:
+                return None
             raise CachedArraysError(f"object {self.id} ({format_size(self.nbytes)}) has no "
                                     "primary region yet; allocate one and set_primary")
         return primary.device.name
@@ -110,7 +122,7 @@ class Object:
         m = self._manager()
         where = "freed" if self.freed else (self.primary.device.name if self.primary else
                                             "a closed manager" if m is None or m.closed else
-                                            "none")
+                                            "none (dropped)" if self.dropped else "none")
         return f"<Object {self.id} {format_size(self.nbytes)} on {where} pins={self._pins}>"
 
 
@@ -135,6 +147,16 @@ def _closed_error(objs=()):
         f"this manager is closed{f' ({named} belonged to it)' if named else ''}: its arrays "
         "cannot be used any more; create a new Manager, and close a manager only after its "
         "arrays are no longer in use")
+
+
+def _object_of(x, op):
+    """The Object of x (an Object, or an array holding one)."""
+    if isinstance(x, Object):
+        return x
+    inner = getattr(x, "object", None)            # a CachedArray: its object
+    if isinstance(inner, Object):
+        return inner
+    raise TypeError(f"Manager.{op} takes an array or its object, not {type(x).__name__}")
 
 
 def _describe(obj, shape=None):
@@ -230,6 +252,10 @@ class Observer:
     def on_free(self, obj_id):
         """The object with this id was freed (``unsafe_free``, cleanup or the collector)."""
 
+    def on_begin(self, name, reads, writes):
+        """A kernel or access scope begins: before its operands are regenerated or staged into
+        fast memory (kernels-in-fast mode) and before ``on_acquire`` (plans act here)."""
+
     def on_acquire(self, name, reads, writes, touched=None):
         """A kernel or access scope is about to pin and use these objects (before the pins).
 
@@ -260,6 +286,10 @@ class Observer:
     def on_cancel(self, obj_id, src, dst):
         """The background copy src -> dst of an object was cancelled (dst is being dropped)."""
 
+    def on_fault(self, obj):
+        """A kernel used obj while it was not in fast memory, and it was fetched on demand
+        (kernels-in-fast mode: ``Policy.stage``)."""
+
 
 class Manager:
     """Owns the devices (fast and slow heaps), every object and region, the policy and telemetry.
@@ -280,6 +310,14 @@ class Manager:
         self._scopes = {}             # open access scope -> (thread id, ((object, shape), ...))
         self._pinned_by = {}          # (thread id, object id) -> (object, count) for pin()
         self._fresh = set()           # ids of new_pinned objects not yet released (observed)
+        self._dropped = set()         # ids of dropped objects (acquire rebuilds them)
+        self._kept = {}               # dropped object id -> the input objects it is rebuilt from
+        self._dependents = {}         # input object id -> ids of dropped objects rebuilt from it
+        self._writing = frozenset()   # ids a kernel is about to write (nothing made from them
+        #                               may be dropped meanwhile)
+        self.recipe = None            # lineage.Recipe of the kernel being acquired (observers)
+        self.recomputing = 0          # depth of reruns of recorded kernels (regenerate)
+        self.recompute_entry = None   # the Recipe being rerun (observers: not a new kernel)
         self._debug = Poison() if debug_enabled(debug) else None
         self._deferred = deque()
         self._copier = None           # copyengine.CopyWorkers, made at the first background copy
@@ -345,6 +383,11 @@ class Manager:
         return [m for m in list(_MANAGERS) if not m.closed]
 
     def _resolve_policy(self, policy, options):
+        options = dict(options)
+        in_fast = options.pop("kernels_in_fast", None)
+        if in_fast is not None and not isinstance(in_fast, bool):
+            raise ValueError(f"kernels_in_fast={in_fast!r}: give True (every kernel's operands "
+                             "must be in fast memory before it runs) or False")
         if isinstance(policy, str):
             policy = resolve_policy(policy)(**options)
         elif isinstance(policy, type):
@@ -352,6 +395,8 @@ class Manager:
         if not hasattr(policy, "bind"):
             raise TypeError(f"policy must be a name, a Policy subclass or a Policy instance, "
                             f"not {type(policy).__name__}")
+        if in_fast is not None:
+            policy.kernels_in_fast = in_fast
         policy.bind(self)
         return policy
 
@@ -453,6 +498,9 @@ class Manager:
                 r._buffer = None
             table.clear()
         self._objects.clear()
+        self._kept.clear()
+        self._dependents.clear()
+        self._dropped.clear()
         self._deferred.clear()
         self._scopes.clear()
         self._pinned_by.clear()
@@ -613,10 +661,13 @@ class Manager:
             if obj._pins:
                 raise PinnedError(f"object {obj.id} is pinned by a running kernel or an open "
                                   "access scope; free it after the scope ends")
+            if self._dependents and obj.id in self._dependents:
+                self._rescue_writes((obj,))
             self._release(obj.id, list(obj.regions.values()), obj.primary)
             obj.freed = True
             obj.primary = None
             obj.regions = {}
+            obj.chain = None
             self._drain()
 
     def _release(self, obj_id, regions, primary):
@@ -626,6 +677,11 @@ class Manager:
         if primary is not None and not primary.freed:
             self._free_region(primary, "was freed")
         self._objects.pop(obj_id, None)
+        if self._dropped:
+            self._dropped.discard(obj_id)
+            self._kept.pop(obj_id, None)
+        if self._dependents:
+            self._dependents.pop(obj_id, None)
         if not self.closed:
             self.policy.forget(obj_id)
             for o in reversed(self._observers):     # last in, first out: ids go last
@@ -703,6 +759,8 @@ class Manager:
             if self._deferred:
                 self._drain()
             self._live(obj)
+            if obj.dropped:
+                self.regenerate(obj)
             if self._copies and obj.id in self._copies:
                 self._settle(obj)
             obj._pins += 1
@@ -725,26 +783,49 @@ class Manager:
             if self._closing:
                 self._cond.notify_all()
 
-    def acquire(self, reads=(), writes=(), name="use", touched=None):
+    def acquire(self, reads=(), writes=(), name="use", touched=None, recipe=None):
         """Pin every object and report its use to the policy, in one step (for kernels).
 
         Each object in reads and writes gets one pin; release the same objects afterwards.
         name: the kernel's name, as traces record it; touched: object id -> bytes the kernel
         touches in it when it touches less than all of it (traces and the cost model use it).
+        recipe: a ``lineage.Recipe`` when the kernel is a pure function of its operands
+        (``ca.compute``): it becomes the lineage of the writes. Each write adds one to the
+        object's ``version``; dropped operands are regenerated first.
         """
         with self._lock:
             if self._gate:
                 self._pass_gate((*reads, *writes))
             if self._deferred:
                 self._drain()
-            if self._observers:
-                for o in (*reads, *writes):
-                    if o.freed:
-                        self._live(o)
-                for ob in self._observers:
-                    ob.on_acquire(name, reads, writes, touched)
+            if self._observers and not self.recomputing:  # plans act before the kernel's
+                for ob in self._observers:                  # operands are staged (a rerun
+                    ob.on_begin(name, reads, writes)        # of regenerate is no kernel)
+            held = None                 # operands pinned while dropped ones are rebuilt
+            try:
+                if self._dropped:
+                    held = self._regenerate_operands(reads, writes)
+                if getattr(self.policy, "kernels_in_fast", False):
+                    # the operands are fetched before the kernel starts: its time excludes them
+                    self.policy.stage(reads, writes, name)
+            except BaseException:
+                if held:
+                    self._unhold(held)
+                for ob in self._observers:      # the kernel never starts (plans close it)
+                    ob.on_release((*reads, *writes))
+                raise
             done = []
             try:
+                if self._observers:
+                    for o in (*reads, *writes):
+                        if o.freed:
+                            self._live(o)
+                    self.recipe = recipe
+                    try:
+                        for ob in self._observers:
+                            ob.on_acquire(name, reads, writes, touched)
+                    finally:
+                        self.recipe = None
                 if reads:
                     self._pin_all(reads, self.policy.read_use, done)
                 if writes:
@@ -752,11 +833,24 @@ class Manager:
             except BaseException:
                 for o in done:
                     o._pins -= 1
+                if held:
+                    self._unhold(held)
                 for ob in self._observers:
                     ob.on_release((*reads, *writes))
                 if self._closing:
                     self._cond.notify_all()
                 raise
+            if held:
+                self._unhold(held)
+            if writes and not self.recomputing:
+                if self._dependents and any(o.id in self._dependents for o in writes):
+                    self._rescue_writes(writes)   # dropped since the check above (staging)
+                if recipe is None:                # no recipe: the lineage breaks here
+                    for o in writes:
+                        o.version += 1
+                        o.chain = name
+                else:
+                    recipe.record(reads, writes)
 
     def _pin_all(self, objs, use, done):
         for o in objs:
@@ -884,6 +978,283 @@ class Manager:
             if self._closing:
                 self._cond.notify_all()
 
+    # ---- lineage: drop and regenerate ------------------------------------------------------
+
+    def why_not_regenerable(self, obj):
+        """Why obj's data could not be rebuilt by rerunning the kernels that made it (which
+        input changed or was freed, which kernel is not a ``ca.compute`` one); None if it can."""
+        obj = _object_of(obj, "why_not_regenerable")
+        with self._lock:
+            if self._deferred:
+                self._drain()
+            return _why_not(self, obj, writing=self._writing)
+
+    def regenerable(self, obj):
+        """True if obj's data can be rebuilt bitwise from its lineage (so it may be dropped)."""
+        return self.why_not_regenerable(obj) is None
+
+    def drop(self, obj, annotation=False):
+        """Let obj's data go: free every region without writing back; the object stays, with
+        ``dropped`` True, and its next use (or ``regenerate``) rebuilds it from its lineage.
+
+        RecomputeError names the reason when obj cannot be rebuilt; PinnedError while a kernel
+        or scope uses it. Returns False if it was dropped already. annotation: the program
+        asked for it (``ca.drop``; traces record it, replays repeat it); a policy leaves it off.
+        """
+        obj = _object_of(obj, "drop")
+        with self._lock:
+            self._live(obj)
+            if self._deferred:
+                self._drain()
+            if obj.dropped:
+                return False
+            if obj._pins:
+                raise PinnedError(f"cannot drop {_describe(obj)}: a running kernel or an open "
+                                  "access scope pins it; drop it after the scope ends")
+            why = _why_not(self, obj, writing=self._writing)
+            if why is not None:
+                raise RecomputeError(
+                    f"cannot drop object {obj.id} ({format_size(obj.nbytes)}): it could not be "
+                    f"regenerated, because {why}. Make it (and its inputs) with ca.compute "
+                    "kernels and keep their inputs unchanged, or evict it instead of dropping")
+            if annotation:
+                for o in self._observers:
+                    o.on_annotation("drop", obj, ())
+            regions = list(obj.regions.values())
+            if obj.primary is not None and obj.primary not in regions:
+                regions.append(obj.primary)
+            in_fast = any(r.device is self.fast for r in regions)
+            for r in regions:
+                if not r.freed:
+                    self._free_region(r, "was dropped")
+            obj.primary = None
+            obj.regions = {}
+            obj.dropped = True
+            self._dropped.add(obj.id)
+            self._keep_inputs(obj)
+            if in_fast:
+                self.policy.forget(obj.id)
+            self.telemetry.count("drop", obj.nbytes, id=obj.id)
+            return True
+
+    def regenerate(self, obj, annotation=False):
+        """Rebuild a dropped obj bitwise by rerunning the kernels that made it (its dropped
+        inputs first). Returns False if obj was not dropped.
+
+        obj goes to fast memory if it fits (the policy makes room), else to slow memory.
+        Inputs rebuilt on the way stay when they found room in fast memory without evicting
+        anything, and are dropped again otherwise. RecomputeError when it cannot be done.
+        """
+        obj = _object_of(obj, "regenerate")
+        with self._lock:
+            self._live(obj)
+            if self._deferred:
+                self._drain()
+            if annotation:
+                for o in self._observers:
+                    o.on_annotation("regenerate", obj, ())
+            if not obj.dropped:
+                return False
+            why = _why_not(self, obj)
+            if why is not None:
+                raise RecomputeError(
+                    f"cannot regenerate object {obj.id} ({format_size(obj.nbytes)}), which was "
+                    f"dropped: {why}. Its data is lost; free it (ca.unsafe_free) and compute it "
+                    "again, and drop only arrays that m.regenerable says can be rebuilt")
+            t = time.perf_counter()
+            placed, temps = [], []
+            try:
+                self._rebuild(obj, True, placed, temps)
+            except BaseException:
+                for o in placed:                  # half-built: its data is not what it was
+                    o._pins -= 1
+                    if not o.dropped and not o.freed:
+                        self._let_go(o)
+                raise
+            for o in placed:
+                o._pins -= 1
+            for o in temps:
+                if not o._pins and not o.dropped and \
+                        _why_not(self, o, writing=self._writing) is None:
+                    self._let_go(o)
+                    self.telemetry.count("drop", o.nbytes, id=o.id)
+            # Inputs kept for the objects rebuilt may go now (when this list goes).
+            kept = [self._kept.pop(o.id, None) for o in placed if not o.dropped]  # noqa: F841
+            if self._closing:
+                self._cond.notify_all()
+            self.telemetry.count("regenerate", obj.nbytes, id=obj.id,
+                                 seconds=time.perf_counter() - t)
+            return True
+
+    def _let_go(self, obj):
+        """Free obj's regions without a write-back and mark it dropped (it is regenerable)."""
+        in_fast = False
+        for r in list(obj.regions.values()):
+            in_fast = in_fast or r.device is self.fast
+            if not r.freed:
+                self._free_region(r, "was dropped")
+        obj.primary = None
+        obj.regions = {}
+        obj.dropped = True
+        self._dropped.add(obj.id)
+        self._keep_inputs(obj)
+        if in_fast:
+            self.policy.forget(obj.id)
+
+    def _keep_inputs(self, obj):
+        """A dropped obj holds the inputs of its chain: they stay alive (the collector does not
+        free them) and a write or a free of one first rebuilds obj (``_rescue``)."""
+        kept = []
+        for e in obj.chain:
+            for rid in e.reads:
+                if rid != obj.id:
+                    r = self.object(rid)
+                    if r is not None:
+                        kept.append(r)
+                        self._dependents.setdefault(rid, set()).add(obj.id)
+        self._kept[obj.id] = kept
+
+    def _rescue(self, obj):
+        """obj is about to be written or freed: rebuild the dropped objects made from it first
+        (their data would be lost otherwise)."""
+        for did in sorted(self._dependents.pop(obj.id, ())):
+            d = self.object(did)
+            if d is not None and d.dropped:
+                self.telemetry.count("regenerate_before_change", d.nbytes, id=d.id,
+                                     input=obj.id)
+                self.regenerate(d)
+
+    def _regenerate_operands(self, reads, writes):
+        """Before a kernel: rebuild the dropped objects made from what it writes (their data
+        would be lost), then its own dropped operands. Returns the operands, each pinned once
+        more, so that no rebuild lets another operand go; the caller unpins them (_unhold)
+        once the kernel's own pins are taken. None when nothing was to be done."""
+        ops = (*reads, *writes)
+        rescue = writes and self._dependents and not self.recomputing and \
+            any(o.id in self._dependents for o in writes)
+        if not rescue and not any(o.dropped for o in ops):
+            return None
+        held = []
+        try:
+            for o in ops:
+                if not o.freed and not o.dropped:
+                    o._pins += 1
+                    held.append(o)
+            if rescue:
+                self._rescue_writes(writes)
+            for o in ops:
+                if o.dropped and not o.freed:
+                    self.regenerate(o)
+                    o._pins += 1
+                    held.append(o)
+        except BaseException:
+            self._unhold(held)
+            raise
+        return held
+
+    def _rescue_writes(self, writes):
+        """Rebuild every dropped object made from what a kernel is about to write; meanwhile
+        nothing else made from those may be dropped (``_writing``)."""
+        saved = self._writing
+        self._writing = saved | {o.id for o in writes}
+        try:
+            for o in writes:
+                if o.id in self._dependents:
+                    self._rescue(o)
+        finally:
+            self._writing = saved
+
+    def _unhold(self, held):
+        for o in held:
+            o._pins -= 1
+        if self._closing:
+            self._cond.notify_all()
+
+    def _rebuild(self, obj, target, placed, temps):
+        """Rebuild dropped obj: a region (before its inputs take the room), its dropped inputs,
+        then its chain rerun. Every object placed is pinned and listed in placed; inputs that
+        took room from others or went to slow memory are listed in temps (dropped again)."""
+        if self._place(obj, placed) is False and not target:
+            temps.append(obj)
+        chain = obj.chain
+        for e in chain:
+            for rid in e.reads:
+                if rid != obj.id:
+                    r = self.object(rid)
+                    if r is not None and r.dropped:
+                        self._rebuild(r, False, placed, temps)
+        for e in chain:
+            self._rerun(e, obj, placed, temps)
+
+    def _place(self, obj, placed):
+        """A region for a dropped obj: fast if it fits (the policy makes room), else slow.
+        Returns True when it went to fast memory without evicting anything. obj is pinned."""
+        n = obj.nbytes
+        fast = self.fast
+        free_room = True
+        r = self.try_allocate(fast, n, obj)
+        if r is None:
+            free_room = False
+            if self.fits(fast, n) and self.policy.make_room(n):
+                r = self.try_allocate(fast, n, obj)
+            if r is None:
+                r = self.allocate(self.slow, n, obj)
+        obj.regions[r.device.name] = r
+        obj.primary = r
+        r._dirty = True                           # no other copy: an eviction must copy it
+        obj.dropped = False
+        self._dropped.discard(obj.id)
+        obj._pins += 1                            # its inputs stay kept until regenerate ends
+        placed.append(obj)
+        if r.device is fast:
+            self.policy.on_fast(obj)
+        return free_room
+
+    def _rerun(self, e, target, placed, temps):
+        """Run recipe e again, writing target; its other outputs are written too if they are
+        dropped and e alone made them, else into scratch arrays (their data stays)."""
+        reads = [self.object(rid) for rid in e.reads]
+        writes, scratch = [], set()
+        for wid in e.writes:
+            w = self.object(wid)
+            if w is target:
+                writes.append(w)
+            elif w is not None and w.dropped and type(w.chain) is list and \
+                    len(w.chain) == 1 and w.chain[0] is e:
+                if self._place(w, placed) is False:
+                    temps.append(w)
+                writes.append(w)
+            else:
+                scratch.add(wid)
+        outer = self.recompute_entry
+        self.recomputing += 1
+        self.recompute_entry = e
+        try:
+            self.acquire(reads, writes, e.name, e.touched)
+            try:
+                fn = e.fn
+                if fn is not None:
+                    args = []
+                    for a in e.args:
+                        if a is None:
+                            args.append(None)
+                            continue
+                        oid, w, dtype, shape, strides, offset = a
+                        if w and oid in scratch:
+                            args.append(_scratch(dtype, shape, strides, offset))
+                        else:
+                            args.append(self.ndarray(self.object(oid).primary, dtype, shape,
+                                                     strides, offset, readonly=not w))
+                    if e.rng is not None:
+                        fn(*args, rng=e.rng_for_rerun())
+                    else:
+                        fn(*args)
+            finally:
+                self.release((*reads, *writes))
+        finally:
+            self.recomputing -= 1
+            self.recompute_entry = outer
+
     # ---- annotations and marks (the doors the array layer and replays use) -----------------
 
     def prefetch(self, obj, force=False, wait=True):
@@ -898,6 +1269,8 @@ class Manager:
                 self._drain()
             for o in self._observers:
                 o.on_annotation("prefetch", obj, (bool(force), bool(wait)))
+            if obj.dropped:
+                self.regenerate(obj)
             r = obj.primary
             policy = self.policy
             if r is not None and r.device is self.fast:
@@ -917,9 +1290,19 @@ class Manager:
                 self._drain()
             for o in self._observers:
                 o.on_annotation("evict", obj, (to, bool(wait)))
+            if obj.dropped:                       # no data to move
+                return True
             if to is None and wait:
                 return self.policy.evict(obj)
             return self.policy.evict(obj, to=to, wait=wait)
+
+    def fault(self, obj):
+        """Report that a kernel needed obj in fast memory and it had to be fetched on demand
+        (a policy's ``stage`` calls it before the fetch; the cost model charges a fault)."""
+        with self._lock:
+            self.telemetry.count("fault", obj.nbytes, id=obj.id)
+            for o in self._observers:
+                o.on_fault(obj)
 
     def softevict(self, obj):
         """Ask the policy to prefer obj for eviction (no movement now)."""
@@ -929,6 +1312,8 @@ class Manager:
                 self._drain()
             for o in self._observers:
                 o.on_annotation("softevict", obj, ())
+            if obj.dropped:
+                return None
             return self.policy.softevict(obj)
 
     def mark(self, kind):

@@ -10,6 +10,7 @@ decisions, so they report the same bytes moved and modelled times.
 from dataclasses import dataclass, field
 
 from . import costmodel
+from .lineage import Recipe
 from .manager import Manager
 from .sizes import parse_size
 from .trace import KernelClock, Recorder, Trace, TraceError
@@ -45,11 +46,12 @@ class Run:
 
 
 def evaluate(trace, decisions=None, profile=None, devices=None, stats=None,
-             slow_output_factor=costmodel.SLOW_OUTPUT_FACTOR):
+             slow_output_factor=costmodel.SLOW_OUTPUT_FACTOR, fault_latency=0.0):
     """The modelled time of a trace's decision log (its own, or the decisions given).
 
     profile: None uses each tier's profile recorded in the trace (dram for the fast tier,
     optane for slow by default), a name or Profile for every slower tier, or a dict per tier.
+    fault_latency: seconds charged per on-demand fetch of kernels-in-fast mode.
     """
     devices = list(devices or trace.devices)
     if not devices:
@@ -58,19 +60,23 @@ def evaluate(trace, decisions=None, profile=None, devices=None, stats=None,
         recorded = trace.meta.get("profiles") or {}     # fills in the defaults for the rest
         profile = {d: p for d, p in recorded.items() if d in devices and p}
     decisions = trace.decisions if decisions is None else decisions
-    result = costmodel.evaluate(trace.times, decisions, devices, profile, slow_output_factor)
+    result = costmodel.evaluate(trace.times, decisions, devices, profile, slow_output_factor,
+                                fault_latency)
     groups = trace.step_kernels()
     fast_only = sum(trace.times[k] for k in groups[-1]) if groups else 0.0
     return Run(trace, decisions, devices, stats or {}, result, fast_only)
 
 
 def replay(trace, policy="lru", fast=None, slow=None, *, tiers=None, policy_options=None,
-           profile=None, slow_output_factor=costmodel.SLOW_OUTPUT_FACTOR, granularity=0):
+           profile=None, slow_output_factor=costmodel.SLOW_OUTPUT_FACTOR, granularity=0,
+           fault_latency=0.0):
     """Run policy over trace on virtual devices; returns a Run.
 
     fast: fast memory size (bytes, "256MiB", or a fraction such as 0.25 of the trace's
     footprint); slow: slow size (default twice the footprint). tiers: as for Manager, sizes
     only (the tiers are virtual). policy: a name, a Policy class or a new Policy instance.
+    fault_latency: seconds the cost model charges per on-demand fetch under kernels-in-fast
+    mode (``policy_options={"kernels_in_fast": True}``; a GPU's unified-memory fault: 45e-6).
     """
     if not isinstance(trace, Trace):
         raise TypeError(f"replay takes a Trace (ca.trace or Trace.load), not "
@@ -96,12 +102,14 @@ def replay(trace, policy="lru", fast=None, slow=None, *, tiers=None, policy_opti
     with m:
         rec = Recorder(m, events=False)
         m.observe(rec)
-        _drive(m, trace, rec)
+        live = _drive(m, trace, rec)    # the trace's objects stay alive until the stats are
+        #                                 taken, as the real run's were when it was recorded
         m.unobserve(rec)
         stats = m.stats()
         devices = [d.name for d in m.tiers]
         profiles = profile if profile is not None else {d.name: d.profile for d in m.tiers}
-    run = evaluate(trace, rec.trace.decisions, profiles, devices, stats, slow_output_factor)
+    run = evaluate(trace, rec.trace.decisions, profiles, devices, stats, slow_output_factor,
+                   fault_latency)
     run.info = {"fast": m.fast.size, "footprint": foot,
                 "policy": type(m.policy).__name__}
     return run
@@ -114,12 +122,14 @@ def _size(spec, footprint, what):
 
 
 def _drive(m, trace, rec):
-    """Issue the trace's events to manager m (whose recorder rec forces the stable ids)."""
+    """Issue the trace's events to manager m (whose recorder rec forces the stable ids);
+    returns the objects the trace leaves alive (stable id -> object)."""
+    live = {}       # stable id -> object
     held = {}       # kernel index -> operands it pins (released at its end, or on an error)
     made = {}       # kernel index -> new objects it keeps pinned until its end
     pending = []    # new objects held until the next kernel's end
     try:
-        _issue(m, trace, rec, held, made, pending)
+        _issue(m, trace, rec, held, made, pending, live)
     finally:
         if pending:
             m.release(pending)
@@ -131,14 +141,22 @@ def _drive(m, trace, rec):
                 m.release(made.pop(k))
         for objs in made.values():
             m.release(objs)
+    return live
 
 
-def _issue(m, trace, rec, held, made, pending):
-    live = {}
+def _recipe(trace, k, live):
+    """The recipe of a pure kernel of the trace: no function, its recorded time."""
+    part = trace.partial.get(k)
+    return Recipe(trace.kernels[k][0], None, seconds=trace.times[k],
+                  partial=tuple(live[s].id for s in part) if part else ())
+
+
+def _issue(m, trace, rec, held, made, pending, live):
     kernels = trace.kernels
     times = trace.times
     ids = rec.ids
     clock = KernelClock.of(m)
+    pure = trace.pure
     for i, e in enumerate(trace.events):
         kind = e[0]
         try:
@@ -147,8 +165,11 @@ def _issue(m, trace, rec, held, made, pending):
                 reads, writes = [live[s] for s in r], [live[s] for s in w]
                 part = trace.touched.get(e[1])
                 clock.force_next(times[e[1]])
+                # A ca.compute kernel gets a recipe without a function: the replay's objects
+                # get the real run's lineage, and a rerun uses its operands for its time.
                 m.acquire(reads, writes, name,
-                          {live[s].id: n for s, n in part.items()} if part else None)
+                          {live[s].id: n for s, n in part.items()} if part else None,
+                          _recipe(trace, e[1], live) if e[1] in pure else None)
                 held[e[1]] = reads + writes
                 if pending:                     # new arrays held through this kernel
                     made.setdefault(e[1], []).extend(pending)
@@ -181,6 +202,10 @@ def _issue(m, trace, rec, held, made, pending):
                 m.evict(live[e[1]], e[2], e[3])
             elif kind == "softevict":
                 m.softevict(live[e[1]])
+            elif kind == "drop":
+                m.drop(live[e[1]], True)
+            elif kind == "regenerate":
+                m.regenerate(live[e[1]], True)
             elif kind in ("layer", "step"):
                 m.mark(kind)
             elif kind == "defrag":

@@ -5,7 +5,9 @@ array. Nothing moves a pinned array, so the views stay valid inside the with-blo
 array may move and a kept view would show (or overwrite) another array's bytes.
 """
 
-from .array import CachedArray, _Scope, _acquire_grouped, _release_grouped
+from .array import (CachedArray, _c_strides, _contiguous_strides, _Scope, _acquire_grouped,
+                    _release_grouped)
+from .lineage import Recipe, capture_rng
 
 
 def readable(x):
@@ -99,3 +101,78 @@ class kernel(access):
                     raise ValueError(f"ca.kernel {name!r}: touched bytes must be >= 0, got {n}")
                 out[a._obj.id] = min(n, a._obj.nbytes)
             self.touched = out
+
+
+def compute(name, fn, reads=(), writes=(), *, rng=None, touched=None):
+    """Run a pure kernel: ``fn(*read_views, *write_views)``, and remember how, so that its
+    outputs can be dropped and rebuilt bitwise later (``ca.drop``, ``Manager.regenerate``).
+
+    The same pinned views and trace record as ``ca.kernel(name, reads, writes)`` (None entries
+    pass through; read views are read-only); returns fn's result. fn must compute its writes
+    from its reads alone, overwriting every element of a write it does not also read: list an
+    operand in both reads and writes when fn updates it in place. Pass arrays through reads
+    and writes, not through fn's closure. rng: a np.random.Generator passed to fn as ``rng=``
+    (its state is captured, so a rerun draws the same numbers).
+    """
+    if type(name) is not str:
+        raise TypeError(f"ca.compute: the first argument is the kernel's name (a str), got "
+                        f"{type(name).__name__}; write ca.compute(name, fn, reads, writes)")
+    if touched:
+        touched = kernel(name, reads, writes, touched).touched    # checks touched
+    if not callable(fn):
+        raise TypeError(f"ca.compute {name!r}: fn must be callable (it gets the read views, then "
+                        f"the write views), got {type(fn).__name__}")
+    state = capture_rng(rng) if rng is not None else None
+    m = None
+    args, r, w = [], [], []
+    partial = ()                                  # writes through a view of part of an array
+    for arrays, objs, write in ((reads, r, False), (writes, w, True)):
+        for a in arrays:
+            if a is None:
+                args.append(None)
+                continue
+            if type(a) is not CachedArray and not isinstance(a, CachedArray):
+                raise TypeError(f"ca.compute {name!r} takes CachedArrays (or None) as reads "
+                                f"and writes, got {type(a).__name__}")
+            if m is None:
+                m = a._m
+            elif a._m is not m:
+                raise ValueError(f"ca.compute {name!r}: its arrays belong to different managers;"
+                                 " a recomputable kernel works within one manager: copy the "
+                                 "arrays into one (ca.asarray(x, manager=m)) or use ca.kernel")
+            o = a._obj
+            objs.append(o)
+            args.append((o.id, write, a._dtype, a._shape, a._strides, a._offset))
+            if write and not _covers(a):
+                partial = (*partial, o.id)
+    if m is None:
+        return fn(rng=rng) if rng is not None else fn()
+    recipe = Recipe(name, fn, args, state, touched, partial=partial)
+    m.acquire(r, w, name, touched, recipe)
+    try:
+        views = [None if a is None else a._view(readonly=True) for a in reads]
+        views += [None if a is None else a._view() for a in writes]
+        key = recipe                              # one per call: the scope's key
+        m.scope_opened(key, tuple((a._obj, a._shape) for a in (*reads, *writes)
+                                  if a is not None))
+        try:
+            return fn(*views, rng=rng) if rng is not None else fn(*views)
+        except BaseException:
+            for o in w:                           # half written: no recipe describes it
+                o.chain = (f"kernel {name!r} raised an exception while writing it",)
+            raise
+        finally:
+            m.scope_closed(key)
+    finally:
+        m.release(r + w)
+
+
+def _covers(a):
+    """True if the view a covers every byte of its array (a write through it replaces all)."""
+    shape, itemsize = a._shape, a._dtype.itemsize
+    n = itemsize
+    for d in shape:
+        n *= d
+    return a._offset == 0 and n == a._obj.nbytes and (
+        a._strides == _c_strides(shape, itemsize) or
+        a._strides == _contiguous_strides(shape, itemsize, "F"))

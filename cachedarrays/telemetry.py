@@ -19,7 +19,12 @@ EVENTS = (
     "debug_stale_writes",      # debug mode: a write into memory its object had left
     "defrag_moves",            # a heap defragmentation pass
     "evict_skipped_pinned",    # an eviction walk passed over a pinned region
+    "drop",                    # an array dropped without write-back (regenerated when used)
+    "fault",                   # kernels-in-fast: an operand fetched on demand before a kernel
     "prefetch_refused",        # a prefetch that did not fit in fast memory
+    "regenerate",              # a dropped array rebuilt by rerunning its recorded kernels
+    "regenerate_before_change",  # a dropped array rebuilt because one of its inputs changes
+    "staging_aside",           # kernels-in-fast: an operand moved aside to make a block contiguous
     "plan_missed",             # a planning policy could not do what its plan said (no room)
     "writebacks_elided",       # a clean eviction that dropped the fast copy without a copy
 )

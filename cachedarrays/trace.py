@@ -20,6 +20,7 @@ import statistics
 import sys
 import threading
 import time
+import weakref
 import zlib
 from collections import defaultdict
 from dataclasses import asdict
@@ -143,7 +144,11 @@ class KernelClock(Observer):
 
     @classmethod
     def of(cls, manager):
-        return _first_observer(cls, manager)      # before the recorders
+        clock = _first_observer(cls, manager)     # before the recorders
+        clock._manager = weakref.ref(manager)     # its reruns (regenerate) may carry a time
+        return clock
+
+    _manager = None
 
     def force_next(self, seconds):
         """The next kernel takes this many seconds, whatever the wall clock says (replays)."""
@@ -154,7 +159,12 @@ class KernelClock(Observer):
         return self._last.get(threading.get_ident(), 0.0)
 
     def on_acquire(self, name, reads, writes, touched=None):
-        forced, self._forced = self._forced, None
+        m = self._manager() if self._manager is not None else None
+        if m is not None and m.recomputing:   # a rerun (regenerate): a replay's recipe carries
+            e = m.recompute_entry             # the recorded time; the forced one is the next
+            forced = e.seconds if e is not None else None       # kernel's, so it stays
+        else:
+            forced, self._forced = self._forced, None
         self._stacks[threading.get_ident()].append(
             [sorted(o.id for o in (*reads, *writes)), _perf(), 0.0, forced])
 
@@ -184,11 +194,17 @@ class Trace:
     output) ends with "next"; ``kernels``: (name, read sids, write sids) per kernel index;
     ``times``: seconds per kernel; ``decisions``: the decision log of the run (see
     ``cachedarrays.costmodel``); ``devices``: the tier names of that run, fastest first;
-    ``touched``: kernel index -> {sid: bytes} for kernels that touch only part of an object.
+    ``touched``: kernel index -> {sid: bytes} for kernels that touch only part of an object;
+    ``pure``: the indices of the kernels made by ``ca.compute`` (recomputable: a replay gives
+    its objects their lineage, and a rerun appears in the decision log as another
+    ``("kernel", k, ops)`` of the original index k, never as an event); ``partial``: pure
+    kernel index -> the write sids it wrote through a view of part of the object (the rest
+    keeps its contents, as for an in-place kernel). ``("drop", sid)`` and
+    ``("regenerate", sid)`` events are the program's ``ca.drop``/``ca.regenerate`` calls.
     """
 
     def __init__(self, objects=None, events=None, kernels=None, times=None, meta=None,
-                 decisions=None, devices=None, touched=None):
+                 decisions=None, devices=None, touched=None, pure=None, partial=None):
         self.objects = dict(objects or {})
         self.events = list(events or [])
         self.kernels = list(kernels or [])
@@ -197,6 +213,8 @@ class Trace:
         self.decisions = list(decisions or [])
         self.devices = list(devices or [])
         self.touched = {int(k): dict(v) for k, v in dict(touched or {}).items()}
+        self.pure = {int(k) for k in pure or ()}
+        self.partial = {int(k): list(v) for k, v in dict(partial or {}).items()}
 
     # -- facts ----------------------------------------------------------------------------
 
@@ -242,8 +260,8 @@ class Trace:
         for i, e in enumerate(self.events):
             kind = e[0] if isinstance(e, (tuple, list)) and e else None
             where = f"event {i} {e!r}"
-            if kind in ("alloc", "free", "kernel", "end", "prefetch", "evict", "softevict") \
-                    and len(e) < 2:
+            if kind in ("alloc", "free", "kernel", "end", "prefetch", "evict", "softevict",
+                        "drop", "regenerate") and len(e) < 2:
                 raise TraceError(f"{where}: malformed event")
             if kind == "alloc":
                 if e[1] in live:
@@ -271,13 +289,17 @@ class Trace:
             elif kind == "end":
                 if open_.pop(e[1], None) is None:
                     raise TraceError(f"{where}: ends a kernel that is not open")
-            elif kind in ("prefetch", "evict", "softevict"):
+            elif kind in ("prefetch", "evict", "softevict", "drop", "regenerate"):
                 if e[1] not in live:
                     raise TraceError(f"{where}: {kind} of an object that is not live")
             elif kind not in ("layer", "step", "defrag"):
                 raise TraceError(f"{where}: unknown event")
         if len(self.times) != len(self.kernels):
             raise TraceError(f"{len(self.kernels)} kernels but {len(self.times)} kernel times")
+        bad = sorted(k for k in self.pure if not 0 <= k < len(self.kernels))
+        if bad:
+            raise TraceError(f"pure kernels {bad[:5]} are not in the kernel table of "
+                             f"{len(self.kernels)} kernels")
         return True
 
     # -- kernel times ---------------------------------------------------------------------
@@ -322,7 +344,7 @@ class Trace:
 
     def copy(self):
         return Trace(self.objects, self.events, self.kernels, self.times, self.meta,
-                     self.decisions, self.devices, self.touched)
+                     self.decisions, self.devices, self.touched, self.pure, self.partial)
 
     # -- files ----------------------------------------------------------------------------
 
@@ -337,7 +359,9 @@ class Trace:
                "objects": list(self.objects.items()), "events": self.events,
                "kernels": self.kernels, "times": self.times, "decisions": self.decisions,
                "devices": self.devices,
-               "touched": [[k, list(v.items())] for k, v in sorted(self.touched.items())]}
+               "touched": [[k, list(v.items())] for k, v in sorted(self.touched.items())],
+               "pure": sorted(self.pure),
+               "partial": [[k, v] for k, v in sorted(self.partial.items())]}
         path = os.fspath(path)
         tmp = f"{path}.tmp{os.getpid()}-{threading.get_ident()}"    # one per saving thread
         try:
@@ -369,7 +393,8 @@ class Trace:
                     [(n, tuple(r), tuple(w)) for n, r, w in doc["kernels"]], doc["times"],
                     doc.get("meta"), [_decision(d) for d in doc.get("decisions", ())],
                     doc.get("devices"),
-                    {k: {s: n for s, n in v} for k, v in doc.get("touched", ())})
+                    {k: {s: n for s, n in v} for k, v in doc.get("touched", ())},
+                    doc.get("pure", ()), {k: v for k, v in doc.get("partial", ())})
             profiles = t.meta.get("profiles")
             if isinstance(profiles, dict):
                 t.meta["profiles"] = {d: Profile(**p) if isinstance(p, dict) else p
@@ -414,6 +439,7 @@ class Recorder(Observer):
         self._loose = defaultdict(dict)         # thread id -> {new object id: its alloc event}
         self._lock = threading.Lock()
         self._traffic = getattr(getattr(manager, "policy", None), "kernel_traffic", None)
+        self._ref = weakref.ref(self)           # what recipes keep of this recorder
 
     def _sid(self, obj):
         return self.ids.get(obj.id)
@@ -437,24 +463,26 @@ class Recorder(Observer):
 
     def on_acquire(self, name, reads, writes, touched=None):
         t = self.trace
+        m = self.m
+        if m.recomputing:                       # a rerun of a recorded kernel (regenerate)
+            self._rerun(m.recompute_entry, reads, writes, touched)
+            return
         sid = self._sid
         k = len(t.kernels)
         t.kernels.append((name, tuple(sid(o) for o in reads), tuple(sid(o) for o in writes)))
         t.times.append(0.0)
         if self.record_events:
             t.events.append(("kernel", k))
-        if name == "view":                      # reshape and the like: no data is touched
-            ops = tuple((sid(o), 0, o.primary.device.name, False) for o in reads)
-        elif touched:
+        recipe = m.recipe
+        if recipe is not None:                  # a ca.compute kernel: recomputable
+            t.pure.add(k)
+            recipe.traced += ((self._ref, k),)
+            if recipe.partial:
+                t.partial[k] = list(dict.fromkeys(sid(o) for o in writes
+                                                  if o.id in recipe.partial))
+        if touched:
             t.touched[k] = {sid(o): touched[o.id] for o in (*reads, *writes) if o.id in touched}
-            ops = tuple((sid(o), touched.get(o.id, o.nbytes), o.primary.device.name, False)
-                        for o in reads) + \
-                tuple((sid(o), touched.get(o.id, o.nbytes), o.primary.device.name, True)
-                      for o in writes)
-        else:
-            ops = tuple((sid(o), o.nbytes, o.primary.device.name, False) for o in reads) + \
-                tuple((sid(o), o.nbytes, o.primary.device.name, True) for o in writes)
-        t.decisions.append(("kernel", k, ops))
+        t.decisions.append(("kernel", k, self._ops(name, reads, writes, touched)))
         if self._traffic is not None:
             extra = self._traffic(k, reads, writes)
             if extra is not None:
@@ -465,7 +493,39 @@ class Recorder(Observer):
         carried = {}
         if loose:                               # new arrays not released yet (a copy's output)
             carried, self._loose[tid] = loose, {}
-        self._stacks[tid].append([k, key, {}, carried])
+        self._stacks[tid].append([k, key, {}, carried, False])
+
+    def _rerun(self, recipe, reads, writes, touched):
+        """A kernel rerun to regenerate an array: its original kernel index again in the
+        decision log (the cost model charges its time again); no event, no new kernel."""
+        k = recipe.kernel_of(self) if recipe is not None else None
+        t = self.trace
+        if k is not None:
+            t.decisions.append(("kernel", k, self._ops(recipe.name, reads, writes, touched)))
+            if self._traffic is not None:
+                extra = self._traffic(k, reads, writes)
+                if extra is not None:
+                    t.decisions.append(extra)
+        else:                                   # its original ran before this recording
+            t.meta["untraced_reruns"] = t.meta.get("untraced_reruns", 0) + 1
+        self._stacks[threading.get_ident()].append(
+            [k, sorted(o.id for o in (*reads, *writes)), {}, {}, True])
+
+    def _ops(self, name, reads, writes, touched):
+        """The operands of a kernel as the decision log records them: (sid, bytes, device,
+        is_write)."""
+        sid = self._sid
+        if name == "view":                      # reshape and the like: no data is touched
+            ops = tuple((sid(o), 0, o.primary.device.name, False) for o in reads)
+        elif touched:
+            ops = tuple((sid(o), touched.get(o.id, o.nbytes), o.primary.device.name, False)
+                        for o in reads) + \
+                tuple((sid(o), touched.get(o.id, o.nbytes), o.primary.device.name, True)
+                      for o in writes)
+        else:
+            ops = tuple((sid(o), o.nbytes, o.primary.device.name, False) for o in reads) + \
+                tuple((sid(o), o.nbytes, o.primary.device.name, True) for o in writes)
+        return ops
 
     def on_release(self, objs):
         tid = threading.get_ident()
@@ -483,7 +543,9 @@ class Recorder(Observer):
                 top[3].pop(o.id, None)
             return
         stack.pop()
-        k, _, made, carried = top
+        k, _, made, carried, rerun = top
+        if rerun:                               # no time of its own, no end event
+            return
         self.trace.times[k] = self.clock.last()
         if self.record_events:
             events = self.trace.events
@@ -524,6 +586,9 @@ class Recorder(Observer):
     def on_cancel(self, obj_id, src, dst):
         self.trace.decisions.append(("cancel", self.ids.get(obj_id), src.device.name,
                                      dst.device.name))
+
+    def on_fault(self, obj):
+        self.trace.decisions.append(("fault", self.ids.get(obj.id)))
 
 
 class trace:

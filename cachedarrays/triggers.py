@@ -59,7 +59,9 @@ class Plan(Observer):
 
     # -- observer hooks -------------------------------------------------------------------
 
-    def on_acquire(self, name, reads, writes, touched=None):
+    def on_begin(self, name, reads, writes):
+        if self.m.recomputing:        # a rerun of regenerate: not a kernel of the step
+            return
         k = self.kernel
         self.kernel = k + 1
         self._fire(("kernel", k))
@@ -73,6 +75,8 @@ class Plan(Observer):
                 self._fire(("use", s, n))
 
     def on_release(self, objs):
+        if self.m.recomputing:
+            return
         if self._open and self._open[-1][1] == sorted(o.id for o in objs):
             k, _ = self._open.pop()
             self._fire(("kernel_end", k))

@@ -9,7 +9,10 @@ from .planned import PlannedPolicy
 from .sentinel import Sentinel
 from .autotm import AutoTM
 from .deeptm import DeepTM
+from .capuchin import Capuchin, Checkpointing, SwapOnly
+from .g10 import G10, BaseUVM, FlashNeuron
 
 __all__ = ["Policy", "LRU", "FirstTouch", "FastOnly", "SlowOnly", "MemoryMode", "PlannedPolicy",
-           "Sentinel", "DeepTM", "AutoTM", "PRESETS",
+           "Sentinel", "DeepTM", "AutoTM", "Capuchin", "SwapOnly", "Checkpointing",
+           "G10", "BaseUVM", "FlashNeuron", "PRESETS",
            "register_policy"]

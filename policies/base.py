@@ -5,7 +5,7 @@ operation with the data-manager API (Listings 4.1 and 4.2), so a custom policy o
 decisions it cares about: usually ``allocate``, ``select_victims`` and the use hooks.
 """
 
-from ..errors import OutOfMemoryError, UseAfterFreeError
+from ..errors import OutOfMemoryError, PinnedError, UseAfterFreeError
 from ..triggers import Plan
 from ..sizes import format_size
 
@@ -32,8 +32,10 @@ class Policy:
 
     A subclass that overrides one of these methods without declaring the capability gets True
     (the safe answer: the annotation is always made). Switches, set per instance (see LRU):
-    ``allows_prefetch`` (False: prefetch moves nothing) and ``allows_cleanup`` (False:
-    ``cleanup``/``noescape`` free nothing early).
+    ``allows_prefetch`` (False: prefetch moves nothing), ``allows_cleanup`` (False:
+    ``cleanup``/``noescape`` free nothing early) and ``kernels_in_fast`` (True: every kernel's
+    operands are brought into fast memory before it runs, see ``stage``; the policy option
+    ``kernels_in_fast=True`` sets it for any policy).
     """
 
     name = "base"
@@ -42,6 +44,8 @@ class Policy:
     tracks_reads = False
     allows_prefetch = True
     allows_cleanup = True
+    kernels_in_fast = False
+    _staging = frozenset()            # ids of the operands of the kernel being staged
 
     def __init_subclass__(cls, **kwargs):
         """A method overridden below the class that declared its capability: assume True."""
@@ -219,6 +223,88 @@ class Policy:
     def softevict(self, obj):
         """Prefer obj for eviction when fast memory runs short (no movement now)."""
 
+    # ---- kernels-in-fast mode ---------------------------------------------------------------
+
+    def stage(self, reads, writes, name="kernel"):
+        """Bring every operand of a kernel into fast memory before it runs (kernels-in-fast).
+
+        Each operand not in fast memory is a fault (``Manager.fault``), fetched synchronously;
+        room is made by evicting in ``select_victims`` order, never the kernel's own operands.
+        OutOfMemoryError when the operands cannot all be in fast memory at once.
+        """
+        m = self.manager
+        fast = m.fast
+        objs = list({id(o): o for o in (*reads, *writes)}.values())
+        missing = [o for o in objs if o.primary is None or o.primary.device is not fast]
+        if not missing:
+            return
+        need = sum(fast.block_size(o.nbytes) for o in objs)
+        if need > fast.size:
+            raise OutOfMemoryError(self._stage_error(name, objs, need, "do not fit at once"))
+        saved = self._staging
+        self._staging = frozenset(o.id for o in objs) | frozenset(saved)
+        try:
+            for _ in range(len(objs) + 1):      # operands moved aside come back next round
+                missing = [o for o in objs if o.primary is not None and
+                           o.primary.device is not fast]    # (no data: the manager rebuilds)
+                if not missing:
+                    return
+                for o in missing:
+                    if o.primary.device is fast:
+                        continue
+                    if m.pinned(o) and m.recomputing:    # held by a regeneration
+                        raise OutOfMemoryError(self._stage_error(
+                            name, objs, need, "cannot all be there while a dropped array is "
+                            f"rebuilt: its input (object {o.id}, {format_size(o.nbytes)}) "
+                            f"found no room in fast memory"))
+                    if m.pinned(o):
+                        raise PinnedError(
+                            f"kernel {name!r} needs object {o.id} ({format_size(o.nbytes)}) "
+                            "in fast memory (kernels-in-fast mode) but an open access scope "
+                            f"pins it on {o.primary.device.name}; close that scope first")
+                    m.fault(o)
+                    if not (Policy.prefetch(self, o, force=True) or self._aside(objs, o)):
+                        raise OutOfMemoryError(self._stage_error(
+                            name, objs, need, f"cannot all be there: the "
+                            f"{type(self).__name__} policy could not make room for "
+                            f"{format_size(o.nbytes)} (object {o.id}; pinned arrays hold "
+                            f"{format_size(self._pinned_fast_bytes())} of fast memory)"))
+            raise OutOfMemoryError(self._stage_error(
+                name, objs, need, "cannot all be there: moving some out of the way to make a "
+                "block for another left no block for them on the way back"))
+        finally:
+            self._staging = saved
+
+    def _aside(self, objs, obj):
+        """Staging obj found no block because the kernel's other operands already in fast
+        memory split its free space: evict them, smallest first, until obj fits (they are
+        fetched back in the next round of ``stage``). Returns success."""
+        m = self.manager
+        fast = m.fast
+        there = sorted((o for o in objs if o is not obj and not o.freed and o.primary is not None
+                        and o.primary.device is fast and not m.pinned(o)),
+                       key=lambda o: o.nbytes)      # stable: kernel order on ties
+        for o in there:
+            size = o.nbytes
+            if self.evict(o):
+                m.count("staging_aside", size, id=o.id)
+                if Policy.prefetch(self, obj, force=True):
+                    return True
+        return False
+
+    def _pinned_fast_bytes(self):
+        m = self.manager
+        return sum(r.nbytes for r in m.regions_on("fast")
+                   if m.parent(r) is not None and m.pinned(m.parent(r)))
+
+    def _stage_error(self, name, objs, need, why):
+        m = self.manager
+        sizes = ", ".join(format_size(o.nbytes) for o in objs)
+        return (f"kernel {name!r} must have its operands in fast memory (kernels-in-fast mode) "
+                f"and they {why}: operands {sizes} = {format_size(need)} with heap rounding; "
+                f"fast memory is {format_size(m.fast.size)}. Give a larger fast= size, a "
+                "smaller batch, or a policy without kernels_in_fast")
+
     def schedule(self, point, action):
         """Run action(manager) at a point of every step: ("kernel", k), ("kernel_end", k),
         ("layer", l), ("use", sid, n) or ("step",) (see ``cachedarrays.triggers``)."""
@@ -263,7 +349,8 @@ class Policy:
         for v in victims:
             if evicted >= need:
                 break
-            if v.freed or m.pinned(v) or v.primary is None or not m.on_device(v.primary, fast):
+            if v.freed or m.pinned(v) or v.primary is None or \
+                    not m.on_device(v.primary, fast) or v.id in self._staging:
                 continue
             size = v.primary.nbytes
             if self.evict(v) if wait else self.evict(v, wait=False):
@@ -273,7 +360,7 @@ class Policy:
 
         def callback(region):
             owner = m.parent(region)
-            if owner is None or not self.evictable(owner):
+            if owner is None or owner.id in self._staging or not self.evictable(owner):
                 return False
             if owner.primary is not region:
                 # A fast copy that is not primary breaks the policy invariant; drop it.

@@ -149,8 +149,13 @@ class PlannedPolicy(Policy):
     # ---- actions --------------------------------------------------------------------------
 
     def live(self, sid):
-        """The live object with this stable id, or None."""
-        oid = self.ids.obj_id.get(sid)
+        """The live object with this stable id, or None. In the first step (before the first
+        step mark) the program's new objects are ``init:`` ones: a plan made from a later step
+        (``profile=``) finds them under the id they will have in every later step."""
+        ids = self.ids.obj_id
+        oid = ids.get(sid)
+        if oid is None and self.steps_seen == 0:
+            oid = ids.get("init:" + sid)
         return None if oid is None else self.manager.object(oid)
 
     def bring(self, sid, wait=False, force=False):

@@ -15,8 +15,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 LAYERS = [
     ("native", ["_native", "errors", "sizes", "heap", "copyengine"]),
     ("devices", ["devices"]),
-    ("manager", ["registry", "poison", "telemetry", "manager"]),
-    ("policy lab", ["trace", "torchtrace", "costmodel", "replay", "triggers", "stepprofile"]),
+    ("manager", ["registry", "poison", "telemetry", "lineage", "manager"]),
+    ("policy lab", ["trace", "torchtrace", "costmodel", "replay", "triggers", "stepprofile",
+                    "batching"]),
     ("policies", ["policies"]),
     ("array", ["array", "scopes", "ufuncs", "dispatch", "creation", "routines", "defaults"]),
     ("annotations", ["annotations"]),

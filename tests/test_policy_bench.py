@@ -222,3 +222,22 @@ def test_main_twice_prints_the_same_numbers(bench, tmp_path):
     assert any(s.startswith("tinycnn: ") and "kernels/step" in s for s in outs[1])
     assert outs[0] == outs[1]
     assert (tmp_path / "tinycnn.trace.gz").exists() and (tmp_path / "sweep.png").stat().st_size > 1000
+
+
+def test_the_g10_section_runs_on_a_small_trace_and_repeats_its_numbers(tiny_trace, tmp_path,
+                                                                        monkeypatch):
+    g10 = load_benchmark("_g10")
+    monkeypatch.setitem(g10.FAST_AT_LEAST, "tinycnn", 0.6)   # its largest kernel needs > 25%
+    traces = {"tinycnn": tiny_trace}
+    lines, fig = g10.main_figure(traces)
+    again, _ = g10.main_figure(traces)
+    assert lines == again
+    assert any(s.startswith("tinycnn") for s in lines)
+    for policy in ("G10", "BaseUVM", "FlashNeuron"):
+        frac = fig["tinycnn"][policy]["ideal"]
+        assert 0 < frac <= 1.0 + 1e-9, (policy, frac)
+    mid_lines, mid = g10.middle_sweep(traces, points=(0.0, 0.5))
+    ssd_lines, ssd = g10.ssd_sweep(traces, points=(3.2, 32.0))
+    assert mid_lines and ssd_lines
+    g10.plot(str(tmp_path / "g10.png"), mid, ssd)
+    assert (tmp_path / "g10.png").stat().st_size > 1000

@@ -94,7 +94,7 @@ def record(ops, policy, options, fast=FAST, **kw):
                     granularity=GRAN, **kw) as m:
         with ca.trace(m) as t:
             arrays = run_program(m, ops)
-        stats = m.stats()
+            stats = m.stats()       # inside the trace: the frees its drain makes are recorded
         del arrays
     return t, stats
 

@@ -1,8 +1,9 @@
 """Training machinery: a Session (manager, backend, annotations), Param, kernel calls, SGD.
 
-Every kernel runs through ``Session.kernel``: it prefetches the kernel's arrays (forced), opens
-one pinned ``ca.kernel(name, reads, writes)`` scope (a named kernel in ``ca.trace`` traces),
-calls the backend on plain ndarrays and soft-evicts the inputs (dissertation Listing 4.6).
+Every kernel runs through ``Session.kernel``: it prefetches the kernel's arrays (forced), runs
+the backend on plain ndarrays as one ``ca.compute(name, fn, reads, writes)`` kernel (a named
+kernel in ``ca.trace`` traces, whose outputs a policy may drop and regenerate) and soft-evicts
+the inputs (dissertation Listing 4.6).
 
 Marks (what ``ca.trace`` records and policies' ``on_layer``/``on_step`` hooks see):
 ``Session.rrule`` marks a layer (``ca.mark_layer``) when a unit's forward has run and again when
@@ -132,18 +133,23 @@ class Session:
 
     # ---- kernels -------------------------------------------------------------------------
 
-    def kernel(self, name, fn, reads, writes):
+    def kernel(self, name, fn, reads, writes, pure=True):
         """Run fn(*read_views, *write_views) on pinned ndarray views; None entries pass through.
 
-        The views come from ``ca.kernel(name, reads, writes)``: one kernel named ``name`` in
-        traces, with these read and write sets. An array may appear in both reads and writes
-        (an in-place kernel); it is pinned twice.
+        One kernel named ``name`` in traces, with these read and write sets: ``ca.compute``
+        (its outputs can be dropped and regenerated), or ``ca.kernel`` when pure is False (fn
+        also depends on the old contents of a write it does not list as read, as SGD's update
+        of a weight does). An array may appear in both reads and writes (an in-place kernel);
+        it is pinned twice.
         """
         ann = self.annotations
         if ann and self._prefetches:
             ca.prefetch(reads, writes, force=True)
-        with ca.kernel(name, reads, writes) as views:
-            result = fn(*views)
+        if pure:
+            result = ca.compute(name, fn, reads, writes)
+        else:
+            with ca.kernel(name, reads, writes) as views:
+                result = fn(*views)
         if ann and self._softevicts:
             ca.softevict(reads)
         return result
@@ -269,7 +275,8 @@ class SGD:
             raise ValueError(f"SGD: parameter {p.name} has no gradient; run the backward pass "
                              "(the model's pullbacks) before the optimizer step")
         lr, be = self.lr, s.be
-        s.kernel("sgd_update", lambda g, w: be.sgd_update(w, g, lr), (p.grad,), (p.value,))
+        s.kernel("sgd_update", lambda g, w: be.sgd_update(w, g, lr), (p.grad,), (p.value,),
+                 pure=False)
         if s.frees_early:
             p.drop_grad()
         if s.annotations and s._prefetches and s._softevicts:
