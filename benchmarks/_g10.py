@@ -85,32 +85,30 @@ def main_figure(traces):
     return lines, fig
 
 
-def middle_sweep(traces, points=MIDDLE_SWEEP):
-    """(b): fraction of ideal against the middle tier's capacity (fraction of footprint)."""
-    lines = ["middle-tier capacity sweep (fraction of footprint -> fraction of ideal)"]
+def _sweep(traces, points, title, option):
+    """Fraction of ideal of every model and policy at each point (option(p): run's keywords)."""
+    lines = [title]
     fig = {}
     for name, t in traces.items():
-        fig[name] = {lab: [run(t, name, pol, middle=p)[0] for p in points]
+        fig[name] = {lab: [run(t, name, pol, **option(p))[0] for p in points]
                      for lab, pol in POLICIES}
         for lab, _ in POLICIES:
             lines.append(f"  {name:12s} {lab:12s} " + " ".join(
                 f"{p:g}:{v:.1%}" for p, v in zip(points, fig[name][lab])))
     fig["points"] = list(points)
     return lines, fig
+
+
+def middle_sweep(traces, points=MIDDLE_SWEEP):
+    """(b): fraction of ideal against the middle tier's capacity (fraction of footprint)."""
+    return _sweep(traces, points, "middle-tier capacity sweep (fraction of footprint -> "
+                  "fraction of ideal)", lambda p: {"middle": p})
 
 
 def ssd_sweep(traces, points=SSD_SWEEP):
     """(c): fraction of ideal against the SSD's read bandwidth (GB/s; write scaled alike)."""
-    lines = ["SSD bandwidth sweep (GB/s -> fraction of ideal)"]
-    fig = {}
-    for name, t in traces.items():
-        fig[name] = {lab: [run(t, name, pol, ssd=ssd_profile(p))[0] for p in points]
-                     for lab, pol in POLICIES}
-        for lab, _ in POLICIES:
-            lines.append(f"  {name:12s} {lab:12s} " + " ".join(
-                f"{p:g}:{v:.1%}" for p, v in zip(points, fig[name][lab])))
-    fig["points"] = list(points)
-    return lines, fig
+    return _sweep(traces, points, "SSD bandwidth sweep (GB/s -> fraction of ideal)",
+                  lambda p: {"ssd": ssd_profile(p)})
 
 
 def plot(path, middle, ssd):

@@ -1020,20 +1020,7 @@ class Manager:
             if annotation:
                 for o in self._observers:
                     o.on_annotation("drop", obj, ())
-            regions = list(obj.regions.values())
-            if obj.primary is not None and obj.primary not in regions:
-                regions.append(obj.primary)
-            in_fast = any(r.device is self.fast for r in regions)
-            for r in regions:
-                if not r.freed:
-                    self._free_region(r, "was dropped")
-            obj.primary = None
-            obj.regions = {}
-            obj.dropped = True
-            self._dropped.add(obj.id)
-            self._keep_inputs(obj)
-            if in_fast:
-                self.policy.forget(obj.id)
+            self._let_go(obj)
             self.telemetry.count("drop", obj.nbytes, id=obj.id)
             return True
 
@@ -1088,9 +1075,11 @@ class Manager:
 
     def _let_go(self, obj):
         """Free obj's regions without a write-back and mark it dropped (it is regenerable)."""
-        in_fast = False
-        for r in list(obj.regions.values()):
-            in_fast = in_fast or r.device is self.fast
+        regions = list(obj.regions.values())
+        if obj.primary is not None and obj.primary not in regions:
+            regions.append(obj.primary)
+        in_fast = any(r.device is self.fast for r in regions)
+        for r in regions:
             if not r.freed:
                 self._free_region(r, "was dropped")
         obj.primary = None

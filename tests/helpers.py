@@ -12,7 +12,7 @@ import numpy as np
 import cachedarrays as ca
 
 __all__ = ["assert_eq", "same", "RTOL", "load_benchmark", "layered_program", "traced_training",
-           "beside_fast_only"]
+           "beside_fast_only", "built_trace"]
 
 
 def load_benchmark(name):
@@ -126,3 +126,27 @@ def same(got, want):
         assert not isinstance(got, ca.CachedArray)
         assert type(got) is type(want), (type(got), type(want))
         np.testing.assert_array_equal(got, want)
+
+
+def built_trace(objects, resident, items, steps=3, devices=("fast", "slow"), pure=False):
+    """A hand-made trace of `steps` repetitions of items: ("k", reads, writes, seconds),
+    ("a", sid) to allocate, ("f", sid) to free, or "L" (a layer mark); resident objects are
+    allocated before the first step. pure: every kernel is a ca.compute one."""
+    events = [("alloc", s, objects[s], None) for s in resident]
+    kernels, times = [], []
+    for _ in range(steps):
+        for it in items:
+            if it == "L":
+                events.append(("layer",))
+            elif it[0] == "a":
+                events.append(("alloc", it[1], objects[it[1]], None))
+            elif it[0] == "f":
+                events.append(("free", it[1]))
+            else:
+                k = len(kernels)
+                kernels.append((f"k{k}", tuple(it[1]), tuple(it[2])))
+                times.append(it[3])
+                events += [("kernel", k), ("end", k)]
+        events.append(("step",))
+    return ca.Trace(objects, events, kernels, times, devices=list(devices),
+                    pure=range(len(kernels)) if pure else ())

@@ -15,7 +15,7 @@ from cachedarrays.policies.capuchin import (FEEDBACK, Capuchin, Checkpointing, S
                                             plan_capuchin, plan_checkpoints)
 from cachedarrays.registry import resolve
 from cachedarrays.stepprofile import StepProfile
-from cachedarrays.trace import Trace
+from helpers import built_trace
 
 MiB = 1 << 20
 BLOCK = MiB - 64                            # a 1 MiB heap block with its 64-byte header
@@ -25,24 +25,7 @@ IN = MiB / 30e9                             # 1 MiB slow -> fast: min(30, 60) GB
 
 
 def build(objects, resident, items, steps=3, pure=False):
-    """A trace of `steps` repetitions of items: ("k", reads, writes, seconds), ("a", sid) or
-    ("f", sid); resident objects are allocated first. pure: every kernel is a ca.compute one."""
-    events = [("alloc", s, objects[s], None) for s in resident]
-    kernels, times = [], []
-    for _ in range(steps):
-        for it in items:
-            if it[0] == "a":
-                events.append(("alloc", it[1], objects[it[1]], None))
-            elif it[0] == "f":
-                events.append(("free", it[1]))
-            else:
-                k = len(kernels)
-                kernels.append((f"k{k}", tuple(it[1]), tuple(it[2])))
-                times.append(it[3])
-                events += [("kernel", k), ("end", k)]
-        events.append(("step",))
-    return Trace(objects, events, kernels, times, devices=["fast", "slow"],
-                 pure=range(len(kernels)) if pure else ())
+    return built_trace(objects, resident, items, steps, pure=pure)
 
 
 def plan(trace, fast, **kw):

@@ -14,8 +14,7 @@ from cachedarrays.policies.base import Policy
 from cachedarrays.registry import policy_names
 from cachedarrays.policies.g10 import Destination, G10Planner, Link, vitality
 from cachedarrays.stepprofile import StepProfile
-from cachedarrays.trace import Trace
-from helpers import layered_program
+from helpers import built_trace, layered_program
 
 MB = 1_000_000
 SSD = Destination("ssd", 1e9, 1e9, 0.0)           # 1 ms per MB each way
@@ -23,23 +22,7 @@ MID = Destination("pmem", 10e9, 10e9, 0.0, capacity=10 * MB)
 
 
 def build(objects, resident, items, steps=2):
-    """A trace of `steps` repetitions of items: ("k", reads, writes, seconds), ("a", sid),
-    ("f", sid); resident objects are allocated before the first step."""
-    events = [("alloc", s, objects[s], None) for s in resident]
-    kernels, times = [], []
-    for _ in range(steps):
-        for it in items:
-            if it[0] == "a":
-                events.append(("alloc", it[1], objects[it[1]], None))
-            elif it[0] == "f":
-                events.append(("free", it[1]))
-            else:
-                k = len(kernels)
-                kernels.append((f"k{k}", tuple(it[1]), tuple(it[2])))
-                times.append(it[3])
-                events += [("kernel", k), ("end", k)]
-        events.append(("step",))
-    return Trace(objects, events, kernels, times, devices=["fast", "slow", "ssd"])
+    return built_trace(objects, resident, items, steps, devices=("fast", "slow", "ssd"))
 
 
 def test_vitality_periods_inner_tail_and_wrapped():

@@ -8,33 +8,14 @@ import pytest
 import cachedarrays as ca
 from cachedarrays.policies import sentinel as sn
 from cachedarrays.policies.sentinel import Sentinel
-from cachedarrays.trace import Trace
-from helpers import load_benchmark
+from helpers import built_trace, load_benchmark
 
 KiB, MiB = 1 << 10, 1 << 20
 R_SLOW, R_FAST = 30e9, 110e9               # optane and dram read bandwidths (B/s)
 
 
 def build(objects, resident, items, steps=3):
-    """A trace of `steps` repetitions of items: ("k", reads, writes, seconds), ("a", sid),
-    ("f", sid) or "L" (a layer mark); resident objects are allocated before the first step."""
-    events = [("alloc", s, objects[s], None) for s in resident]
-    kernels, times = [], []
-    for _ in range(steps):
-        for it in items:
-            if it == "L":
-                events.append(("layer",))
-            elif it[0] == "a":
-                events.append(("alloc", it[1], objects[it[1]], None))
-            elif it[0] == "f":
-                events.append(("free", it[1]))
-            else:
-                k = len(kernels)
-                kernels.append((f"k{k}", tuple(it[1]), tuple(it[2])))
-                times.append(it[3])
-                events += [("kernel", k), ("end", k)]
-        events.append(("step",))
-    return Trace(objects, events, kernels, times, devices=["fast", "slow"])
+    return built_trace(objects, resident, items, steps)
 
 
 def planned(trace, fast, **options):
