@@ -40,7 +40,10 @@ more than one of its intervals, and a swap a later choice made unnecessary (the 
 without it) is left out. The plan is cyclic: an object made before the step and kept after it
 (a weight) has one more interval, from its last use in the step to its first use in the next,
 its saving counted at the end of the step and at the start of the next; its in-trigger fires
-late in the step or early in the next (the first step fetches it if it is not there). An
+late in the step or early in the next (the first step fetches it if it is not there). Swaps
+that hide one by one can still queue on the link and arrive late: after Alg. 1, a swap the
+plan's own timeline finds late by more than its recomputation costs becomes a recompute (one at
+a time, most bytes per second first, the link timed again after each). An
 object the program keeps after its last use (freed later, in the step or the next; TensorFlow
 would have freed it) is a candidate too: sent out after its last use, never brought back.
 """
@@ -159,7 +162,7 @@ class _Swap:
     kernel b - n of the next step (a persistent object's last use to its first)."""
 
     __slots__ = ("sid", "size", "e", "b", "out", "into", "ft", "lead", "trigger", "ideal",
-                 "cover", "dead")
+                 "cover", "dead", "late_by")
 
     def __init__(self, sid, size, e, b, out, into, ft):
         self.sid, self.size, self.e, self.b = sid, size, e, b
@@ -168,6 +171,7 @@ class _Swap:
         self.trigger = self.ideal = b
         self.cover = 0                # earliest trigger: the peak kernels it was chosen for
         self.dead = False             # no back-access: used last at e, freed before kernel b
+        self.late_by = 0.0            # seconds its swap-in arrives after its back-access begins
 
 
 class _Recompute:
@@ -208,6 +212,7 @@ class CapuchinPlan:
         idx = np.where(self.peak2, -1, np.arange(2 * p.n))
         self.calm = np.maximum.accumulate(idx).tolist() if p.n else []  # last k' <= k not over
         self.swaps, self.recomputes = [], []
+        self.traded = 0               # late swaps made recomputes (``_trade``)
         self._candidates()
         self._select()
         self.rounds = 0
@@ -280,6 +285,29 @@ class CapuchinPlan:
         self._choose()
         if self.swaps and self.fits():
             self._prune()
+        self._trade()
+
+    def _trade(self):
+        """Swaps that hide one by one (FT >= 0) can still arrive late, queued on the link
+        behind others. Each round, of the swaps the plan's timeline finds late by more than
+        their recomputation costs, the one recomputing the most bytes per second becomes a
+        recompute (Alg. 2 as for any chosen recompute); the link is then timed again."""
+        if not self.recompute or not self.rec_cands:
+            return
+        cands = {(r.sid, r.e, r.b): r for r in self.rec_cands}
+        for _ in range(len(self.swaps)):
+            trade = [(cands[(s.sid, s.e, s.b)], s) for s in self.timeline()[3]
+                     if (s.sid, s.e, s.b) in cands and
+                     s.late_by > cands[(s.sid, s.e, s.b)].cost()]
+            if not trade:
+                return
+            r, s = max(trade, key=lambda c: (c[0].msps(), -c[0].b, c[0].sid))
+            self.swaps.remove(s)
+            self.rec_cands.remove(r)
+            del cands[(r.sid, r.e, r.b)]
+            self._choose_recompute(r)
+            self.traded += 1
+            self.place()
 
     def _prune(self):
         """Swaps a later choice made unnecessary (the plan fits without them) are left out,
@@ -457,6 +485,7 @@ class CapuchinPlan:
             for s, key in back.get(k, ()):
                 if arrive.get(key, 0.0) > t:
                     if k >= n:
+                        s.late_by = arrive[key] - t
                         late.append(s)
                     w = max(w, arrive[key])
             stall += w - t
@@ -494,7 +523,7 @@ class CapuchinPlan:
                 "swap_bytes": sum(s.size for s in self.swaps if not s.dead),
                 "dead_sent": sum(1 for s in self.swaps if s.dead),
                 "dead_bytes": sum(s.size for s in self.swaps if s.dead),
-                "recomputes": len(self.recomputes),
+                "recomputes": len(self.recomputes), "traded": self.traded,
                 "recompute_bytes": sum(r.size for r in self.recomputes),
                 "exposed": stall + rtime, "stall": stall, "recompute_seconds": rtime,
                 "late": len(late), "compute": float(self.p.times.sum())}

@@ -309,3 +309,32 @@ def test_a_weight_is_swapped_from_its_last_use_to_its_first_use_in_the_next_step
     # The planned resident bytes leave C no room without the swap: without it, fast-only fails.
     with pytest.raises(ca.OutOfMemoryError):
         ca.replay(t, "fast-only", fast=fast + 4096, policy_options={"kernels_in_fast": True})
+
+
+# ---- late swaps traded for recomputes ----------------------------------------------------------
+
+QUEUE_OBJECTS = {"S": BLOCK, "P": BIG, "Q": BIG, "H": 8 * MiB - 64, "G": BLOCK}
+# P and Q, made from S by 1 us kernels, leave for the kernel that needs H and come back for
+# k5: each swap hides on its own (FT about 630 us), but both swap-ins start at k4 (150 us
+# before k5) and queue on the link, so Q's arrives about 130 us late; recomputing Q costs 1 us.
+QUEUE_STEP = [("a", "P"), ("k", ["S"], ["P"], TINY), ("a", "Q"), ("k", ["S"], ["Q"], TINY),
+              ("k", ["S"], [], 1000e-6), ("a", "H"), ("k", [], ["H"], TINY), ("f", "H"),
+              ("k", ["S"], [], 150e-6), ("a", "G"), ("k", ["P", "Q"], ["G"], TINY),
+              ("f", "P"), ("f", "Q"), ("f", "G")]
+
+
+def test_a_swap_that_hides_alone_but_queues_late_on_the_link_becomes_a_recompute():
+    t = build(QUEUE_OBJECTS, ["S"], QUEUE_STEP, pure=True)
+    only = plan(t, 11 * MiB, recompute=False)
+    assert all(s.ft > 600e-6 for s in only.swap_cands if s.sid in ("P", "Q") and s.b == 5)
+    assert sorted(s.sid for s in only.swaps) == ["P", "Q"]
+    late = only.timeline()[3]
+    assert [s.sid for s in late] == ["Q"] and late[0].late_by > 100e-6
+    both = plan(t, 11 * MiB)
+    assert [s.sid for s in both.swaps] == ["P"] and [r.sid for r in both.recomputes] == ["Q"]
+    assert both.traded == 1 and both.fits() and not both.timeline()[3]
+    runs = {}
+    for cls in (SwapOnly, Capuchin):
+        pol = cls(profile=t)
+        runs[cls] = ca.replay(t, pol, fast=11 * MiB + 4096, profile="optane")
+    assert runs[Capuchin].last.time < runs[SwapOnly].last.time - 100e-6
