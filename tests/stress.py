@@ -21,6 +21,7 @@ import test_array_machine  # noqa: E402
 import test_background_copies  # noqa: E402
 import test_embedding  # noqa: E402
 import test_heap  # noqa: E402
+import test_lineage  # noqa: E402
 import test_manager  # noqa: E402
 import test_threads  # noqa: E402
 
@@ -32,11 +33,13 @@ MACHINES = {
     "CachedMatchesSimple": test_embedding.CachedMatchesSimple,
     # background prefetch/evict/cancel over three tiers; data and m.check() after every step
     "BackgroundCopyMachine": test_background_copies.BackgroundCopyMachine,
+    # ca.compute, in-place updates, NumPy writes, drop, regenerate, moves and frees
+    "LineageMachine": test_lineage.LineageMachine,
 }
 
 #: share of each round's examples per machine (the array machine covers the most code)
 WEIGHTS = {"ArrayMachine": 4, "ManagerMachine": 2, "HeapMachine": 1, "CrowdedHeapMachine": 1,
-           "CachedMatchesSimple": 1, "BackgroundCopyMachine": 2}
+           "CachedMatchesSimple": 1, "BackgroundCopyMachine": 2, "LineageMachine": 1}
 
 THREAD_TESTS = [getattr(test_threads, n) for n in dir(test_threads)
                 if n.startswith("test_") and callable(getattr(test_threads, n))]

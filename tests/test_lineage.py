@@ -441,3 +441,160 @@ def test_a_write_to_part_of_an_array_continues_its_lineage():
     assert [t.kernels[k][0] for k in sorted(t.partial)] == ["top", "top"]
     rep = ca.replay(t, "lru", fast=1 << 20, slow=16 << 20)
     assert rep.decisions == t.decisions           # the replay rebuilt y the same way
+
+
+def test_threads_reading_dropped_arrays_at_once_each_get_them_rebuilt_bitwise():
+    import threading
+    with _manager(fast="256KiB", slow="4MiB") as m:
+        x = ca.asarray(np.arange(4000.0), manager=m)
+        hs = [ca.empty(4000, manager=m) for _ in range(8)]
+        for h in hs:
+            ca.compute("square", _square, (x,), (h,))
+            ca.drop(h)
+        want, errors = np.arange(4000.0) ** 2, []
+
+        def read(h):
+            try:
+                np.testing.assert_array_equal(_read(h), want)
+            except BaseException as e:          # reported below, in the test's thread
+                errors.append(e)
+
+        threads = [threading.Thread(target=read, args=(h,)) for h in hs for _ in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors
+        assert m.stats()["events"]["regenerate"]["count"] == 8
+        m.check()
+
+
+# ---- a state machine (also run by tests/stress.py) ----------------------------------------------
+
+from hypothesis import HealthCheck, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant,  # noqa: E402
+                                 precondition, rule)
+
+
+def _scale(c):
+    return lambda x, y: np.multiply(x, c, out=y)
+
+
+def _bump(x_read, x):
+    np.add(x, 1.0, out=x)
+
+
+class LineageMachine(RuleBasedStateMachine):
+    """Random arrays made by ca.compute from others, updated in place, written by plain NumPy
+    calls (which break the lineage), dropped, rebuilt, moved and freed, in fast memory too small
+    for all of them, with or without kernels-in-fast mode; after every step the heaps are sound
+    and every array that holds data holds its expected values (dropped ones are checked when
+    they are read, which rebuilds them)."""
+
+    @initialize(in_fast=st.booleans())
+    def setup(self, in_fast):
+        self.m = ca.Manager(fast="24KiB", slow="1MiB", granularity=256,
+                            policy_options={"kernels_in_fast": in_fast})
+        self.model = {}           # name -> [CachedArray, expected ndarray]
+        self.n = 0
+
+    def teardown(self):
+        for x, want in self.model.values():
+            np.testing.assert_array_equal(_read(x), want)      # rebuilds the dropped ones
+        self.m.check()
+        self.m.close()
+
+    def _pick(self, i):
+        names = sorted(self.model)
+        return self.model[names[i % len(names)]] if names else None
+
+    def _add(self, x, want):
+        self.n += 1
+        self.model[f"a{self.n}"] = [x, want]
+
+    @rule(size=st.integers(1, 600), value=st.integers(-4, 4))
+    def new(self, size, value):
+        if len(self.model) < 10:
+            self._add(ca.full(size, float(value), manager=self.m), np.full(size, float(value)))
+
+    @precondition(lambda self: self.model)
+    @rule(i=st.integers(0, 99), c=st.sampled_from([0.5, 2.0, -1.0]))
+    def derive(self, i, c):
+        if len(self.model) >= 10:
+            return
+        x, want = self._pick(i)
+        y = ca.empty(want.size, manager=self.m)
+        ca.compute("scale", _scale(c), (x,), (y,))
+        self._add(y, want * c)
+
+    @precondition(lambda self: self.model)
+    @rule(i=st.integers(0, 99))
+    def bump_in_place(self, i):
+        entry = self._pick(i)
+        ca.compute("bump", _bump, (entry[0],), (entry[0],))
+        entry[1] = entry[1] + 1.0
+
+    @precondition(lambda self: self.model)
+    @rule(i=st.integers(0, 99))
+    def numpy_write(self, i):
+        entry = self._pick(i)
+        entry[0] += 2.0
+        entry[1] = entry[1] + 2.0
+
+    @precondition(lambda self: self.model)
+    @rule(i=st.integers(0, 99))
+    def drop(self, i):
+        x, _ = self._pick(i)
+        if self.m.regenerable(x.object):
+            ca.drop(x)
+            assert x.object.dropped and not ca.in_fast(x)
+        else:
+            with pytest.raises(ca.RecomputeError):
+                ca.drop(x)
+
+    @precondition(lambda self: self.model)
+    @rule(i=st.integers(0, 99))
+    def regenerate(self, i):
+        x, _ = self._pick(i)
+        if x.object.dropped:
+            ca.regenerate(x)
+            assert not x.object.dropped
+
+    @precondition(lambda self: self.model)
+    @rule(i=st.integers(0, 99), to_slow=st.booleans())
+    def move(self, i, to_slow):
+        x, _ = self._pick(i)
+        (ca.evict if to_slow else ca.prefetch)(x)
+
+    @precondition(lambda self: self.model)
+    @rule(i=st.integers(0, 99))
+    def read(self, i):
+        x, want = self._pick(i)
+        np.testing.assert_array_equal(_read(x), want)
+
+    @precondition(lambda self: self.model)
+    @rule(i=st.integers(0, 99), collect=st.booleans())
+    def free(self, i, collect):
+        names = sorted(self.model)
+        x, _ = self.model.pop(names[i % len(names)])
+        if collect:
+            del x
+            gc.collect()
+        else:
+            ca.unsafe_free(x)
+
+    @invariant()
+    def data_and_heaps(self):
+        if not hasattr(self, "m"):
+            return
+        for x, want in self.model.values():
+            if not x.object.dropped:
+                np.testing.assert_array_equal(_read(x), want)
+        self.m.check()
+
+
+LineageMachine.TestCase.settings = settings(
+    max_examples=25, stateful_step_count=30, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow])
+TestLineageMachine = LineageMachine.TestCase
