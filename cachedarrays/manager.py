@@ -931,12 +931,7 @@ class Manager:
         Returns True if a copy was cancelled; False if obj has none, or if it is a background
         eviction whose source is already gone (that copy always completes).
         """
-        if not isinstance(obj, Object):
-            inner = getattr(obj, "object", None)     # a CachedArray: its object
-            if not isinstance(inner, Object):
-                raise TypeError(f"cancel takes an array or its object, not "
-                                f"{type(obj).__name__}")
-            obj = inner
+        obj = _object_of(obj, "cancel")
         with self._lock:
             self._live(obj)
             c = self._copies.get(obj.id)

@@ -263,7 +263,8 @@ class Policy:
                             "in fast memory (kernels-in-fast mode) but an open access scope "
                             f"pins it on {o.primary.device.name}; close that scope first")
                     m.fault(o)
-                    if not (Policy.prefetch(self, o, force=True) or self._aside(objs, o)):
+                    if not (Policy.prefetch(self, o, force=True) or
+                            self._move_aside(objs, o)):
                         raise OutOfMemoryError(self._stage_error(
                             name, objs, need, f"cannot all be there: the "
                             f"{type(self).__name__} policy could not make room for "
@@ -275,7 +276,7 @@ class Policy:
         finally:
             self._staging = saved
 
-    def _aside(self, objs, obj):
+    def _move_aside(self, objs, obj):
         """Staging obj found no block because the kernel's other operands already in fast
         memory split its free space: evict them, smallest first, until obj fits (they are
         fetched back in the next round of ``stage``). Returns success."""

@@ -168,3 +168,15 @@ def test_operands_that_split_fast_memory_move_aside_for_a_larger_one(policy):
         with ca.readable(b) as v:
             assert v[0] == 3.0 and v[-1] == 1.0
         m.check()
+
+
+def test_no_registered_policy_replaces_the_private_helpers_of_staging():
+    """Policy.stage calls these by name; a subclass defining a method of the same name (with
+    another meaning) would silently break staging for that policy."""
+    from cachedarrays.policies.base import Policy
+    from cachedarrays.registry import policy_names, resolve
+    helpers = ("_move_aside", "_stage_error", "_pinned_fast_bytes")
+    for name in policy_names():
+        cls = resolve(name)
+        for h in helpers:
+            assert getattr(cls, h) is getattr(Policy, h), (name, h)
