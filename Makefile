@@ -28,5 +28,9 @@ STRESS_MINUTES ?= 5
 stress: install
 	$(PY) tests/stress.py --steps $(STRESS_STEPS) --minutes $(STRESS_MINUTES)
 
+# Every benchmark at sizes that finish in about ten minutes; writes bench_results/SUMMARY.md.
+bench: install
+	$(PY) benchmarks/run_all.py --out bench_results
+
 clean:
 	rm -rf build *.egg-info cachedarrays/_native*.so native/_native.c

@@ -19,9 +19,22 @@ import os
 import sys
 import time
 
-# Benchmarks hold a script named copy.py; keep this folder off the import path.
+# Keep this folder off the import path; _common is loaded by file path.
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+
+
+def _load_common():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("_torch_cnn_common",
+                                                  os.path.join(_HERE, "_common.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+# First, before torch starts its OpenMP runtime: OMP_WAIT_POLICY=PASSIVE unless the parent set it.
+_common = _load_common()
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
@@ -79,6 +92,7 @@ def convert(u):
 def main(argv=None):
     cfg = json.loads((argv or sys.argv[1:])[0])
     threads = int(cfg.get("threads", 1))
+    _common.apply_threads(threads)        # torch, its OpenMP and BLAS pools: as the parent's
     torch.set_num_threads(threads)
     model = cnn.build(cfg["model"], int(cfg["depth"]), batch=cfg["batch"], image=cfg["image"],
                       channels=cfg.get("channels", 3), classes=cfg.get("classes", 10),
@@ -102,7 +116,8 @@ def main(argv=None):
         step()
     params = sum(p.numel() for p in net.parameters())
     print(json.dumps({"ready": True, "torch": torch.__version__, "threads": torch.get_num_threads(),
-                      "params": params, "expected_params": model.param_count(), "pid": os.getpid()}),
+                      "params": params, "expected_params": model.param_count(), "pid": os.getpid(),
+                      "thread_line": _common.thread_line()}),
           flush=True)
     for line in sys.stdin:
         cmd = line.strip()

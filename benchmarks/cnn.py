@@ -1,7 +1,9 @@
 """CNN training on CachedArrays (dissertation §4.6–4.7): setups, traffic, modelled time, PyTorch.
 
     python benchmarks/cnn.py --model resnet --depth 50 --batch 16 --image 64 --backend onednn \\
-        --fast 25% --setup 2lm,LM,fast-only --iterations 4 --threads 2 [--plot] [--sweep] [--peer torch]
+        --fast 25% --setup 2lm,LM,fast-only --iterations 4 --threads 2 [--plot DIR] [--sweep] [--peer torch]
+    python benchmarks/cnn.py --models resnet50,vgg16,densenet121 --peer torch --peer-only
+
 
 --fast is the fast memory of the CachedArrays setups and --dram-cache the simulated DRAM cache
 of the 2LM setups (by default the --fast size, so every setup has the same DRAM); each is bytes,
@@ -25,13 +27,21 @@ iteration i runs in every setup before iteration i+1 in any, so machine load hit
 in the wall-clock table (the fast-only setup's wall time comes from the same run). The first
 iteration of each setup warms up; the tables report medians of the others (each figure on its
 own). ``--peer torch`` runs the same model in PyTorch in a separate process
-(benchmarks/_torch_cnn.py: torch's OpenMP runtime never shares a process with oneDNN's) and
-alternates one step of ours with one step of PyTorch's.
+(benchmarks/_torch_cnn.py: torch's OpenMP runtime never shares a process with oneDNN's) under
+the same thread settings (OMP_WAIT_POLICY, OMP_NUM_THREADS, printed), alternates one step of
+ours with one step of PyTorch's and prints speedup = torch step time / our step time (> 1: ours
+is faster) with a goal line per model; ``--models`` runs several models one after the other and
+``--peer-only`` skips the setups (the comparison alone).
+
+--plot PATH: a folder (created) receives <model>_occupancy.png and <model>_traffic.png (heap
+occupancy and slow-memory traffic per setup), <model>_sweep.png with --sweep and
+cnn_vs_torch.png with --peer; a PATH ending in .png names the main figure (the speedup chart
+with --peer, else the traffic figure) and the others are written next to it as
+<PATH stem>_<model>_<figure>.png.
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 import os
@@ -42,10 +52,22 @@ import sys
 import tempfile
 import time
 
-# This folder holds a script named copy.py, which would shadow the standard library's `copy`
-# (numba imports it) when the folder is sys.path[0]; so import from here by file path only.
+# Keep this folder off the import path (a script here must never shadow a module of the
+# standard library or a dependency); what is imported from here is loaded by file path.
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+
+
+def _load_common():
+    spec = importlib.util.spec_from_file_location("_cnn_bench_common", os.path.join(_HERE, "_common.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+# First, before NumPy or any OpenMP runtime loads: it sets OMP_WAIT_POLICY=PASSIVE (unless set).
+_common = _load_common()
+machine = _common.machine
 
 import numpy as np  # noqa: E402
 
@@ -57,15 +79,6 @@ from cachedarrays.telemetry import read_event_log  # noqa: E402
 from cachedarrays.trace import Trace, TraceError  # noqa: E402
 
 
-def _load_common():
-    spec = importlib.util.spec_from_file_location("_cnn_bench_common", os.path.join(_HERE, "_common.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-_common = _load_common()
-machine = _common.machine
 
 SWEEP = (100, 75, 50, 25, 10, 5, 0)
 
@@ -75,15 +88,20 @@ def _size(n):
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="resnet")
-    p.add_argument("--depth", type=int, default=18)
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--image", type=int, default=64)
-    p.add_argument("--channels", type=int, default=3)
-    p.add_argument("--classes", type=int, default=100)
+    p = _common.parser(__doc__)
+    p.add_argument("--model", default="resnet", choices=tuple(cnn.MODELS), help="model family")
+    p.add_argument("--depth", type=int, default=18, help="model depth (e.g. resnet 18/34/50/101, "
+                   "vgg 11/13/16/19, densenet 121/169/201/264)")
+    p.add_argument("--models", default=None, metavar="LIST",
+                   help="comma-separated models to run one after the other, each a family and a "
+                   "depth, e.g. resnet50,vgg16,densenet121 (overrides --model and --depth)")
+    p.add_argument("--batch", type=int, default=16, help="batch size")
+    p.add_argument("--image", type=int, default=64, help="image height and width (pixels)")
+    p.add_argument("--channels", type=int, default=3, help="input channels")
+    p.add_argument("--classes", type=int, default=100, help="classes of the classifier")
     p.add_argument("--width", type=float, default=1, help="divide every channel count by this")
-    p.add_argument("--backend", default="onednn", choices=("numpy", "onednn"))
+    p.add_argument("--backend", default="onednn", choices=("numpy", "onednn"),
+                   help="kernel backend of ours")
     p.add_argument("--fast", default="25%", help="fast memory: bytes, a size like 256MiB, or a "
                    "percentage of the footprint")
     p.add_argument("--dram-cache", default=None,
@@ -93,16 +111,25 @@ def parse_args(argv):
                    help=f"setups, comma-separated: {', '.join(cnn.SETUPS)}")
     p.add_argument("--iterations", type=int, default=4,
                    help="iterations per setup; the first warms up, the rest give medians")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--profile", default="optane", help=f"one of {', '.join(PROFILES)}")
+    p.add_argument("--profile", default="optane", choices=tuple(PROFILES),
+                   help="slow-device profile of the cost model")
     p.add_argument("--line-size", type=int, default=64, help="2LM simulator line size (bytes)")
-    p.add_argument("--plot", action="store_true", help="write heap occupancy and traffic PNGs")
+    p.add_argument("--plot", metavar="PATH", default=None,
+                   help="write the figures: PATH a folder, or a .png for the main figure (others "
+                   "next to it); see the description below")
     p.add_argument("--sweep", action="store_true", help="fast-budget sweep 100%%..0%% in setup LM")
-    p.add_argument("--peer", default=None, choices=("torch",))
-    p.add_argument("--repeats", type=int, default=7, help="alternating steps ours/PyTorch for --peer")
+    p.add_argument("--peer", default=None, choices=("torch",),
+                   help="also time the same training step in this framework (speedup = its "
+                   "step time / ours)")
+    p.add_argument("--peer-only", action="store_true",
+                   help="with --peer: skip the setups and run the comparison alone")
+    p.add_argument("--repeats", type=int, default=7,
+                   help="alternating steps ours/peer for --peer (>= 3; medians)")
     p.add_argument("--unfused", action="store_true",
                    help="apply SGD after the backward pass instead of inside it")
-    p.add_argument("--outdir", default="cnn_figures")
+    p.add_argument("--outdir", default="cnn_figures",
+                   help="folder of the saved kernel times (times/) and, without --plot, of the "
+                   "--sweep figure")
     p.add_argument("--times", default=None,
                    help="file of the fast-only kernel times (a saved trace); measured and saved "
                    "there when missing (default: <outdir>/times/<model and shapes>.trace.gz)")
@@ -110,13 +137,48 @@ def parse_args(argv):
                    help="measure the fast-only kernel times again (and save them to --times)")
     p.add_argument("--ref-iterations", type=int, default=cnn.REFERENCE_ITERATIONS,
                    help="fast-only iterations measured for the kernel times (the first warms up)")
-    p.add_argument("--no-progress", action="store_true")
-    return p.parse_args(argv)
+    _common.add_standard(p, threads=2, plot=False)
+    args = p.parse_args(argv)
+    if args.peer and args.repeats < 3:
+        p.error("--repeats must be >= 3 (medians of at least 3 steps)")
+    if args.peer_only and not args.peer:
+        p.error("--peer-only needs --peer")
+    return args
+
+
+def _model_list(args):
+    """[(family, depth)] of --models, or of --model/--depth."""
+    if not args.models:
+        return [(args.model, args.depth)]
+    out = []
+    for spec in (x.strip() for x in args.models.split(",")):
+        if not spec:
+            continue
+        family = spec.rstrip("0123456789")
+        digits = spec[len(family):]
+        if family not in cnn.MODELS or not digits:
+            raise ValueError(f"--models: {spec!r} is not a model family and depth such as "
+                             f"resnet50; valid families: {', '.join(cnn.MODELS)}")
+        out.append((family, int(digits)))
+    if not out:
+        raise ValueError("--models: no model given")
+    return out
+
+
+def _figure(args, name, kind, main_kind):
+    """Where figure `kind` of model `name` goes under --plot PATH (a folder or a .png)."""
+    path = args.plot
+    if path.lower().endswith(".png"):
+        return path if kind == main_kind else f"{path[:-4]}_{name}_{kind}.png"
+    os.makedirs(path, exist_ok=True)
+    return os.path.join(path, f"{name}_{kind}.png")
 
 
 def _set_threads(backend, n):
+    line = _common.apply_threads(n)
     if backend == "onednn":
         get_backend("onednn").set_threads(n)
+    return line
 
 
 def _budget(spec, footprint, flag="--fast"):
@@ -364,16 +426,19 @@ def plot_sweep(path, rows, fast_only):
 
 
 class TorchPeer:
-    """benchmarks/_torch_cnn.py in a child process: the same model and SGD step in PyTorch."""
+    """benchmarks/_torch_cnn.py in a child process: the same model and SGD step in PyTorch, under
+    the same thread settings as ours (``env``: OMP_WAIT_POLICY, OMP_NUM_THREADS, MKL_NUM_THREADS)."""
 
     def __init__(self, args):
         cfg = dict(model=args.model, depth=args.depth, batch=args.batch, image=args.image,
                    channels=args.channels, classes=args.classes, width=args.width,
                    threads=args.threads, lr=0.01)
-        env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads))
+        self.env = {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
+                    "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads)}
         self.proc = subprocess.Popen([sys.executable, os.path.join(_HERE, "_torch_cnn.py"),
                                       json.dumps(cfg)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, env=env)
+                                     stdout=subprocess.PIPE, text=True,
+                                     env=dict(os.environ, **self.env))
         self.info = self._read()
         if self.info.get("params") != self.info.get("expected_params"):
             raise RuntimeError(f"torch peer built {self.info.get('params')} parameters, ours has "
@@ -402,10 +467,12 @@ class TorchPeer:
 
 
 def peer_torch(args):
-    """Median seconds per training step, ours (fast-only) and PyTorch's, alternating one step each.
+    """Seconds per training step, ours (fast-only) and PyTorch's, alternating one step each.
 
-    Ours runs in this process (untraced), PyTorch in a child process; neither runs while the
-    other does. Returns (ours, torch) medians and prints them with the machine load.
+    Ours runs in this process (untraced), PyTorch in a child process under the same thread
+    settings; neither runs while the other does. Prints both medians with their spread, the
+    speedup (torch time / ours, median of the per-step ratios) and the goal line; returns
+    (model name, our samples, torch samples).
     """
     load0 = os.getloadavg()
     model = cnn.build(args.model, args.depth, batch=args.batch, image=args.image,
@@ -421,7 +488,8 @@ def peer_torch(args):
         fused = not args.unfused
         for _ in range(2):
             cnn.train_step(s, model, x, y, opt, fused=fused)
-        for _ in range(args.repeats):
+        for _ in _common.progress(range(args.repeats), total=args.repeats,
+                                  desc=f"{model.name} vs torch", disable=args.no_progress):
             t = time.perf_counter()
             cnn.train_step(s, model, x, y, opt, fused=fused)
             ours_t.append(time.perf_counter() - t)
@@ -429,42 +497,59 @@ def peer_torch(args):
     finally:
         peer.close()
         m.close()
-    t_ours, t_torch = statistics.median(ours_t), statistics.median(theirs_t)
     load1 = os.getloadavg()
     info = peer.info
-    print(f"\npeer: PyTorch {info['torch']} CPU in a separate process ({info['threads']} threads, "
-          f"OMP_NUM_THREADS={args.threads}); ours: {args.backend} backend, {args.threads} threads, "
-          f"fast-only, {'unfused' if args.unfused else 'fused'} SGD; {model.name} batch {args.batch}, "
-          f"image {args.image}; medians of {args.repeats} alternating steps; load average "
-          f"{load0[0]:.2f} before, {load1[0]:.2f} after")
-    print(f"  ours {t_ours * 1e3:.1f} ms/step (min {min(ours_t) * 1e3:.1f}), torch "
-          f"{t_torch * 1e3:.1f} ms/step (min {min(theirs_t) * 1e3:.1f}); speed ratio ours/torch = "
-          f"{t_torch / t_ours:.2f}x (>= 1 means we are faster)")
-    return t_ours, t_torch
+    env = " ".join(f"{k}={v}" for k, v in peer.env.items())
+    print(f"\npeer: PyTorch {info['torch']} CPU in a separate process ({info['threads']} threads; "
+          f"environment {env}); ours: {args.backend} backend, {args.threads} threads, fast-only, "
+          f"{'unfused' if args.unfused else 'fused'} SGD; {model.name} batch {args.batch}, image "
+          f"{args.image}; {args.repeats} alternating steps; load average {load0[0]:.2f} before, "
+          f"{load1[0]:.2f} after")
+    if info.get("thread_line"):
+        print(f"  peer {info['thread_line']}")
+    ours, theirs = _common.Stat(ours_t), _common.Stat(theirs_t)
+    sp = _common.speedups(theirs_t, ours_t)
+    print(f"  ours  {ours.fmt(1e3, 'ms/step', 1)}")
+    print(f"  torch {theirs.fmt(1e3, 'ms/step', 1)}")
+    print(f"  speedup (torch/ours) {sp.fmt(1, 'x', 2)} (> 1: ours is faster)")
+    _common.goal(f"cnn {model.name} speedup vs torch", sp.median, 1.2,
+                 detail=f"batch {args.batch}, {args.image} px, {args.threads} threads")
+    return model.name, ours_t, theirs_t
 
 
-def main(argv=None):
-    args = parse_args(argv)
+def plot_peer(path, results):
+    """Bar chart of the per-model speedups (torch step time / ours) with their spread."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    names = [r[0] for r in results]
+    stats = [_common.speedups(r[2], r[1]) for r in results]
+    fig, ax = plt.subplots(figsize=(max(4, 1.4 * len(names)), 3.5))
+    x = np.arange(len(names))
+    med = np.array([st.median for st in stats])
+    err = np.array([[st.median - st.lo for st in stats], [st.hi - st.median for st in stats]])
+    ax.bar(x, med, yerr=err, capsize=4, color="tab:blue")
+    ax.axhline(1.0, color="gray", lw=1, ls="--", label="as fast as torch")
+    ax.axhline(1.2, color="tab:green", lw=1, ls=":", label="goal 1.2x")
+    ax.set_xticks(x, names)
+    ax.set_ylabel("speedup = torch step / our step")
+    ax.set_title("CNN training step vs PyTorch (> 1: ours faster)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    _common.save_plot(fig, path)
+    plt.close(fig)
+
+
+def run_setups(args, model):
+    """The setups (and the --sweep) of one model: policy and wall-clock tables, figures."""
     try:
-        model = cnn.build(args.model, args.depth, batch=args.batch, image=args.image,
-                          channels=args.channels, classes=args.classes, width=args.width)
         setups = [cnn.check_setup(x.strip()) for x in args.setup.split(",") if x.strip()]
-        if args.profile not in PROFILES:
-            raise ValueError(f"unknown profile {args.profile!r}; valid profiles: {', '.join(PROFILES)}")
         if args.ref_iterations < 1:
             raise ValueError(f"--ref-iterations {args.ref_iterations}: measure at least one "
                              "iteration (the default is "
                              f"{cnn.REFERENCE_ITERATIONS}: one warm-up, then medians)")
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
-    _set_threads(args.backend, args.threads)
-    print(machine())
-    print(f"load average {' '.join(f'{v:.2f}' for v in os.getloadavg())} (1/5/15 min)")
-    print(f"{model.name}: batch {args.batch}, {args.image}x{args.image}x{args.channels}, "
-          f"{args.classes} classes, width /{args.width:g}, {model.param_count():,} parameters, "
-          f"backend {args.backend}, {args.threads} threads, "
-          f"{'unfused' if args.unfused else 'fused'} SGD")
-    print(cnn.FORMULA)
     need = model.footprint_estimate()
     slow = ca.parse_size(args.slow, "--slow") if args.slow else 3 * need + (64 << 20)
     _check_slow_room(need, slow, tempfile.gettempdir())
@@ -482,12 +567,10 @@ def main(argv=None):
         cache = f"; 2LM DRAM cache {_size(size)} ({pct})"
     print(f"measured footprint {_size(footprint)} (estimate {_size(need)}); fast budget {_size(budget)} "
           f"({label}){cache}; slow device {_size(slow)}")
-    bar = None
     total = len(setups) * args.iterations + (len(SWEEP) * args.iterations if args.sweep else 0)
-    if not args.no_progress:
-        from tqdm import tqdm
-        bar = tqdm(total=total, unit="it", file=sys.stderr, leave=False)
+    bar = _common.progress(total=total, desc=model.name, disable=args.no_progress)
     rows, logs = [], {}
+    main_kind = "vs_torch" if args.peer else "traffic"
     tmp = tempfile.TemporaryDirectory()
     try:
         trainers = []
@@ -516,8 +599,7 @@ def main(argv=None):
                 r = _policy_row("LM", tr.budget, recs)
                 r["pct"] = pct
                 sweep_rows.append(r)
-        if bar is not None:
-            bar.close()
+        bar.close()
         print_policy_table(rows, args.profile)
         print_wall_table(rows)
         print_targets(rows, footprint)
@@ -530,22 +612,58 @@ def main(argv=None):
                       f"{_size(r['slow_w']):>9} {r['stall'] * 1e3:>7.3f}ms "
                       f"{r['modelled'] * 1e3:>8.3f}ms {r['modelled'] / r['fast_only']:>10.4f} "
                       f"{r['wall'] * 1e3:>7.1f}ms")
-        if args.plot or args.sweep:
-            os.makedirs(args.outdir, exist_ok=True)
         if args.plot:
-            p1 = os.path.join(args.outdir, f"{model.name}_occupancy.png")
-            p2 = os.path.join(args.outdir, f"{model.name}_traffic.png")
+            p1 = _figure(args, model.name, "occupancy", main_kind)
+            p2 = _figure(args, model.name, "traffic", main_kind)
             plot_occupancy(p1, logs)
             plot_traffic(p2, rows)
-            print(f"wrote {p1} and {p2}")
+            print(f"figures: {p1} and {p2}")
         if args.sweep:
-            p3 = os.path.join(args.outdir, f"{model.name}_sweep.png")
+            if args.plot:
+                p3 = _figure(args, model.name, "sweep", main_kind)
+            else:
+                os.makedirs(args.outdir, exist_ok=True)
+                p3 = os.path.join(args.outdir, f"{model.name}_sweep.png")
             plot_sweep(p3, sweep_rows, sweep_rows[0]["fast_only"])
-            print(f"wrote {p3}")
+            print(f"figure: {p3}")
     finally:
         tmp.cleanup()
-    if args.peer == "torch":
-        peer_torch(args)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    try:
+        models = _model_list(args)
+        built = [cnn.build(f, d, batch=args.batch, image=args.image, channels=args.channels,
+                           classes=args.classes, width=args.width) for f, d in models]
+        if not args.peer_only:
+            for x in args.setup.split(","):
+                if x.strip():
+                    cnn.check_setup(x.strip())
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    _set_threads(args.backend, args.threads)
+    print(machine())
+    print(_common.thread_line())
+    results = []
+    for (family, depth), model in zip(models, built):
+        args.model, args.depth = family, depth
+        print(f"\n{model.name}: batch {args.batch}, {args.image}x{args.image}x{args.channels}, "
+              f"{args.classes} classes, width /{args.width:g}, {model.param_count():,} parameters, "
+              f"backend {args.backend}, {args.threads} threads, "
+              f"{'unfused' if args.unfused else 'fused'} SGD")
+        if not args.peer_only:
+            print(cnn.FORMULA)
+            run_setups(args, model)
+        if args.peer == "torch":
+            results.append(peer_torch(args))
+    if len(results) > 1:
+        print("\nspeedup (torch step time / ours), medians of per-step ratios:")
+        for name, ours_t, theirs_t in results:
+            print(f"  {name:>12} {_common.speedups(theirs_t, ours_t).fmt(1, 'x', 2)}")
+    if results and args.plot:
+        plot_peer(_figure(args, "cnn", "vs_torch", "vs_torch") if not args.plot.lower().endswith(
+            ".png") else args.plot, results)
     return 0
 
 

@@ -2,27 +2,29 @@
 
 Three directions: fast->fast (anonymous mappings), fast->slow and slow->fast (slow is a mapping
 of a temporary file). One and two threads; the two-thread peers copy the two halves from two
-Python threads (numpy and ctypes release the GIL). Medians of interleaved repetitions.
+Python threads (numpy and ctypes release the GIL). Medians of interleaved repetitions, with the
+spread of ours; speedup = np.copyto's time / ours (> 1: ours is faster).
 
     python benchmarks/copy_engine.py [--sizes 1M,64M] [--repeats 7] [--quick] [--nt-threshold 4M]
 """
 from __future__ import annotations
 
-import argparse
 import atexit
 import ctypes
 import mmap
 import os
-import platform
 import statistics
 import sys
 import tempfile
 import threading
 import time
 
-import numpy as np
+import _common  # first: thread settings before NumPy loads its pools
+from _common import Stat
 
-from cachedarrays import copyengine as ce
+import numpy as np  # noqa: E402
+
+from cachedarrays import copyengine as ce  # noqa: E402
 
 UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
@@ -39,17 +41,6 @@ def fmt_size(n: int) -> str:
         if n >= scale and n % scale == 0:
             return f"{n // scale} {unit}"
     return f"{n} B"
-
-
-def machine() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 class Pair:
@@ -77,15 +68,40 @@ class Pair:
         self.done.acquire()
 
 
+def plot(path, curves):
+    """Bandwidth against size, one panel per direction and thread count."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    keys = sorted(curves)
+    fig, axes = plt.subplots(1, len(keys), figsize=(3.2 * len(keys), 3), squeeze=False)
+    for ax, key in zip(axes[0], keys):
+        pts = curves[key]
+        xs = [p[0] for p in pts]
+        for col, label in ((1, "ours"), (2, "np.copyto"), (3, "memcpy")):
+            ax.plot(xs, [p[col] for p in pts], marker="o", label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"{key[0]}, {key[1]} thread(s)", fontsize=9)
+        ax.set_xlabel("bytes")
+    axes[0][0].set_ylabel("GB/s (median)")
+    axes[0][0].legend(fontsize=8)
+    _common.save_plot(fig, path)
+
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = _common.parser(__doc__)
     ap.add_argument("--sizes", help="comma-separated sizes (e.g. 4K,1M,64M); default 4 KiB..1 GiB by 4x")
-    ap.add_argument("--repeats", type=int, default=7, help="interleaved repetitions per cell (median)")
+    ap.add_argument("--repeats", type=int, default=7, help="interleaved repetitions per cell (median, >= 3)")
     ap.add_argument("--quick", action="store_true", help="stop at 64 MiB")
-    ap.add_argument("--threads", default="1,2", help="thread counts to measure")
+    ap.add_argument("--threads", default="1,2", help="thread counts to measure, comma-separated "
+                    "(ours: copy-engine threads; the peers: that many Python threads)")
     ap.add_argument("--nt-threshold", help="override the non-temporal store threshold (0 disables)")
-    ap.add_argument("--directions", default="fast->fast,fast->slow,slow->fast")
+    ap.add_argument("--directions", default="fast->fast,fast->slow,slow->fast",
+                    help="comma-separated, from fast->fast, fast->slow, slow->fast")
+    _common.add_standard(ap, with_threads=False)
     args = ap.parse_args(argv)
+    if args.repeats < 3:
+        ap.error("--repeats must be >= 3 (medians are of at least 3 samples)")
 
     if args.sizes:
         sizes = [parse_size(s) for s in args.sizes.split(",")]
@@ -129,19 +145,21 @@ def main(argv=None) -> int:
     memcpy.restype = ctypes.c_void_p
     pair = Pair()
 
-    print(f"# machine: {machine()} ({os.cpu_count()} CPUs), python {platform.python_version()}, "
-          f"numpy {np.__version__}")
+    print(f"# {_common.machine()}, numpy {np.__version__}")
+    print(f"# {_common.thread_line()}")
     print(f"# copy engine: ISA {ce.isa()}, non-temporal threshold {fmt_size(ce.get_nt_threshold()) if ce.get_nt_threshold() else 'off'}, "
           f"automatic default threads {auto} (calibration {calib_ms:.0f} ms)")
     print(f"# slow = file mapping in {tempfile.gettempdir()} (page cache, DRAM); medians of "
           f"{args.repeats} interleaved repetitions")
-    head = (f"{'size':>9} {'direction':>10} {'thr':>3} {'ours GB/s':>10} {'np.copyto':>10} "
-            f"{'memcpy':>8} {'ours/np':>8}")
+    head = (f"{'size':>9} {'direction':>10} {'thr':>3} {'ours GB/s [min-max]':>22} {'np.copyto':>10} "
+            f"{'memcpy':>8} {'speedup vs np':>14} {'vs memcpy':>10}")
     print(head)
     print("-" * len(head))
     sys.stdout.flush()
 
-    ratios_big = []
+    ratios_big, curves = [], {}
+    cells = [(n, d, t) for n in sizes for d in directions for t in threads]
+    bar = _common.progress(total=len(cells), desc="copy cells", disable=args.no_progress)
     for n in sizes:
         inner = max(1, int(8e-3 * 10e9 / n))   # each sample ~8 ms at 10 GB/s
         for direction in directions:
@@ -177,16 +195,26 @@ def main(argv=None) -> int:
                         for _ in range(inner):
                             f()
                         samples[k].append((time.perf_counter() - a) / inner)
-                gbs = {k: n / statistics.median(v) / 1e9 for k, v in samples.items()}
-                ratio = gbs["ours"] / gbs["np"]
+                stats = {k: Stat(v) for k, v in samples.items()}
+                gbs = {k: n / st.median / 1e9 for k, st in stats.items()}
+                ratio = _common.speedup(stats["np"], stats["ours"])
+                vs_memcpy = _common.speedup(stats["memcpy"], stats["ours"])
                 if n >= 1 << 20:
                     ratios_big.append(ratio)
-                print(f"{fmt_size(n):>9} {direction:>10} {t:>3} {gbs['ours']:>10.2f} {gbs['np']:>10.2f} "
-                      f"{gbs['memcpy']:>8.2f} {ratio:>8.2f}")
+                curves.setdefault((direction, t), []).append((n, gbs["ours"], gbs["np"], gbs["memcpy"]))
+                spread = f"{gbs['ours']:.2f} [{n / stats['ours'].hi / 1e9:.1f}-{n / stats['ours'].lo / 1e9:.1f}]"
+                bar.update()
+                print(f"{fmt_size(n):>9} {direction:>10} {t:>3} {spread:>22} {gbs['np']:>10.2f} "
+                      f"{gbs['memcpy']:>8.2f} {ratio:>14.2f} {vs_memcpy:>10.2f}")
                 sys.stdout.flush()
+    bar.close()
     if ratios_big:
-        print(f"# sizes >= 1 MiB: ours/np.copyto min {min(ratios_big):.2f}, "
+        print(f"# sizes >= 1 MiB: speedup vs np.copyto min {min(ratios_big):.2f}, "
               f"median {statistics.median(ratios_big):.2f}, max {max(ratios_big):.2f}")
+        _common.headline("copy engine speedup vs np.copyto (>= 1 MiB, median)",
+                         statistics.median(ratios_big))
+    if args.plot:
+        plot(args.plot, curves)
     return 0   # the mappings go away with the process; the file is unlinked at exit
 
 

@@ -1,29 +1,35 @@
-"""DLRM training: iteration time by phase, loss and bytes moved per table kind and index
-distribution; ``--peer torch`` trains the same model in PyTorch from the same weights and data.
+"""DLRM training: step time by phase, loss and table traffic per table kind and distribution.
 
-    .venv/bin/python benchmarks/dlrm.py --config small --scale 0.05 --iterations 20 --peer torch
-    .venv/bin/python benchmarks/dlrm.py --config table56 --table-kinds simple static dynamic --plot out.png
+``--peer torch`` trains the same model in PyTorch from the same weights and data.
 
-Two OpenMP runtimes share this process (torch's bundled libgomp, and the system libgomp that
-numba and oneDNN use). With the default active waiting, the idle runtime's threads spin on the
-two cores while the other one works, slowing both (worst on a loaded machine), so the script
-sets ``OMP_WAIT_POLICY=PASSIVE`` before either loads unless the caller set it: both sides then
-run under the same, reproducible rule. The report prints OMP_WAIT_POLICY and the load average.
+    .venv/bin/python benchmarks/dlrm.py --peer torch --table-kinds simple          # vs PyTorch
+    .venv/bin/python benchmarks/dlrm.py --table-kinds static dynamic --plot dlrm.png
+    .venv/bin/python benchmarks/dlrm.py --peer torch --table-kinds simple static dynamic --iterations 8
+
+Every iteration trains each table kind (and the peer) on the same batch in turn, so all of them
+see the same machine load; times are medians over the iterations after the first (which
+compiles and allocates), printed with their spread. ``speedup`` is always the other's step time
+over ours (> 1: we are faster). Goals: ``dlrm speedup vs torch (<distribution>)`` (whole step)
+for the first of the kinds "simple" or "fast" (the peer keeps its tables in DRAM too); with both
+"static" and "dynamic", ``static beats dynamic under uniform`` and ``dynamic beats static under
+zipf`` (the dissertation's Fig. 5.12 ordering): the loser's embedding time (lookup + update,
+where the kinds differ; the MLPs are the same work) over the winner's, paired per iteration.
+
+Two OpenMP runtimes share the process (PyTorch's bundled libgomp, and the system one under numba
+and oneDNN); both wait passively (see cachedarrays/threads.py) and run on ``--threads``.
 """
 
 from __future__ import annotations
 
-import argparse
 import gc
 import os
 import sys
 import time
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 _HERE = os.path.dirname(os.path.abspath(__file__))
 if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
-from _common import interleaved, machine  # noqa: E402
+import _common  # noqa: E402  (first: sets the OpenMP wait policy before any runtime loads)
 
 import numpy as np  # noqa: E402
 
@@ -39,6 +45,11 @@ DEFAULTS = {
     "table56": dict(scale=0.0005, width_scale=0.125, batch_size=512),
     "tiny": dict(scale=1.0, width_scale=1.0, batch_size=256),
 }
+
+#: Goal of the comparison with PyTorch (step time ratio, ours faster).
+TORCH_TARGET = 1.5
+#: Expected winner per distribution between the static and dynamic caches (Fig. 5.12).
+ORDERINGS = {"uniform": ("static", "dynamic"), "zipf": ("dynamic", "static")}
 
 
 class TorchDLRM:
@@ -117,21 +128,6 @@ class TorchDLRM:
         return float(loss.item())
 
 
-def _set_threads(n):
-    import numba
-    numba.set_num_threads(n)
-    try:
-        from cachedarrays.models.backend import onednn
-        onednn.set_threads(n)
-    except ImportError:
-        pass
-    try:
-        import torch
-        torch.set_num_threads(n)
-    except ImportError:
-        pass
-
-
 def _manager_for(cfg, table_kind, cache):
     """Fast memory for MLPs, activations and ("fast" kind) the tables; slow holds the bases."""
     tables = cfg.table_bytes
@@ -143,85 +139,210 @@ def _manager_for(cfg, table_kind, cache):
     return ca.Manager(fast=max(fast, 64 << 20), slow=max(2 * tables, 64 << 20))
 
 
-def run(cfg, table_kind, distribution, iterations, cache, backend, seed, peer=None):
-    with _manager_for(cfg, table_kind, cache) as m:
-        model = DLRM(cfg, manager=m, table_kind=table_kind, cache=cache, backend=backend, seed=seed)
-        data = synthetic_dataset(cfg, distribution, seed=seed, num_batches=iterations + 1)
-        batches = [data.batch(i) for i in range(iterations + 1)]
-        torch_model = TorchDLRM(cfg, model.state_dict()) if peer == "torch" else None
-        m.reset_stats()
-        ours, theirs = [], []
+def _timed(step, batch, times):
+    t = time.perf_counter()
+    loss = step(batch)
+    times.append(time.perf_counter() - t)
+    return loss
+
+
+def run(cfg, table_kinds, distribution, iterations, cache, backend, seed, peer=None,
+        progress=True):
+    """Train every kind (and the peer) on the same ``iterations + 1`` batches, in turn per
+    batch; one result dict per kind (``peer_*`` entries on each when a peer ran)."""
+    data = synthetic_dataset(cfg, distribution, seed=seed, num_batches=iterations + 1)
+    batches = [data.batch(i) for i in range(iterations + 1)]
+    managers, models = [], []
+    try:
+        for kind in table_kinds:
+            m = _manager_for(cfg, kind, cache)
+            managers.append(m)
+            models.append(DLRM(cfg, manager=m, table_kind=kind, cache=cache, backend=backend,
+                               seed=seed))
+        torch_model = TorchDLRM(cfg, models[0].state_dict()) if peer == "torch" else None
+        for m in managers:
+            m.reset_stats()
+        losses = [[] for _ in models]
+        steps = [[] for _ in models]
+        peer_losses, peer_steps = [], []
         gc.disable()
         try:
-            for b in batches:                 # interleaved: ours, then the peer, per iteration
-                ours.append(model.train_step(b))
+            for b in _common.progress(batches, total=len(batches), desc=f"dlrm {distribution}",
+                                      disable=not progress):
+                for model, loss, step in zip(models, losses, steps):
+                    loss.append(_timed(model.train_step, b, step))
                 if torch_model is not None:
-                    theirs.append(torch_model.train_step(b))
+                    peer_losses.append(_timed(torch_model.train_step, b, peer_steps))
         finally:
             gc.enable()
-        result = dict(table_kind=table_kind, distribution=distribution, losses=ours[1:],
-                      phases=model.phase_medians(skip=1), tables=model.table_stats(),
-                      manager=m.stats())
-        if torch_model is not None:
-            result["peer_losses"] = theirs[1:]
-            result["peer_phases"] = {p: float(np.median(v[1:])) for p, v in
-                                     torch_model.timings.items()}
-        return result
+        results = []
+        for kind, model, m, loss, step in zip(table_kinds, models, managers, losses, steps):
+            tables = [lk + up for lk, up in zip(model.timings["lookup"][1:],
+                                                 model.timings["update"][1:])]
+            r = dict(table_kind=kind, distribution=distribution, losses=loss[1:],
+                     steps=step[1:], table_times=tables, phases=model.phase_medians(skip=1),
+                     tables=model.table_stats(), manager=m.stats())
+            if torch_model is not None:
+                r["peer_losses"] = peer_losses[1:]
+                r["peer_steps"] = peer_steps[1:]
+                r["peer_phases"] = {p: float(np.median(v[1:])) for p, v in
+                                    torch_model.timings.items()}
+            results.append(r)
+        return results
+    finally:
+        for m in managers:
+            m.close()
 
 
 def _fmt_ms(phases):
-    total = sum(phases.values())
-    return " ".join(f"{p} {phases[p] * 1e3:7.1f}" for p in PHASES) + f" | total {total * 1e3:7.1f} ms"
+    return " ".join(f"{p} {phases[p] * 1e3:7.1f}" for p in PHASES) + " ms"
 
 
 def _moved(stats):
     return {k: v["bytes"] for k, v in stats["moved"].items()}
 
 
-def plot(results, path):
+def _compared(results):
+    """The result compared with the peer: the first of kinds "simple", "fast", else the first."""
+    for kind in ("simple", "fast"):
+        for r in results:
+            if r["table_kind"] == kind:
+                return r
+    return results[0]
+
+
+def report(results, dist, peer):
+    """Print one distribution's results and its goals."""
+    for r in results:
+        t = r["tables"]
+        print(f"\n{r['table_kind']:>7} {dist:>7}: step {_common.Stat(r['steps']).fmt()}")
+        print(f"   phases (medians): {_fmt_ms(r['phases'])}")
+        print(f"   table hit rate {t['hit_rate']:.3f}; rows cached {t.get('rows_cached', 0):,}, "
+              f"flushes {t.get('flushes', 0)}, written back "
+              f"{t.get('bytes_written_back', 0) / 2**20:.1f} MiB; slow reads "
+              f"{t['slow_read_bytes'] / 2**20:.1f} MiB, slow writes "
+              f"{t['slow_write_bytes'] / 2**20:.1f} MiB, fast reads "
+              f"{t['fast_read_bytes'] / 2**20:.1f} MiB")
+        print(f"   manager moved: {_moved(r['manager'])}")
+        print(f"   loss: first {r['losses'][0]:.5f} last {r['losses'][-1]:.5f}")
+    if peer:
+        r = _compared(results)
+        ours, theirs = np.array(r["losses"]), np.array(r["peer_losses"])
+        rel = np.max(np.abs(ours - theirs) / np.abs(theirs))
+        sp = _common.speedups(r["peer_steps"], r["steps"])
+        print(f"\n  {peer:>5} {dist:>7}: step {_common.Stat(r['peer_steps']).fmt()}")
+        print(f"   phases (medians; its backward counts as mlp): {_fmt_ms(r['peer_phases'])}")
+        print(f"   speedup ({peer}/ours, {r['table_kind']} tables) {sp.fmt(1, 'x')}; max relative "
+              f"loss difference {rel:.2e} over {len(ours)} iterations")
+        _common.goal(f"dlrm speedup vs {peer} ({dist})", sp.median, TORCH_TARGET,
+                     detail=f"{r['table_kind']} tables, step {_common.Stat(r['steps']).fmt()} vs "
+                            f"{_common.Stat(r['peer_steps']).fmt()}")
+    by_kind = {r["table_kind"]: r for r in results}
+    if "static" in by_kind and "dynamic" in by_kind:
+        s, d = by_kind["static"], by_kind["dynamic"]
+        ratio = _common.speedups(d["table_times"], s["table_times"])  # static over dynamic
+        steps = _common.speedups(d["steps"], s["steps"])
+        winner = "static" if ratio.median >= 1 else "dynamic"
+        print(f"\n  {dist}: {winner} tables win: embedding time (lookup + update) static "
+              f"{_common.Stat(s['table_times']).fmt()} (hit rate {s['tables']['hit_rate']:.3f}) vs "
+              f"dynamic {_common.Stat(d['table_times']).fmt()} (hit rate "
+              f"{d['tables']['hit_rate']:.3f}); static speedup over dynamic {ratio.fmt(1, 'x', 3)}"
+              f" (whole step {steps.fmt(1, 'x', 3)})")
+        if dist in ORDERINGS:
+            win, lose = ORDERINGS[dist]
+            value = (ratio if win == "static" else
+                     _common.speedups(s["table_times"], d["table_times"])).median
+            _common.goal(f"{win} beats {lose} under {dist}", value, 1.0,
+                         detail=f"{lose} / {win} embedding time (lookup + update), median of "
+                                f"per-iteration ratios")
+
+
+def plot(results, path, peer=None):
+    """Per distribution: step time per table kind (and the peer), the kinds' embedding time
+    (lookup + update, where they differ) and their hit rates."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    dists = sorted({r["distribution"] for r in results})
-    fig, axes = plt.subplots(1, len(dists), figsize=(5 * len(dists), 4), squeeze=False)
-    for ax, dist in zip(axes[0], dists):
-        rows = [r for r in results if r["distribution"] == dist]
-        labels = [r["table_kind"] for r in rows]
-        bottom = np.zeros(len(rows))
-        for phase, label in (("lookup", "Lookup"), ("update", "Update"), ("compute", "Computation")):
-            vals = np.array([(r["phases"]["mlp"] + r["phases"]["interaction"]) if phase == "compute"
-                             else r["phases"][phase] for r in rows]) * 1e3
-            ax.bar(labels, vals, bottom=bottom, label=label)
-            bottom += vals
-        ax.set_title(f"{dist} indices")
-        ax.set_ylabel("ms per iteration")
-    axes[0][0].legend()
+    dists = list(dict.fromkeys(r["distribution"] for r in results))
+    kinds = list(dict.fromkeys(r["table_kind"] for r in results))
+    x = np.arange(len(dists))
+    fig, (ax, ex, hx) = plt.subplots(1, 3, figsize=(15, 4))
+
+    def bars(axis, names, samples_of, title, ylabel):
+        width = 0.8 / len(names)
+        for n, name in enumerate(names):
+            stats = [_common.Stat(samples_of(name, d)) for d in dists]
+            meds = [st.median * 1e3 for st in stats]
+            err = [[(st.median - st.lo) * 1e3 for st in stats],
+                   [(st.hi - st.median) * 1e3 for st in stats]]
+            axis.bar(x + (n - (len(names) - 1) / 2) * width, meds, width, yerr=err, capsize=3,
+                     label=name)
+        axis.set_xticks(x, [f"{d} indices" for d in dists])
+        axis.set_ylabel(ylabel)
+        axis.set_title(title)
+        axis.legend()
+
+    def row(kind, dist):
+        return next(r for r in results if r["distribution"] == dist and r["table_kind"] == kind)
+
+    def steps(name, dist):
+        if name == peer:
+            return _compared([r for r in results if r["distribution"] == dist])["peer_steps"]
+        return row(name, dist)["steps"]
+
+    bars(ax, kinds + ([peer] if peer else []), steps, "DLRM training step",
+         "step time, ms (median, min-max)")
+    bars(ex, kinds, lambda k, d: row(k, d)["table_times"], "Embedding tables (lookup + update)",
+         "ms per step (median, min-max)")
+    width = 0.8 / len(kinds)
+    for n, kind in enumerate(kinds):
+        hx.bar(x + (n - (len(kinds) - 1) / 2) * width,
+               [row(kind, d)["tables"]["hit_rate"] for d in dists], width, label=kind)
+    hx.set_xticks(x, [f"{d} indices" for d in dists])
+    hx.set_ylabel("hit rate (lookups served from fast memory)")
+    hx.set_ylim(0, 1)
+    hx.set_title("Embedding cache hit rate")
+    hx.legend()
     fig.tight_layout()
-    fig.savefig(path)
+    _common.save_plot(fig, path)
+    plt.close(fig)
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config", default="small", choices=sorted(configs.CONFIGS))
-    ap.add_argument("--scale", type=float, default=None, help="table rows multiplier")
-    ap.add_argument("--width-scale", type=float, default=None, help="hidden MLP width multiplier")
-    ap.add_argument("--batch-size", type=int, default=None)
-    ap.add_argument("--iterations", type=int, default=20)
-    ap.add_argument("--table-kinds", nargs="+", default=["simple", "static", "dynamic"],
-                    choices=list(TABLE_KINDS))
-    ap.add_argument("--distributions", nargs="+", default=["uniform", "zipf"],
-                    choices=["uniform", "zipf"])
-    ap.add_argument("--cache", type=float, default=0.25, help="cachelower as a table fraction")
-    ap.add_argument("--backend", default="onednn", choices=["onednn", "numpy"])
-    ap.add_argument("--threads", type=int, default=os.cpu_count())
-    ap.add_argument("--lr", type=float, default=None)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--peer", choices=["torch"], default=None)
-    ap.add_argument("--plot", metavar="PNG", default=None)
-    args = ap.parse_args(argv)
-
-    _set_threads(args.threads)
+    p = _common.parser(__doc__)
+    p.add_argument("--config", default="small", choices=sorted(configs.CONFIGS),
+                   help="model shapes (dissertation Table 5.5/5.6, or tiny)")
+    p.add_argument("--scale", type=float, default=None,
+                   help="table rows multiplier (default per config: "
+                        + ", ".join(f"{k} {v['scale']}" for k, v in DEFAULTS.items()) + ")")
+    p.add_argument("--width-scale", type=float, default=None,
+                   help="hidden MLP width multiplier (default per config: "
+                        + ", ".join(f"{k} {v['width_scale']}" for k, v in DEFAULTS.items()) + ")")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="samples per step (default per config: "
+                        + ", ".join(f"{k} {v['batch_size']}" for k, v in DEFAULTS.items()) + ")")
+    p.add_argument("--iterations", type=int, default=20,
+                   help="timed training steps per kind and distribution (after one untimed warm-up step)")
+    p.add_argument("--table-kinds", nargs="+", default=["simple", "static", "dynamic"],
+                   choices=list(TABLE_KINDS), help="embedding table kinds to train")
+    p.add_argument("--distributions", nargs="+", default=["uniform", "zipf"],
+                   choices=["uniform", "zipf"], help="index distributions")
+    p.add_argument("--cache", type=float, default=0.25,
+                   help="cached tables' cachelower as a fraction of each table")
+    p.add_argument("--backend", default="onednn", choices=["onednn", "numpy"],
+                   help="dense-layer backend of our MLPs")
+    p.add_argument("--lr", type=float, default=None, help="learning rate (default: the config's)")
+    p.add_argument("--seed", type=int, default=0, help="weights and data seed")
+    p.add_argument("--peer", choices=["torch"], default=None,
+                   help="also train the same model in this framework, interleaved")
+    _common.add_standard(p)
+    args = p.parse_args(argv)
+    if args.iterations < 3:
+        p.error("--iterations must be at least 3 (medians of >= 3 samples)")
+    if args.peer == "torch":
+        import torch  # noqa: F401  (loaded before the thread limit so it applies to its pool)
+    _common.apply_threads(args.threads)
     d = dict(DEFAULTS[args.config])
     for key in ("scale", "width_scale", "batch_size"):
         if getattr(args, key) is not None:
@@ -229,43 +350,23 @@ def main(argv=None):
     cfg = configs.get_config(args.config, **d)
     if args.lr is not None:
         cfg = cfg.with_(lr=args.lr)
-    print(machine() + f", OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}, load average "
-          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    print(f"threads: {args.threads} (numba, oneDNN{', torch' if args.peer else ''}); "
-          f"backend {args.backend}; config {cfg.name} scale {d['scale']} width_scale "
+    print(_common.machine())
+    print(_common.thread_line())
+    print(f"backend {args.backend}; config {cfg.name} scale {d['scale']} width_scale "
           f"{d['width_scale']}: {cfg.ntables} tables, {sum(cfg.table_sizes):,} rows, fs "
           f"{cfg.featuresize}, {cfg.table_bytes / 2**20:.0f} MiB of tables, bottom {cfg.bottom}, "
           f"top {cfg.top}, batch {cfg.batch_size}, {cfg.bag_size} lookups per table, lr {cfg.lr}")
-    print(f"medians over {args.iterations} iterations (the first, with JIT and allocation, is "
-          f"dropped); ours and the peer alternate iteration by iteration")
+    print(f"step times: medians [min-max, n] over {args.iterations} iterations (one more runs first, "
+          f"with JIT and allocation, and is dropped); every kind{' and the peer' if args.peer else ''}"
+          f" trains on each batch in turn")
     results = []
     for dist in args.distributions:
-        for table_kind in args.table_kinds:
-            r = run(cfg, table_kind, dist, args.iterations, args.cache, args.backend, args.seed,
-                    args.peer)
-            results.append(r)
-            t = r["tables"]
-            print(f"\n{table_kind:>7} {dist:>7}: {_fmt_ms(r['phases'])}")
-            print(f"   table hit rate {t['hit_rate']:.3f}; rows cached {t.get('rows_cached', 0):,}, "
-                  f"flushes {t.get('flushes', 0)}, written back "
-                  f"{t.get('bytes_written_back', 0) / 2**20:.1f} MiB; slow reads "
-                  f"{t['slow_read_bytes'] / 2**20:.1f} MiB, slow writes "
-                  f"{t['slow_write_bytes'] / 2**20:.1f} MiB, fast reads "
-                  f"{t['fast_read_bytes'] / 2**20:.1f} MiB")
-            print(f"   manager moved: {_moved(r['manager'])}")
-            print(f"   loss: first {r['losses'][0]:.5f} last {r['losses'][-1]:.5f}")
-            if "peer_losses" in r:
-                ours, theirs = np.array(r["losses"]), np.array(r["peer_losses"])
-                rel = np.max(np.abs(ours - theirs) / np.abs(theirs))
-                tp, to = sum(r["peer_phases"].values()), sum(r["phases"].values())
-                print(f"   torch : {_fmt_ms(r['peer_phases'])}")
-                print(f"   time ratio torch/ours {tp / to:.2f}x; max relative loss difference "
-                      f"{rel:.2e} over {len(ours)} iterations")
-                print("   loss curves (ours | torch): " + ", ".join(
-                    f"{a:.5f}|{b:.5f}" for a, b in zip(ours, theirs)))
+        rs = run(cfg, args.table_kinds, dist, args.iterations, args.cache, args.backend,
+                 args.seed, args.peer, progress=not args.no_progress)
+        report(rs, dist, args.peer)
+        results.extend(rs)
     if args.plot:
-        plot(results, args.plot)
-        print(f"\nwrote {args.plot}")
+        plot(results, args.plot, args.peer)
     return results
 
 

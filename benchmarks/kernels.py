@@ -1,49 +1,51 @@
-"""Kernel timings at ResNet-like shapes: NumPy reference vs oneDNN backend vs PyTorch CPU.
+"""Kernel timings at ResNet-like shapes: oneDNN backend (ours) vs PyTorch CPU, NumPy reference.
 
-Each repetition runs every implementation of an op once, interleaved, and the median is
-reported with ours/peer ratios (peer = PyTorch, same thread count). Run:
-    python benchmarks/kernels.py [--threads N] [--reps R] [--batch B] [--ops conv_fwd,relu_fwd]
+Each repetition runs every implementation of an op once, interleaved; the table gives each
+median with its spread (min-max over the repetitions) and speedup = torch time / oneDNN time
+(> 1: ours is faster), the median of the per-repetition ratios. Ours and PyTorch run in one
+process under the same thread settings (printed at the top), with OpenMP threads waiting
+passively (OMP_WAIT_POLICY=PASSIVE unless set).
+
+    python benchmarks/kernels.py [--threads N] [--reps R] [--batch B] [--ops conv3x3_fwd,relu_fwd]
 """
 
 from __future__ import annotations
 
-import argparse
-import os
-import platform
 import sys
 
+import _common  # noqa: F401  (first: sets OMP_WAIT_POLICY before any OpenMP runtime starts)
+
+OPS = ("conv3x3_fwd", "conv3x3_bwd_data", "conv3x3_bwd_weights", "batchnorm_fwd", "batchnorm_bwd",
+       "relu_fwd", "relu_bwd", "add", "maxpool_fwd", "maxpool_bwd", "global_avgpool_fwd",
+       "dense_fwd", "dense_bwd_data", "dense_bwd_weights", "softmax_ce")
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--threads", type=int, default=os.cpu_count(), help="threads for every library")
-    p.add_argument("--reps", type=int, default=7, help="interleaved repetitions per op")
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--ops", default="", help="comma-separated subset of op names")
+    p = _common.parser(__doc__)
+    p.add_argument("--reps", type=int, default=7, help="interleaved repetitions per op (>= 3)")
+    p.add_argument("--batch", type=int, default=16, help="batch size of every tensor")
+    p.add_argument("--ops", default="", help="comma-separated subset of op names "
+                   f"({', '.join(OPS)}); empty: all")
     p.add_argument("--no-numpy", action="store_true", help="skip the (slow) NumPy reference")
-    return p.parse_args(argv)
+    _common.add_standard(p)
+    args = p.parse_args(argv)
+    if args.reps < 3:
+        p.error("--reps must be >= 3 (medians of at least 3 samples)")
+    unknown = [o for o in args.ops.split(",") if o and o not in OPS]
+    if unknown:
+        p.error(f"unknown op(s) {', '.join(unknown)}; valid ops: {', '.join(OPS)}")
+    return args
 
 
 ARGS = parse_args() if __name__ == "__main__" else None
-if ARGS is not None:  # BLAS thread pools read these once, at import
-    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
-        os.environ[var] = str(ARGS.threads)
-
-import statistics  # noqa: E402
-import time  # noqa: E402
 
 import numpy as np  # noqa: E402
+import torch  # noqa: E402
 
 from cachedarrays.models.backend import get_backend  # noqa: E402
 
-
-def machine() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        model = platform.processor() or "unknown CPU"
-    return f"{model}, {os.cpu_count()} logical CPUs, {platform.system()} {platform.machine()}"
+if ARGS is not None:       # every pool (BLAS, OpenMP, numba, torch) on the same thread count
+    _common.apply_threads(ARGS.threads)
 
 
 def build_cases(batch: int, rng):
@@ -123,50 +125,68 @@ def build_cases(batch: int, rng):
 
 
 def run(args) -> list[tuple]:
-    import torch
-
-    torch.set_num_threads(args.threads)
-    dnnl = get_backend("onednn")
-    dnnl.set_threads(args.threads)
+    """Rows (op, {impl: [seconds per repetition]}) timed interleaved, after one warm-up call."""
+    _common.apply_threads(args.threads)
+    get_backend("onednn").set_threads(args.threads)
     rng = np.random.default_rng(0)
     cases = build_cases(args.batch, rng)
     wanted = [o for o in args.ops.split(",") if o] or list(cases)
     impls = ["onednn", "torch"] + ([] if args.no_numpy else ["numpy"])
     rows = []
     with torch.no_grad():
-        for op in wanted:
+        for op in _common.progress(wanted, total=len(wanted), desc="ops", disable=args.no_progress):
             fns = cases[op]
             for impl in impls:  # warm-up: primitive creation, JIT, first-touch
                 fns[impl]()
-            times = {impl: [] for impl in impls}
-            for _ in range(args.reps):
-                for impl in impls:
-                    start = time.perf_counter()
-                    fns[impl]()
-                    times[impl].append(time.perf_counter() - start)
-            med = {impl: statistics.median(v) * 1e3 for impl, v in times.items()}
-            rows.append((op, med.get("numpy"), med["onednn"], med["torch"]))
+            samples = _common.interleaved_samples([fns[i] for i in impls], args.reps)
+            rows.append((op, dict(zip(impls, samples))))
     return rows
 
 
 def report(args, rows) -> None:
-    import torch
-
     dnnl = get_backend("onednn")
-    print(f"machine: {machine()}; load average at end {os.getloadavg()[0]:.2f} (other work skews timings)")
-    print(f"threads: {args.threads} (oneDNN {dnnl.version()} sees {dnnl.get_threads()}, "
-          f"torch {torch.__version__} {torch.get_num_threads()}), numpy {np.__version__}, batch {args.batch}, "
-          f"median of {args.reps} interleaved reps")
-    print(f"{'op':22s} {'numpy ms':>10s} {'onednn ms':>10s} {'torch ms':>10s} {'onednn/torch':>13s} {'numpy/torch':>12s}")
-    for op, npy, dn, tt in rows:
-        npy_s = f"{npy:10.3f}" if npy is not None else f"{'-':>10s}"
-        ratio = f"{npy / tt:12.2f}" if npy is not None else f"{'-':>12s}"
-        print(f"{op:22s} {npy_s} {dn:10.3f} {tt:10.3f} {dn / tt:13.2f} {ratio}")
+    print(f"oneDNN {dnnl.version()} ({dnnl.get_threads()} threads), torch {torch.__version__} "
+          f"({torch.get_num_threads()} threads), numpy {np.__version__}; batch {args.batch}; "
+          f"medians [min-max] of {args.reps} interleaved repetitions")
+    print(f"{'op':20s} {'ours (onednn)':>30s} {'torch':>30s} {'speedup (torch/ours)':>29s} "
+          f"{'numpy':>30s}")
+    for op, t in rows:
+        ours, peer = _common.Stat(t["onednn"]), _common.Stat(t["torch"])
+        sp = _common.speedups(t["torch"], t["onednn"])
+        npy = _common.Stat(t["numpy"]).fmt(1e3, "ms", 3) if "numpy" in t else "-"
+        print(f"{op:20s} {ours.fmt(1e3, 'ms', 3):>30s} {peer.fmt(1e3, 'ms', 3):>30s} "
+              f"{sp.fmt(1, 'x', 2):>29s} {npy:>30s}")
+    print(f"load average at the end: {' '.join(f'{v:.2f}' for v in _common.os.getloadavg())}")
+
+
+def plot(path, rows) -> None:
+    """Bar chart of the per-op speedups (torch time / ours), with their spread."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    stats = [_common.speedups(t["torch"], t["onednn"]) for _, t in rows]
+    fig, ax = plt.subplots(figsize=(max(6, 0.55 * len(rows)), 4))
+    x = np.arange(len(rows))
+    med = np.array([s.median for s in stats])
+    err = np.array([[s.median - s.lo for s in stats], [s.hi - s.median for s in stats]])
+    ax.bar(x, med, yerr=err, capsize=3, color=["tab:green" if m >= 1 else "tab:red" for m in med])
+    ax.axhline(1.0, color="gray", lw=1, ls="--")
+    ax.set_xticks(x, [op for op, _ in rows], rotation=60, ha="right")
+    ax.set_ylabel("speedup = torch time / oneDNN time")
+    ax.set_title(f"kernels vs PyTorch (batch {ARGS.batch if ARGS else '?'}; > 1: ours faster)")
+    fig.tight_layout()
+    _common.save_plot(fig, path)
+    plt.close(fig)
 
 
 def main() -> int:
     args = ARGS or parse_args()
-    report(args, run(args))
+    print(_common.machine())
+    rows = run(args)
+    print(_common.thread_line())
+    report(args, rows)
+    if args.plot:
+        plot(args.plot, rows)
     return 0
 
 

@@ -1,33 +1,41 @@
 """Dissertation Listing 4.4: one matrix product with all arrays in fast memory, then in slow.
 
-    python benchmarks/matmul.py [--size 2000] [--repeats 5] [--slow-path PATH]
+    python benchmarks/matmul.py [--size 2000] [--repeats 5] [--slow-path PATH] [--plot PNG]
 
 Also times plain NumPy on ordinary arrays (the peer) and numpy.memmap operands (what a user
 would otherwise pick for data larger than memory), and prints the bytes each phase moved.
 Without persistent memory the slow device is a file mapping the OS keeps in DRAM, so the
 fast/slow gap here is small; the traffic figures are what a real slow device would serve.
+Every ratio is a speedup: NumPy's time on ordinary arrays / the run's time (> 1: faster).
 """
 
-import argparse
 import os
 import sys
 import tempfile
 
-import numpy as np
+import _common  # noqa: F401  (first: thread settings before NumPy loads its pools)
+from _common import Stat, interleaved_samples, machine, speedup
 
-import cachedarrays as ca
-from _common import interleaved, machine
+import numpy as np  # noqa: E402
+
+import cachedarrays as ca  # noqa: E402
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--size", type=int, default=2000)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--slow-path", default=None)
+    p = _common.parser(__doc__)
+    p.add_argument("--size", type=int, default=2000, help="matrix side n (n x n float32)")
+    p.add_argument("--repeats", type=int, default=5, help="interleaved repetitions (>= 3)")
+    p.add_argument("--slow-path", default=None,
+                   help="file or folder for the slow device (default: a temporary file)")
+    _common.add_standard(p, progress=False)
     args = p.parse_args(argv)
+    if args.repeats < 3:
+        p.error("--repeats must be >= 3 (medians are of at least 3 samples)")
     n = args.size
     nbytes = n * n * 4
+    _common.apply_threads(args.threads)
     print(machine())
+    print(_common.thread_line())
     print(f"C = A @ B with {n}x{n} float32 matrices ({ca.format_size(nbytes)} each)\n")
     rng = np.random.default_rng(0)
     a_np = rng.standard_normal((n, n), dtype=np.float32)
@@ -59,20 +67,32 @@ def main(argv=None):
         ca.prefetch(A, B, C, force=True)
         assert A.device == B.device == C.device == "fast"
         m.reset_stats()
-        t_fast, t_np = interleaved([fast, plain], args.repeats, 1)
+        t_fast, t_np = map(Stat, interleaved_samples([fast, plain], args.repeats, 1))
         moved_fast = m.stats()["moved"]
         ca.evict(A, B, C)
         assert A.device == B.device == C.device == "slow"
         m.reset_stats()
-        t_slow, t_mm = interleaved([slow, memmap], args.repeats, 1)
+        t_slow, t_mm = map(Stat, interleaved_samples([slow, memmap], args.repeats, 1))
         moved_slow = m.stats()["moved"]
         np.testing.assert_allclose(np.asarray(C), a_np @ b_np, rtol=1e-3, atol=1e-2)
 
-    print(f"{'run':34}{'seconds':>10}{'vs numpy':>10}")
-    for name, t in (("numpy (ordinary arrays)", t_np), ("CachedArray, all in fast memory", t_fast),
-                    ("CachedArray, all in slow memory", t_slow),
-                    ("numpy.memmap operands", t_mm)):
-        print(f"{name:34}{t:>10.4f}{t / t_np:>10.2f}")
+    runs = (("numpy (ordinary arrays)", t_np), ("CachedArray, all in fast memory", t_fast),
+            ("CachedArray, all in slow memory", t_slow), ("numpy.memmap operands", t_mm))
+    print(f"{'run':34}{'seconds: median [min-max, n]':>34}{'speedup vs numpy':>18}")
+    for name, t in runs:
+        print(f"{name:34}{t.fmt(1, 's', 4):>34}{speedup(t_np, t):>18.2f}")
+    _common.headline("matmul fast-memory speedup vs numpy", speedup(t_np, t_fast))
+    _common.headline("matmul slow-memory speedup vs numpy.memmap", speedup(t_mm, t_slow))
+    if args.plot:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, ax = plt.subplots(figsize=(7, 3))
+        ax.barh([r[0] for r in runs], [r[1].median for r in runs],
+                xerr=[[r[1].median - r[1].lo for r in runs], [r[1].hi - r[1].median for r in runs]])
+        ax.set_xlabel("seconds per product (median, min-max)")
+        ax.set_title(f"C = A @ B, {n}x{n} float32")
+        _common.save_plot(fig, args.plot)
     print(f"\nbytes moved between devices during the fast runs: {moved_fast or 'none'}")
     print(f"bytes moved between devices during the slow runs: {moved_slow or 'none'}")
     print("kernels read and wrote the slow device in place: "

@@ -1,19 +1,29 @@
-"""Dispatch overhead of CachedArray against plain NumPy for 20 common operations.
+"""Per-call overhead of CachedArray against plain NumPy for 20 common operations.
 
-    python benchmarks/overhead.py [--sizes 10 1000 100000 10000000] [--repeats 7]
+    python benchmarks/overhead.py [--sizes 10 1000 100000] [--repeats 7]
 
-Prints, per operation and size, the NumPy time, the CachedArray time, the extra time per call
-and the ratio (medians of interleaved repetitions, arrays in fast memory).
+Per operation and size: NumPy's time and ours (medians of interleaved repetitions with their
+spread, arrays in fast memory), the extra time per call (median of the paired differences) and
+the speedup (NumPy time / our time: 1.0 means no overhead at all). Goals: small ufuncs cost at
+most 3 us more than NumPy at n=10 and n=1000, the median operation at n=100000 runs at >= 0.952x
+NumPy's speed (our time <= 1.05x), a basic slice costs at most 1 us more, and every NumPy function
+enters CachedArray.__array_function__ once per call (no nested dispatch).
 """
 
-import argparse
 import statistics
 import sys
+import time
+
+import _common  # noqa: I001  (first: sets the OpenMP wait policy before NumPy loads)
 
 import numpy as np
 
 import cachedarrays as ca
-from _common import calls_for, interleaved, machine
+
+UFUNCS = ("a + b", "a * b", "a - 1.5", "a / b", "np.exp(a)", "np.sqrt(a)", "a > b",
+          "np.maximum(a, b)")
+SLICE = "a[1:n/2]"
+SPEEDUP_TARGET = round(1 / 1.05, 3)      # our time <= 1.05x NumPy's
 
 
 def operations(np_a, np_b, x, y):
@@ -35,7 +45,7 @@ def operations(np_a, np_b, x, y):
         ("a.max()", lambda: na.max(), lambda: x.max()),
         ("a.argmax()", lambda: na.argmax(), lambda: x.argmax()),
         ("np.cumsum(a)", lambda: np.cumsum(na), lambda: np.cumsum(x)),
-        ("a[1:n/2]", lambda: na[idx], lambda: x[idx]),
+        (SLICE, lambda: na[idx], lambda: x[idx]),
         ("a[1:n/2] = 0", lambda: na.__setitem__(idx, 0), lambda: x.__setitem__(idx, 0)),
         ("np.where(a > .5, a, b)", lambda: np.where(na > .5, na, nb),
          lambda: np.where(x > .5, x, y)),
@@ -45,36 +55,165 @@ def operations(np_a, np_b, x, y):
     ]
 
 
+def dispatch_checks(x, y):
+    """(name, call) of NumPy functions whose __array_function__ entries per call are counted."""
+    return [
+        ("np.concatenate", lambda: np.concatenate([x, y])),
+        ("np.where", lambda: np.where(x > .5, x, y)),
+        ("np.stack", lambda: np.stack([x, y])),
+        ("np.vstack", lambda: np.vstack([x, y])),
+        ("np.hstack", lambda: np.hstack([x, y])),
+        ("np.sort", lambda: np.sort(x)),
+        ("np.cumsum", lambda: np.cumsum(x)),
+        ("np.dot", lambda: np.dot(x, y)),
+        ("np.mean", lambda: np.mean(x)),
+        ("np.clip", lambda: np.clip(x, .2, .8)),
+        ("np.zeros_like", lambda: np.zeros_like(x)),
+        ("np.full_like", lambda: np.full_like(x, 2.0)),
+        ("np.append", lambda: np.append(x, y)),
+        ("np.split", lambda: np.split(x, 2)),
+        ("np.median", lambda: np.median(x)),
+        ("np.unique", lambda: np.unique(x)),
+    ]
+
+
+def dispatch_entries(checks):
+    """Per check, how many times one call entered CachedArray.__array_function__ (counted by
+    wrapping it, so any version of the library can be measured)."""
+    original = ca.CachedArray.__array_function__
+    count = [0]
+
+    def counting(self, func, types, args, kwargs):
+        count[0] += 1
+        return original(self, func, types, args, kwargs)
+    out = []
+    ca.CachedArray.__array_function__ = counting
+    try:
+        for name, call in checks:
+            call()                               # warm: caches filled on the first call
+            before = count[0]
+            call()
+            out.append((name, count[0] - before))
+    finally:
+        ca.CachedArray.__array_function__ = original
+    return out
+
+
+def clock_of(name):
+    """The timer: wall (perf_counter) or cpu (thread_time: robust on a busy machine)."""
+    return time.perf_counter if name == "wall" else time.thread_time
+
+
+def samples_of(fns, repeats, number, clock):
+    """Per fn, seconds-per-call samples, timing the fns in turn in every repetition."""
+    samples = [[] for _ in fns]
+    for _ in range(repeats):
+        for i, fn in enumerate(fns):
+            t = clock()
+            for _ in range(number):
+                fn()
+            samples[i].append((clock() - t) / number)
+    return samples
+
+
+def plot(rows, sizes, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    names = [r["name"] for r in rows if r["n"] == sizes[0]]
+    fig, ax = plt.subplots(figsize=(9, 0.35 * len(names) + 1.5))
+    height = 0.8 / len(sizes)
+    for j, n in enumerate(sizes):
+        sp = [r["speedup"].median for r in rows if r["n"] == n]
+        ax.barh([i + j * height for i in range(len(names))], sp, height, label=f"n={n}")
+    ax.axvline(1.0, color="k", lw=0.8)
+    ax.set_yticks([i + 0.4 - height / 2 for i in range(len(names))])
+    ax.set_yticklabels(names)
+    ax.invert_yaxis()
+    ax.set_xscale("log")
+    ax.set_xlabel("speedup (numpy time / cachedarrays time); 1.0 = no overhead")
+    ax.legend()
+    _common.save_plot(fig, path)
+
+
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--sizes", type=int, nargs="+", default=[10, 1000, 100_000, 10_000_000])
-    p.add_argument("--repeats", type=int, default=7)
+    p = _common.parser(__doc__)
+    p.add_argument("--sizes", type=int, nargs="+", default=[10, 1000, 100_000],
+                   help="array lengths to measure")
+    p.add_argument("--repeats", type=int, default=7,
+                   help="interleaved repetitions per operation (medians of these)")
+    p.add_argument("--budget", type=float, default=0.02,
+                   help="seconds per timed sample (the call count is chosen to fill it)")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="wall: elapsed time; cpu: time this thread ran (steadier on a busy "
+                        "machine)")
+    _common.add_standard(p)
     args = p.parse_args(argv)
-    print(machine())
+    if args.repeats < 3:
+        p.error("--repeats must be at least 3 (medians of >= 3 samples)")
+    _common.apply_threads(args.threads)
+    print(_common.machine())
+    print(_common.thread_line())
+    clock = clock_of(args.clock)
     largest = max(args.sizes) * 8
     rows = []
     with ca.Manager(fast=max(64 << 20, 8 * largest), slow=max(64 << 20, 2 * largest)) as m:
-        print(f"fast memory {ca.format_size(m.fast.size)}; times are medians of "
-              f"{args.repeats} interleaved repetitions\n")
-        print(f"{'operation':26}{'n':>10}{'numpy us':>12}{'cached us':>12}{'extra us':>11}"
-              f"{'ratio':>8}")
+        print(f"fast memory {ca.format_size(m.fast.size)}; {args.clock} clock; medians of "
+              f"{args.repeats} interleaved repetitions [min-max]\n")
+        print(f"{'operation':24}{'n':>8}  {'numpy':28}{'cachedarrays':30}{'extra':>10}"
+              f"{'speedup':>9}")
+        work = [(n, i) for n in args.sizes for i in range(20)]
+        bar = _common.progress(total=len(work), desc="operations", disable=args.no_progress)
         for n in args.sizes:
             rng = np.random.default_rng(0)
             na, nb = rng.random(n), rng.random(n)
             x, y = ca.asarray(na, manager=m), ca.asarray(nb, manager=m)
             for name, f_np, f_ca in operations(na, nb, x, y):
-                number = calls_for(f_np)
-                t_np, t_ca = interleaved([f_np, f_ca], args.repeats, number)
-                rows.append((name, n, t_np, t_ca))
-                print(f"{name:26}{n:>10}{t_np * 1e6:>12.2f}{t_ca * 1e6:>12.2f}"
-                      f"{(t_ca - t_np) * 1e6:>11.2f}{t_ca / t_np:>8.2f}", flush=True)
-            assert x.device == "fast"
+                number = _common.calls_for(f_np, args.budget)
+                t_np, t_ca = samples_of([f_np, f_ca], args.repeats, number, clock)
+                row = dict(name=name, n=n, numpy=_common.Stat(t_np), ours=_common.Stat(t_ca),
+                           extra=statistics.median(c - q for q, c in zip(t_np, t_ca)),
+                           speedup=_common.speedups(t_np, t_ca))
+                rows.append(row)
+                bar.update(1)
+                print(f"{name:24}{n:>8}  {row['numpy'].fmt(1e6, 'us'):28}"
+                      f"{row['ours'].fmt(1e6, 'us'):30}{row['extra'] * 1e6:>7.2f} us"
+                      f"{row['speedup'].median:>8.2f}x", flush=True)
+            assert x.device == "fast" and y.device == "fast"
+        bar.close()
+        checks = dispatch_entries(dispatch_checks(x, y))
+
     print("\nsummary (median over the 20 operations):")
     for n in args.sizes:
-        sel = [r for r in rows if r[1] == n]
-        extra = statistics.median((r[3] - r[2]) * 1e6 for r in sel)
-        ratio = statistics.median(r[3] / r[2] for r in sel)
-        print(f"  n={n:>9}: extra {extra:7.2f} us per call, ratio {ratio:5.2f}x NumPy")
+        sel = [r for r in rows if r["n"] == n]
+        extra = statistics.median(r["extra"] * 1e6 for r in sel)
+        sp = statistics.median(r["speedup"].median for r in sel)
+        print(f"  n={n:>9}: extra {extra:7.2f} us per call, speedup {sp:5.2f}x (numpy time / "
+              "ours)")
+        _common.headline(f"median extra per call (n={n})", extra, " us")
+    print("\n__array_function__ entries per call: " +
+          ", ".join(f"{name} {k}" for name, k in checks))
+    print()
+    for n in (10, 1000):
+        sel = [r["extra"] * 1e6 for r in rows if r["n"] == n and r["name"] in UFUNCS]
+        if sel:
+            _common.goal(f"small ufunc extra (n={n})", statistics.median(sel), 3.0,
+                         higher=False, unit=" us",
+                         detail=f"median over {len(sel)} ufunc calls")
+    sel = [r["speedup"].median for r in rows if r["n"] == 100_000]
+    if sel:
+        _common.goal("speedup vs numpy (n=100000, median operation)", statistics.median(sel),
+                     SPEEDUP_TARGET, detail="numpy time / ours: our time <= 1.05x numpy's")
+    sel = [r["extra"] * 1e6 for r in rows if r["name"] == SLICE]
+    if sel:
+        _common.goal(f"slice extra ({SLICE})", statistics.median(sel), 1.0, higher=False,
+                     unit=" us", detail=f"median over sizes {', '.join(map(str, args.sizes))}")
+    worst = max(checks, key=lambda c: c[1])
+    _common.goal("__array_function__ entries per NumPy call (most of "
+                 f"{len(checks)} functions)", worst[1], 1, higher=False, unit="",
+                 detail=f"{worst[0]}; more than 1 is nested dispatch")
+    if args.plot:
+        plot(rows, args.sizes, args.plot)
     return 0
 
 

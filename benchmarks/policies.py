@@ -24,7 +24,7 @@ function of (trace, decisions, device profile). Per model the table lists, for t
 memory, bytes moved between tiers, peak fast occupancy; then the floor (footprint - budget: at the
 peak, at least that many live bytes are outside fast memory, so each step writes them to slow
 memory at least once) with LM's slow-memory writes (kernels + evictions) over it, and three
-targets with PASS/FAIL. Memory mode (2LM) keeps every array in slow memory behind a simulated
+targets, each a line 'goal ...: met|not met'. Memory mode (2LM) keeps every array in slow memory behind a simulated
 direct-mapped DRAM cache of the budget's size and uses the ``<profile>-2lm`` device profile
 (optane-2lm: the bandwidth Optane reaches in memory mode) when there is one.
 
@@ -635,11 +635,15 @@ def seed_targets(rows):
     return out
 
 
-def target_lines(rows, footprint):
+def target_lines(rows, footprint, model=""):
+    """One 'goal <model> <target>: <detail>: met|not met' line per target (recorded for the
+    Markdown summary of ``make bench``)."""
     out = []
     for name, ok, detail in targets(rows, footprint) + seed_targets(rows):
-        status = "n/a " if ok is None else ("PASS" if ok else "FAIL")
-        out.append(f"target {status}  {name}: {detail}")
+        status = "n/a" if ok is None else ("met" if ok else "not met")
+        out.append(f"goal {model} {name}: {detail}: {status}")
+        if ok is not None:
+            _common.record("goal", name=f"{model} {name}", value=None, detail=detail, met=ok)
     return out
 
 
@@ -676,7 +680,7 @@ def report(name, trace, rows, profile, out=print):
     if any(r["label"] == "DeepTM" for r in rows):
         for line in deeptm_lines(name, trace, profile):
             out(line)
-    for line in target_lines(rows, foot):
+    for line in target_lines(rows, foot, name):
         out(line)
     secs = [r["seconds"] for r in rows]
     plain = [r for r in rows if r["label"] not in SEED_POLICIES] or rows   # no planning inside
@@ -809,7 +813,7 @@ SECTIONS = ("sweep", "capuchin", "g10")
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = _common.parser(__doc__)
     p.add_argument("--models", default=",".join(DEFAULT_MODELS),
                    help=f"comma-separated, from {', '.join(MODELS)}")
     p.add_argument("--budgets", default=",".join(map(str, BUDGETS)),
@@ -885,7 +889,7 @@ def main(argv=None, out=print):
     out("summary of the targets:")
     for name, vs in verdicts.items():
         out(f"  {name:<12} " + "  ".join(
-            f"{key}: {'n/a' if ok is None else ('PASS' if ok else 'FAIL')}"
+            f"{key}: {'n/a' if ok is None else ('met' if ok else 'not met')}"
             for key, (_, ok, _) in zip(("LM@25%", "LMP<=LM", "LM writes/floor",
                                         "Sentinel@20%", "best@25%", "seeds>LRU,2LM"), vs)))
     if args.plot and results:

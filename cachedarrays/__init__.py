@@ -4,7 +4,11 @@ Each array lives in a small fast memory (DRAM) or a large slow one (persistent m
 memory or a file-backed mapping); a pluggable policy decides where, and moves whole arrays.
 """
 
-from . import errors
+from . import threads
+
+threads.prefer_passive_wait()  # before numba or oneDNN start an OpenMP runtime (threads.py: why)
+
+from . import errors  # noqa: E402
 from .array import CachedArray, check_dtype
 from .dispatch import implements
 from .scopes import access, compute, kernel, readable, writable

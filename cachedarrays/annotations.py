@@ -47,7 +47,45 @@ def register_leaf_type(cls):
     with _LEAVES_LOCK:
         if not issubclass(cls, _LEAVES):
             _LEAVES = _LEAVES + (cls,)
+            _KINDS.clear()          # kinds were computed against the old leaf types
     return cls
+
+
+# What the walkers do with an object, by its type (cached per type in _KINDS; see _kind).
+_ARRAY, _LEAF, _SEQ, _DICT, _FUNC, _CELL, _SET, _METHOD, _PARTIAL, _SKIP, _OBJ = range(11)
+_KINDS = {}
+
+
+def _kind(t):
+    """The walkers' kind of type t (cached; register_leaf_type clears the cache). The common
+    containers are always walked; for any other type an array, then a leaf type, wins."""
+    k = _KINDS.get(t)
+    if k is not None:
+        return k
+    if t not in _PLAIN and issubclass(t, CachedArray):
+        k = _ARRAY
+    elif t not in _PLAIN and issubclass(t, _LEAVES):
+        k = _LEAF
+    elif t is types.FunctionType:
+        k = _FUNC
+    elif issubclass(t, (list, tuple)):
+        k = _SEQ
+    elif issubclass(t, dict):
+        k = _DICT
+    elif t is types.CellType:
+        k = _CELL
+    elif issubclass(t, (set, frozenset)):
+        k = _SET
+    elif issubclass(t, types.MethodType):
+        k = _METHOD
+    elif issubclass(t, functools.partial):
+        k = _PARTIAL
+    elif issubclass(t, (types.BuiltinFunctionType, types.GeneratorType)):
+        k = _SKIP
+    else:
+        k = _OBJ
+    _KINDS[t] = k
+    return k
 
 
 def _walk(xs, found, containers=None):
@@ -63,25 +101,28 @@ def _walk(xs, found, containers=None):
     seen = set()
     bare = []                   # containers holding nothing to walk: their counts do not matter
     stack = list(reversed(xs))
+    kinds = _KINDS
     # An explicit stack rather than a recursive closure: a closure that refers to itself is a
     # reference cycle, which would keep the arrays it saw alive until the cyclic collector ran.
     while stack:
         x = stack.pop()
         t = type(x)
-        if t not in _PLAIN:             # the common containers need none of these checks
-            if isinstance(x, CachedArray):
-                if containers is None:
-                    if id(x._obj) not in found:
-                        found[id(x._obj)] = x
+        k = kinds.get(t)
+        if k is None:
+            k = _kind(t)
+        if k == _ARRAY:
+            if containers is None:
+                if id(x._obj) not in found:
+                    found[id(x._obj)] = x
+            else:
+                e = found.get(id(x))
+                if e is None:
+                    found[id(x)] = [x, 1]
                 else:
-                    e = found.get(id(x))
-                    if e is None:
-                        found[id(x)] = [x, 1]
-                    else:
-                        e[1] += 1
-                continue
-            if isinstance(x, _LEAVES):
-                continue
+                    e[1] += 1
+            continue
+        if k == _LEAF:
+            continue
         key = id(x)
         if containers is not None:
             e = containers.get(key)
@@ -92,7 +133,7 @@ def _walk(xs, found, containers=None):
         if key in seen:
             continue
         seen.add(key)
-        if t is types.FunctionType:
+        if k == _FUNC:
             if x.__kwdefaults__:
                 stack.append(x.__kwdefaults__)
             if x.__defaults__:
@@ -114,26 +155,29 @@ def _walk(xs, found, containers=None):
                     stack.append(cell.cell_contents)
                 except ValueError:      # empty cell
                     pass
-        elif isinstance(x, (list, tuple, dict)):
-            items = [y for y in reversed(x.values() if isinstance(x, dict) else x)
-                     if not isinstance(y, _LEAVES)]
-            if items:
-                stack.extend(items)
-            elif containers is not None:
+        elif k == _SEQ or k == _DICT:
+            n = len(stack)
+            for y in reversed(x.values() if k == _DICT else x):
+                ky = kinds.get(type(y))
+                if ky is None:
+                    ky = _kind(type(y))
+                if ky != _LEAF:
+                    stack.append(y)
+            if containers is not None and len(stack) == n:
                 bare.append(key)
-        elif t is types.CellType:
+        elif k == _CELL:
             try:
                 stack.append(x.cell_contents)
             except ValueError:      # empty cell
                 pass
-        elif isinstance(x, (set, frozenset)):
+        elif k == _SET:
             stack.extend(x)
-        elif isinstance(x, types.MethodType):
+        elif k == _METHOD:
             stack.append(x.__func__)
             stack.append(x.__self__)
-        elif isinstance(x, functools.partial):
+        elif k == _PARTIAL:
             stack.extend((x.keywords, x.args, x.func))
-        elif isinstance(x, (types.BuiltinFunctionType, types.GeneratorType)):
+        elif k == _SKIP:
             continue
         else:
             # Instance attributes live in __dict__ or in slots (dataclasses included); a slot

@@ -1,14 +1,15 @@
 """CachedArray: a NumPy-compatible array whose bytes live in a manager's fast or slow device.
 
-A CachedArray is a view description (dtype, shape, strides, byte offset) over an Object. It
-never keeps a pointer: each use pins the object, asks the manager for an ndarray over the
-primary region's current bytes, runs, and unpins. So views stay correct across evict/prefetch,
-and nothing moves an array while a kernel reads or writes it.
+A CachedArray is a view description (dtype, shape, strides, byte offset) over an Object
+(``pinning.ObjectView``). It never keeps a pointer: each use pins the object, asks the manager
+for an ndarray over the primary region's current bytes, runs, and unpins. So views stay correct
+across evict/prefetch, and nothing moves an array while a kernel reads or writes it.
 
-This module is the type: views, indexing, conversions and the ndarray methods, with the helpers
-that create arrays and pin them. NumPy's protocols are forwarded to the dispatch layer above
-(``cachedarrays.ufuncs``, ``cachedarrays.dispatch``) through handler slots that layer fills
-when imported; the public access scopes are in ``cachedarrays.scopes``.
+This module is the type: creation of its instances, views, indexing, conversions and the ndarray
+methods. Layout arithmetic is in ``cachedarrays.layout``, pinning in ``cachedarrays.pinning``,
+``x.flat``/``x.flags`` in ``cachedarrays.viewattrs``. NumPy's protocols are forwarded to the
+dispatch layer above (``cachedarrays.ufuncs``, ``cachedarrays.dispatch``) through handler slots
+that layer fills when imported; the public access scopes are in ``cachedarrays.scopes``.
 """
 
 import builtins
@@ -16,50 +17,20 @@ import operator
 import os
 import pickle
 import sys
-import threading
-import weakref
 
 import numpy as np
 from numpy.lib.mixins import NDArrayOperatorsMixin
 
 from .defaults import default_manager
-from .errors import UseAfterFreeError
-from .sizes import format_size
+from .layout import (basic_index, c_strides, check_dtype, contiguous_strides, is_fortran,
+                     shape_tuple)
+from .pinning import (SHORT_BYTES, ObjectView, acquire_grouped, new_object, objects_in,
+                      plain_key, pop_scope, push_scope, readable, record_new, release_grouped,
+                      to_views)
+from .viewattrs import FLAGS_FIXED, FlatIter, Flags
 
-_tls = threading.local()
-
-_OK_DTYPES = {}                # hashable dtype spelling ("f8", float, ...) -> checked np.dtype
-
-
-def check_dtype(dtype):
-    """Return np.dtype(dtype) if a CachedArray can hold it; refuse types holding references.
-
-    Takes every spelling np.dtype takes (lists of fields, dicts, "i4,f8", types, subarray
-    tuples); only hashable spellings are cached, and np.dtype instances are returned as given.
-    """
-    if isinstance(dtype, np.dtype):
-        dt = dtype
-    else:
-        try:
-            dt = _OK_DTYPES.get(dtype)
-        except TypeError:      # unhashable spelling: a list of fields, a dict, ...
-            return _checked(np.dtype(dtype))
-        if dt is not None:
-            return dt
-        dt = np.dtype(dtype)
-        _checked(dt)
-        if len(_OK_DTYPES) < 256:
-            _OK_DTYPES[dtype] = dt
-        return dt
-    return _checked(dt)
-
-
-def _checked(dt):
-    if dt.hasobject or dt.kind == "T":
-        raise TypeError(f"CachedArray cannot hold dtype {dt}: its elements are Python objects "
-                        "or references; use a fixed-size dtype (numbers, bool, fixed-width "
-                        "strings, structured types of those)")
-    return dt
+__all__ = ["CachedArray", "check_dtype", "new_pinned", "from_ndarray", "unpin", "push_scope",
+           "pop_scope"]
 
 
 def _caller_is_pandas():
@@ -74,92 +45,16 @@ def _caller_is_pandas():
     return name == "pandas" or name.startswith("pandas.")
 
 
-def _shape_tuple(shape):
-    if type(shape) is tuple:
-        for s in shape:
-            if type(s) is not int or s < 0:
-                break
-        else:
-            return shape
-    if isinstance(shape, (int, np.integer)):
-        shape = (shape,)
-    try:
-        shape = tuple(operator.index(s) for s in shape)
-    except TypeError:
-        raise TypeError(f"shape must be an int or a tuple of ints, got {shape!r}") from None
-    if any(s < 0 for s in shape):
-        raise ValueError(f"negative dimensions are not allowed: {shape}")
-    return shape
-
-
-def _contiguous_strides(shape, itemsize, order="C"):
-    strides = [0] * len(shape)
-    step = itemsize
-    dims = range(len(shape) - 1, -1, -1) if order == "C" else range(len(shape))
-    for i in dims:
-        strides[i] = step
-        step *= max(shape[i], 1)
-    return tuple(strides)
-
-
-_STRIDES = {}
-
-
-def _c_strides(shape, itemsize):
-    """C-order strides, cached per (shape, itemsize)."""
-    key = (shape, itemsize)
-    st = _STRIDES.get(key)
-    if st is None:
-        st = _contiguous_strides(shape, itemsize)
-        if len(_STRIDES) < 4096:
-            _STRIDES[key] = st
-    return st
-
-
-# ---- noescape scopes (filled by the annotations layer) -------------------------------------
-
-def _scopes():
-    s = getattr(_tls, "scopes", None)
-    if s is None:
-        s = _tls.scopes = []
-    return s
-
-
-def push_scope():
-    """Start recording objects allocated by this thread; returns the record list."""
-    rec = []
-    _scopes().append(rec)
-    return rec
-
-
-def pop_scope(rec):
-    s = _scopes()
-    s.remove(rec)
-
-
 # ---- allocation ------------------------------------------------------------------------------
 
-def _new_object(manager, nbytes, placement=None):
-    """A new object for an array the caller fills at once: placed by the manager's policy,
-    pinned and reported written (``Manager.new_pinned``), and recorded for the calling thread's
-    noescape scopes. Every new CachedArray's memory comes from here."""
-    obj = manager.new_pinned(nbytes, placement)
-    scopes = getattr(_tls, "scopes", None)
-    if scopes:
-        ref = weakref.ref(obj)
-        for rec in scopes:
-            rec.append(ref)
-    return obj
-
-
 def new_pinned(manager, shape, dtype, order="C", placement=None):
-    """Allocate an array through the manager's policy, returned pinned (release with _unpin).
+    """Allocate an array through the manager's policy, returned pinned (release with unpin).
 
     placement: None lets the policy choose; "slow" or "fast" (fast if it fits after forced
     evictions, else slow) is a hint for arrays whose use the caller knows.
     """
     dt = check_dtype(dtype)
-    shape = _shape_tuple(shape)
+    shape = shape_tuple(shape)
     if dt.subdtype is not None:          # (np.float64, (2,)): as NumPy, (*shape, 2) of float64
         dt, sub = dt.subdtype
         shape = shape + sub
@@ -168,25 +63,32 @@ def new_pinned(manager, shape, dtype, order="C", placement=None):
     n = 1
     for s in shape:
         n *= s
-    obj = _new_object(manager, n * dt.itemsize, placement)
-    strides = _c_strides(shape, dt.itemsize) if order == "C" else \
-        _contiguous_strides(shape, dt.itemsize, order)
+    obj = new_object(manager, n * dt.itemsize, placement)
+    strides = c_strides(shape, dt.itemsize) if order == "C" else \
+        contiguous_strides(shape, dt.itemsize, order)
     return CachedArray._make(obj, manager, shape, dt, strides, 0)
 
 
-def _unpin(arr):
+def unpin(arr):
+    """Release an array returned pinned by new_pinned."""
     arr._m.release((arr._obj,))
 
 
-def _from_ndarray(manager, a, placement=None):
+def from_ndarray(manager, a, placement=None):
     """A new CachedArray holding a copy of ndarray a."""
-    order = "F" if (a.flags.f_contiguous and not a.flags.c_contiguous) else "C"
-    out = new_pinned(manager, a.shape, a.dtype, order, placement)
-    try:
+    dt = check_dtype(a.dtype)
+    shape = a.shape
+    flags = a.flags
+    strides = contiguous_strides(shape, dt.itemsize, "F") if \
+        flags.f_contiguous and not flags.c_contiguous else c_strides(shape, dt.itemsize)
+    n = a.nbytes
+
+    def fill(obj):
+        record_new(obj)
+        out = CachedArray._make(obj, manager, shape, dt, strides, 0)
         np.copyto(out._view(), a, casting="no")
-    finally:
-        _unpin(out)
-    return out
+        return out
+    return manager.run(fill, (), (), n, "use", n <= SHORT_BYTES, placement)
 
 
 # ---- NumPy protocol handlers -----------------------------------------------------------------
@@ -200,75 +102,45 @@ _SLOW = object()                # the operators' shortcut declined the call: tak
 _PY_SCALARS = (int, float, complex, bool)
 
 
-def _unhandled(*args):
-    return NotImplemented
-
-
-def _no_shortcut(ufunc, inputs):
+def _no_shortcut(ufunc, inputs, out=None):
     return _SLOW
 
 
-_ufunc_handler = _unhandled      # (ufunc, method, inputs, kwargs) -> result (NEP 13)
-_fast_ufunc = _no_shortcut       # (ufunc, inputs) -> result, or _SLOW (operators' shortcut)
-_function_handler = _unhandled   # (func, types, args, kwargs) -> result (NEP 18)
+_fast_ufunc = _no_shortcut       # (ufunc, inputs, out=None) -> result, or _SLOW (operators)
 
 
 def set_ufunc_handlers(handler, shortcut):
-    """Install the NEP 13 handler and the arithmetic operators' shortcut (cachedarrays.ufuncs
-    calls this when imported)."""
-    global _ufunc_handler, _fast_ufunc
-    _ufunc_handler, _fast_ufunc = handler, shortcut
+    """Install the NEP 13 handler (``__array_ufunc__(self, ufunc, method, *inputs, **kwargs)``)
+    and the arithmetic operators' shortcut (cachedarrays.ufuncs calls this when imported)."""
+    global _fast_ufunc
+    _fast_ufunc = shortcut
+    CachedArray.__array_ufunc__ = handler
 
 
 def set_function_handler(handler):
-    """Install the NEP 18 handler (cachedarrays.dispatch calls this when imported)."""
-    global _function_handler
-    _function_handler = handler
+    """Install the NEP 18 handler (``__array_function__(self, func, types, args, kwargs)``;
+    cachedarrays.dispatch calls this when imported)."""
+    CachedArray.__array_function__ = handler
 
 
 # ---- the array type --------------------------------------------------------------------------
 
-class CachedArray(NDArrayOperatorsMixin):
+class CachedArray(ObjectView, NDArrayOperatorsMixin):
     """An n-dimensional array in tiered memory; behaves like numpy.ndarray."""
 
-    __slots__ = ("_obj", "_m", "_shape", "_dtype", "_strides", "_offset", "__weakref__")
+    __slots__ = ()
     __array_priority__ = 20
-
-    @classmethod
-    def _make(cls, obj, manager, shape, dtype, strides, offset):
-        self = object.__new__(cls)
-        self._obj = obj
-        self._m = manager
-        self._shape = shape
-        self._dtype = dtype
-        self._strides = strides
-        self._offset = offset
-        return self
 
     def __init__(self, *args, **kwargs):
         raise TypeError("create CachedArrays with ca.asarray, ca.array, ca.empty, ca.zeros, "
                         "ca.ones, ca.full or their *_like forms")
 
+    @classmethod
+    def _copy_in(cls, manager, a, placement=None):
+        """A new CachedArray holding a copy of ndarray a."""
+        return from_ndarray(manager, a, placement)
+
     # ---- resolution (call only while pinned) ---------------------------------------------
-
-    def _view(self, readonly=False):
-        """An ndarray over the current bytes (valid while pinned; read-only ones stay so)."""
-        r = self._obj.primary
-        if r is None:
-            raise self._gone()
-        return self._m.ndarray(r, self._dtype, self._shape, self._strides, self._offset,
-                               readonly)
-
-    def _gone(self):
-        """The error for using an array whose object has no memory (freed, or manager closed)."""
-        obj = self._obj
-        what = (f"CachedArray of shape {self._shape} (object {obj.id}, "
-                f"{format_size(obj.nbytes)})")
-        if self._m.closed:
-            return UseAfterFreeError(f"{what} belongs to a closed manager: this manager is "
-                                     "closed, so its arrays cannot be used any more; create a "
-                                     "new Manager, and close it only after its arrays are done")
-        return UseAfterFreeError(f"{what} was freed; it cannot be used any more")
 
     def _derive(self, base, view):
         """A CachedArray view for ndarray `view`, which shares memory with `base` (self's view)."""
@@ -282,6 +154,7 @@ class CachedArray(NDArrayOperatorsMixin):
         """Describe `view` (a view of the same object) from now on: in-place shape/dtype."""
         self._shape, self._dtype = view._shape, view._dtype
         self._strides, self._offset = view._strides, view._offset
+        self._vc = None
 
     def _set_shape(self, shape):
         try:
@@ -358,8 +231,8 @@ class CachedArray(NDArrayOperatorsMixin):
     @property
     def flags(self):
         """A snapshot of the layout flags (they cannot be set; see setflags)."""
-        with _readable(self) as v:
-            return _Flags(v.flags, self.base is None)
+        with readable(self) as v:
+            return Flags(v.flags, self.base is None)
 
     # ---- NumPy protocols -----------------------------------------------------------------
 
@@ -374,20 +247,38 @@ class CachedArray(NDArrayOperatorsMixin):
                 f"{self._dtype}, shape {self._shape}): it looks for fields only on a "
                 "numpy.ndarray and would build one column of records; pass it a copy, e.g. "
                 "pd.DataFrame(np.asarray(x))")
-        with _readable(self) as v:
+        with readable(self) as v:
             self._m.count("asarray", self.nbytes, id=self._obj.id)
             return np.array(v, dtype=dtype, copy=True)
 
+    # Until the dispatch layer installs its handlers (set_ufunc_handlers,
+    # set_function_handler), NumPy calls on a CachedArray raise TypeError.
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
-        return _ufunc_handler(ufunc, method, inputs, kwargs)
+        return NotImplemented
 
     def __array_function__(self, func, types, args, kwargs):
-        return _function_handler(func, types, args, kwargs)
+        return NotImplemented
 
     # ---- indexing ------------------------------------------------------------------------
 
     def __getitem__(self, key):
-        key = _plain_key(key)
+        if type(key) is slice and len(self._shape) == 1 and self._obj.primary is not None:
+            # x[a:b:c] of a 1-d array: a view, by NumPy's slicing arithmetic (basic_index)
+            start, stop, step = key.indices(self._shape[0])
+            n = len(range(start, stop, step))
+            if n == 0:
+                start, step = 0, 1
+            st = self._strides[0]
+            return CachedArray._make(self._obj, self._m, (n,), self._dtype, (st * step,),
+                                     self._offset + start * st)
+        if type(key) is slice or type(key) is tuple or type(key) is int:
+            # A view by basic indexing: its layout is arithmetic, no byte is touched, so
+            # nothing is pinned or used (the view resolves its bytes at its own use).
+            sel = basic_index(self._shape, self._strides, key)
+            if sel is not None and self._obj.primary is not None:
+                return CachedArray._make(self._obj, self._m, sel[0], self._dtype, sel[1],
+                                         self._offset + sel[2])
+        key = plain_key(key)
         m, obj = self._m, self._obj
         m.acquire((obj,))
         try:
@@ -396,18 +287,23 @@ class CachedArray(NDArrayOperatorsMixin):
             if isinstance(r, np.ndarray):
                 if not r.flags.owndata and np.may_share_memory(r, v):
                     return self._derive(v, r)
-                return _from_ndarray(m, r)
+                return from_ndarray(m, r)
             return r
         finally:
             m.release((obj,))
 
     def __setitem__(self, key, value):
-        key = _plain_key(key)
-        reads = tuple(_objects_in(value))
+        key = plain_key(key)
         m, obj = self._m, self._obj
+        if type(value) in _PY_SCALARS or isinstance(value, np.generic):
+            def put(_):
+                self._kview()[key] = value
+            m.run(put, (), (obj,), None, "use", obj.nbytes <= SHORT_BYTES)
+            return
+        reads = tuple(objects_in(value))
         m.acquire(reads, (obj,))
         try:
-            self._view()[key] = _to_views(value)
+            self._view()[key] = to_views(value)
         finally:
             m.release(reads + (obj,))
 
@@ -431,7 +327,7 @@ class CachedArray(NDArrayOperatorsMixin):
         if self.size != 1:
             raise TypeError(f"only arrays of size 1 can be converted to Python scalars; this "
                             f"one has shape {self._shape}")
-        with _readable(self) as v:
+        with readable(self) as v:
             return kind(v.reshape(()))
 
     def __bool__(self):
@@ -455,31 +351,31 @@ class CachedArray(NDArrayOperatorsMixin):
         return self._scalar(operator.index)
 
     def item(self, *args):
-        with _readable(self) as v:
+        with readable(self) as v:
             return v.item(*args)
 
     def tolist(self):
-        with _readable(self) as v:
+        with readable(self) as v:
             return v.tolist()
 
     def tobytes(self, order="C"):
-        with _readable(self) as v:
+        with readable(self) as v:
             return v.tobytes(order)
 
     def __reduce__(self):
-        with _readable(self) as v:
+        with readable(self) as v:
             return (_unpickle, (np.array(v, copy=True),))
 
     def __repr__(self):
         if self._obj.freed:
             return f"CachedArray(<freed>, shape={self._shape}, dtype={self._dtype})"
-        with _readable(self) as v:
+        with readable(self) as v:
             body = np.array2string(v, separator=", ", prefix="CachedArray(")
             dev = self._obj.primary.device.name
         return f"CachedArray({body}, dtype={self._dtype}, device={dev!r})"
 
     def __str__(self):
-        with _readable(self) as v:
+        with readable(self) as v:
             return str(v)
 
     __hash__ = None
@@ -496,7 +392,7 @@ class CachedArray(NDArrayOperatorsMixin):
             if isinstance(r, np.ndarray) and not r.flags.owndata and np.may_share_memory(r, v):
                 return self._derive(v, r)
             if isinstance(r, np.ndarray):
-                return _from_ndarray(m, r)
+                return from_ndarray(m, r)
             return r
         finally:
             m.release((obj,))
@@ -552,26 +448,26 @@ class CachedArray(NDArrayOperatorsMixin):
         if not copy and dt == self._dtype:
             return self
         if order == "K":
-            order = "F" if self.ndim > 1 and _is_f(self._shape, self._strides,
+            order = "F" if self.ndim > 1 and is_fortran(self._shape, self._strides,
                                                     self.itemsize) else "C"
         out = new_pinned(self._m, self._shape, dt, order)
         try:
-            with _readable(self) as v:
+            with readable(self) as v:
                 if out.ndim > v.ndim:        # a subarray dtype: each element fills a block
                     v = v[(...,) + (None,) * (out.ndim - v.ndim)]
                 np.copyto(out._view(), v, casting=casting)
         finally:
-            _unpin(out)
+            unpin(out)
         return out
 
     def _write(self, fn, *args):
         """fn(view, *args) with self pinned as written (marked dirty, so no eviction drops the
         change) and CachedArrays among args pinned as read; returns fn's result."""
-        done = _acquire_grouped(list(_objects_in(args)), [self._obj])
+        done = acquire_grouped(list(objects_in(args)), [self._obj])
         try:
-            return fn(self._view(), *_to_views(args, readonly=True))
+            return fn(self._view(), *to_views(args, readonly=True))
         finally:
-            _release_grouped(done)
+            release_grouped(done)
 
     def fill(self, value):
         self._write(np.ndarray.fill, value)
@@ -611,8 +507,8 @@ class CachedArray(NDArrayOperatorsMixin):
         """
         if len(new_shape) == 1 and not isinstance(new_shape[0], (int, np.integer)):
             new_shape = new_shape[0]
-        shape = _shape_tuple(new_shape)
-        if self.base is not None or self._strides != _c_strides(self._shape, self.itemsize):
+        shape = shape_tuple(new_shape)
+        if self.base is not None or self._strides != c_strides(self._shape, self.itemsize):
             raise ValueError(
                 f"cannot resize this array of shape {self._shape}: it is a view of object "
                 f"{self._obj.id} or not C-contiguous; resize the array it was taken from, or "
@@ -623,27 +519,26 @@ class CachedArray(NDArrayOperatorsMixin):
                 "use (pinned by an access scope or a running kernel); resize it afterwards")
         out = new_pinned(self._m, shape, self._dtype)
         try:
-            with _readable(self) as v:
+            with readable(self) as v:
                 old = v.reshape(-1)
                 new = out._view().reshape(-1)
                 k = min(old.size, new.size)
                 new[:k] = old[:k]
                 new[k:].view(np.uint8).fill(0)
         finally:
-            _unpin(out)
+            unpin(out)
         self._obj, self._shape, self._strides, self._offset = \
             out._obj, out._shape, out._strides, 0
+        self._vc = None
 
     def setflags(self, write=None, align=None, uic=None):
         """Accepted when it changes nothing; a CachedArray's flags cannot be set."""
         if write in (None, True) and align in (None, True) and not uic:
             return
-        raise TypeError(
-            "a CachedArray's flags cannot be set: each use builds a fresh view of wherever the "
-            "data lives now; for read-only access use `with ca.readable(x) as a:`")
+        raise TypeError(FLAGS_FIXED)
 
     def tofile(self, fid, sep="", format="%s"):
-        with _readable(self) as v:
+        with readable(self) as v:
             v.tofile(fid, sep=sep, format=format)
 
     def dumps(self):
@@ -670,15 +565,15 @@ class CachedArray(NDArrayOperatorsMixin):
     def base(self):
         """None when this array spans its whole object, else the Object it views."""
         if self._offset == 0 and self.nbytes == self._obj.nbytes and \
-                self._strides in (_c_strides(self._shape, self.itemsize),
-                                  _contiguous_strides(self._shape, self.itemsize, "F")):
+                self._strides in (c_strides(self._shape, self.itemsize),
+                                  contiguous_strides(self._shape, self.itemsize, "F")):
             return None
         return self._obj
 
     @property
     def flat(self):
         """A flat iterator over the array in C order; indexing it reads, assigning writes."""
-        return _FlatIter(self)
+        return FlatIter(self)
 
     @property
     def ctypes(self):
@@ -693,11 +588,6 @@ class CachedArray(NDArrayOperatorsMixin):
 
     def __deepcopy__(self, memo):
         return self.copy()
-
-
-def _is_f(shape, strides, itemsize):
-    return tuple(strides) == _contiguous_strides(shape, itemsize, "F") and \
-        tuple(strides) != _contiguous_strides(shape, itemsize, "C")
 
 
 def _binary(ufunc, name):
@@ -724,12 +614,42 @@ def _binary(ufunc, name):
     return forward, reflected
 
 
+def _inplace(ufunc, name):
+    """x op= y: the shortcut writing into x, else NumPy's ``ufunc(x, y, out=(x,))``."""
+    def inplace(self, other):
+        if type(other) is CachedArray or type(other) in _PY_SCALARS:
+            if _fast_ufunc(ufunc, (self, other), self) is not _SLOW:
+                return self
+        return ufunc(self, other, out=(self,))
+    inplace.__name__ = f"__i{name}__"
+    return inplace
+
+
+def _unary(ufunc, name):
+    """-x, +x, abs(x), ~x: the shortcut, else NumPy's ``ufunc(x)``."""
+    def op(self):
+        res = _fast_ufunc(ufunc, (self,))
+        return ufunc(self) if res is _SLOW else res
+    op.__name__ = f"__{name}__"
+    return op
+
+
 for _uf, _name in ((np.add, "add"), (np.subtract, "sub"), (np.multiply, "mul"),
                    (np.true_divide, "truediv"), (np.floor_divide, "floordiv"),
-                   (np.power, "pow"), (np.remainder, "mod")):
+                   (np.power, "pow"), (np.remainder, "mod"), (np.bitwise_and, "and"),
+                   (np.bitwise_or, "or"), (np.bitwise_xor, "xor"), (np.left_shift, "lshift"),
+                   (np.right_shift, "rshift")):
     _f, _r = _binary(_uf, _name)
     setattr(CachedArray, _f.__name__, _f)
     setattr(CachedArray, _r.__name__, _r)
+    _i = _inplace(_uf, _name)
+    setattr(CachedArray, _i.__name__, _i)
+for _uf, _name in ((np.less, "lt"), (np.less_equal, "le"), (np.greater, "gt"),
+                   (np.greater_equal, "ge"), (np.equal, "eq"), (np.not_equal, "ne")):
+    setattr(CachedArray, f"__{_name}__", _binary(_uf, _name)[0])   # Python reflects these
+for _uf, _name in ((np.negative, "neg"), (np.positive, "pos"), (np.absolute, "abs"),
+                   (np.invert, "invert")):
+    setattr(CachedArray, f"__{_name}__", _unary(_uf, _name))
 
 
 def _method(name):
@@ -742,11 +662,37 @@ def _method(name):
     return method
 
 
-for _name in ("sum", "mean", "std", "var", "min", "max", "argmin", "argmax", "prod",
-              "cumsum", "cumprod", "all", "any", "clip", "round", "trace", "nonzero", "dot",
-              "searchsorted", "repeat", "take", "conj", "conjugate", "argsort",
-              "argpartition", "choose", "ptp" if hasattr(np, "ptp") else "sum"):
+def _reduction(name):
+    """A reduction method: runs ndarray's own method on the pinned view when no argument is
+    an array (no out=, where= or initial= array), else NumPy's function."""
+    fn = getattr(np, name)
+    on_view = getattr(np.ndarray, name)
+
+    def method(self, *args, **kwargs):
+        if kwargs and (kwargs.get("out") is not None or
+                       any(isinstance(v, CachedArray) for v in kwargs.values())) or \
+                args and any(isinstance(v, (CachedArray, list, tuple)) for v in args):
+            return fn(self, *args, **kwargs)
+        m = self._m
+
+        def kernel(_):
+            r = on_view(self._kview(), *args, **kwargs)
+            if type(r) is np.ndarray:
+                return r[()] if r.ndim == 0 else from_ndarray(m, r)
+            return r
+        return m.run(kernel, (self._obj,), (), None, name, self._obj.nbytes <= SHORT_BYTES)
+    method.__name__ = name
+    method.__doc__ = f"Same as numpy.{name}(self, ...)."
+    return method
+
+
+for _name in ("cumsum", "cumprod", "clip", "round", "trace", "nonzero", "dot", "searchsorted",
+              "repeat", "take", "conj", "conjugate", "argsort", "argpartition", "choose",
+              "ptp" if hasattr(np, "ptp") else "cumsum"):
     setattr(CachedArray, _name, _method(_name))
+for _name in ("sum", "mean", "std", "var", "min", "max", "argmin", "argmax", "prod", "all",
+              "any"):
+    setattr(CachedArray, _name, _reduction(_name))
 
 _RAW_POINTER = (
     "CachedArray.{name} is not available: it would hand out a raw pointer to wherever the data "
@@ -755,242 +701,5 @@ _RAW_POINTER = (
     "pinned")
 
 
-class _FlatIter:
-    """x.flat for a CachedArray: reads and writes go through x, so they survive migration."""
-
-    __slots__ = ("base", "_chunk")
-
-    def __init__(self, base):
-        self.base = base
-        self._chunk = 1 << 14
-
-    def __len__(self):
-        return self.base.size
-
-    def __getitem__(self, key):
-        key = _plain_key(key)
-        m, obj = self.base._m, self.base._obj
-        m.acquire((obj,))
-        try:
-            r = self.base._view().flat[key]
-            return _from_ndarray(m, r) if isinstance(r, np.ndarray) else r
-        finally:
-            m.release((obj,))
-
-    def __setitem__(self, key, value):
-        key = _plain_key(key)
-
-        def put(v, x):
-            v.flat[key] = x
-        self.base._write(put, value)
-
-    def __iter__(self):
-        n = self.base.size
-        for start in range(0, n, self._chunk):
-            with _readable(self.base) as v:
-                chunk = v.flat[start:start + self._chunk]      # a copy: nothing stays pinned
-            yield from chunk
-
-    def __array__(self, dtype=None, copy=None):
-        return self.base.ravel().__array__(dtype, copy)
-
-    def copy(self):
-        return self.base.flatten()
-
-    def __repr__(self):
-        return f"<flat iterator of {self.base!r}>"
-
-
-class _Flags:
-    """x.flags for a CachedArray: ndarray's layout flags, read once; none can be set."""
-
-    __slots__ = ("c_contiguous", "f_contiguous", "owndata", "writeable", "aligned",
-                 "writebackifcopy")
-    _KEYS = {"C": "c_contiguous", "C_CONTIGUOUS": "c_contiguous", "CONTIGUOUS": "c_contiguous",
-             "F": "f_contiguous", "F_CONTIGUOUS": "f_contiguous", "FORTRAN": "f_contiguous",
-             "O": "owndata", "OWNDATA": "owndata", "W": "writeable", "WRITEABLE": "writeable",
-             "A": "aligned", "ALIGNED": "aligned", "X": "writebackifcopy",
-             "WRITEBACKIFCOPY": "writebackifcopy", "FNC": "fnc", "FORC": "forc",
-             "B": "behaved", "BEHAVED": "behaved", "CA": "carray", "CARRAY": "carray",
-             "FA": "farray", "FARRAY": "farray"}
-
-    def __init__(self, flags, owndata):
-        set_ = object.__setattr__
-        set_(self, "c_contiguous", flags.c_contiguous)
-        set_(self, "f_contiguous", flags.f_contiguous)
-        set_(self, "owndata", owndata)
-        set_(self, "writeable", True)          # every CachedArray can be written
-        set_(self, "aligned", flags.aligned)
-        set_(self, "writebackifcopy", False)
-
-    fnc = property(lambda self: self.f_contiguous and not self.c_contiguous)
-    forc = property(lambda self: self.f_contiguous or self.c_contiguous)
-    behaved = property(lambda self: self.aligned and self.writeable)
-    carray = property(lambda self: self.behaved and self.c_contiguous)
-    farray = property(lambda self: self.behaved and self.fnc)
-
-    def __getitem__(self, key):
-        name = self._KEYS.get(key.upper() if isinstance(key, str) else key)
-        if name is None:
-            raise KeyError(f"unknown flag {key!r}")
-        return getattr(self, name)
-
-    def __setattr__(self, name, value):
-        if getattr(self, name) != value:
-            CachedArray.setflags(None, write=False)         # raises, saying why
-
-    def __setitem__(self, key, value):
-        if self[key] != value:
-            CachedArray.setflags(None, write=False)
-
-    def __eq__(self, other):
-        names = ("c_contiguous", "f_contiguous", "owndata", "writeable", "aligned",
-                 "writebackifcopy")
-        return all(getattr(self, n) == getattr(other, n) for n in names)
-
-    __hash__ = None
-
-    def __repr__(self):
-        return "\n".join(f"  {key} : {self[key]}" for key in
-                         ("C_CONTIGUOUS", "F_CONTIGUOUS", "OWNDATA", "WRITEABLE", "ALIGNED",
-                          "WRITEBACKIFCOPY"))
-
-
 def _unpickle(a):
-    return _from_ndarray(default_manager(), a)
-
-
-# ---- argument handling -----------------------------------------------------------------------
-
-def _objects_in(x):
-    """Objects of every CachedArray in x (recursing into lists and tuples)."""
-    if isinstance(x, CachedArray):
-        yield x._obj
-    elif isinstance(x, (list, tuple)):
-        for y in x:
-            yield from _objects_in(y)
-
-
-def _to_views(x, readonly=False):
-    """Replace CachedArrays in x by ndarray views (the objects must be pinned)."""
-    if isinstance(x, CachedArray):
-        return x._view(readonly)
-    if isinstance(x, list):
-        return [_to_views(y, readonly) for y in x]
-    if isinstance(x, tuple):
-        return tuple(_to_views(y, readonly) for y in x)
-    return x
-
-
-def _plain_key(key):
-    """Index keys holding CachedArrays become ndarrays (copies of small index arrays)."""
-    if isinstance(key, CachedArray):
-        with _readable(key) as v:
-            return np.array(v)
-    if isinstance(key, tuple) and any(isinstance(k, CachedArray) for k in key):
-        return tuple(_plain_key(k) for k in key)
-    return key
-
-
-def _first_manager(seq):
-    for x in seq:
-        if isinstance(x, CachedArray):
-            return x._m
-        if isinstance(x, (list, tuple)):
-            m = _first_manager(x)
-            if m is not None:
-                return m
-    return None
-
-
-def _acquire_grouped(reads, writes, name="use", touched=None):
-    """Pin objects that may belong to several managers; returns the release list.
-
-    name: the kernel's name, as traces record it; touched: object id -> bytes touched."""
-    objs = reads + writes if isinstance(reads, list) and isinstance(writes, list) else \
-        list(reads) + list(writes)
-    if objs:
-        m = objs[0].manager
-        if all(o.manager is m for o in objs):
-            m.acquire(reads, writes, name, touched)
-            return [(m, objs)]
-    groups = {}
-    for o in reads:
-        groups.setdefault(o.manager, ([], []))[0].append(o)
-    for o in writes:
-        groups.setdefault(o.manager, ([], []))[1].append(o)
-    done = []
-    try:
-        for m, (r, w) in groups.items():
-            m.acquire(r, w, name, touched)
-            done.append((m, r + w))
-    except BaseException:
-        for m, objs in done:
-            m.release(objs)
-        raise
-    return done
-
-
-def _release_grouped(done):
-    for m, objs in done:
-        m.release(objs)
-
-
-def _wrap(m, res, views):
-    """Turn a NumPy result into CachedArrays: views of inputs stay views, others are copied."""
-    if isinstance(res, np.ndarray):
-        if res.dtype.hasobject:
-            return res
-        if not res.flags.owndata:
-            for arr, v in views:
-                if np.may_share_memory(res, v):
-                    return arr._derive(v, res)
-        if res.ndim == 0:
-            return res[()]
-        return _from_ndarray(m, res)
-    if isinstance(res, list):
-        return [_wrap(m, r, views) for r in res]
-    if isinstance(res, tuple):
-        items = [_wrap(m, r, views) for r in res]
-        return type(res)(*items) if hasattr(res, "_fields") else tuple(items)
-    return res
-
-
-# ---- pinned views ----------------------------------------------------------------------------
-
-class _Scope:
-    """Pinned ndarray access to one CachedArray: what ``ca.readable`` and ``ca.writable`` return
-    (see cachedarrays.scopes), and what the type's own conversions read through."""
-
-    __slots__ = ("arr", "write")
-
-    def __init__(self, arr, write):
-        if not isinstance(arr, CachedArray):
-            raise TypeError(f"expected a CachedArray, got {type(arr).__name__}")
-        self.arr = arr
-        self.write = write
-
-    def __enter__(self):
-        a = self.arr
-        m = a._m
-        if self.write:
-            m.acquire((), (a._obj,), "writable")
-        else:
-            m.acquire((a._obj,), (), "readable")
-        try:
-            v = a._view(readonly=not self.write)
-            m.scope_opened(self, ((a._obj, a._shape),))
-            return v
-        except BaseException:
-            m.release((a._obj,))
-            raise
-
-    def __exit__(self, *exc):
-        m = self.arr._m
-        m.scope_closed(self)
-        m.release((self.arr._obj,))
-
-
-def _readable(x):
-    """A read-only pinned view of x for a with-block (ca.readable without the public name)."""
-    return _Scope(x, False)
+    return from_ndarray(default_manager(), a)

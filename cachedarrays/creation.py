@@ -6,7 +6,7 @@ through ``cachedarrays.routines.creation``.
 
 import numpy as np
 
-from .array import CachedArray, _from_ndarray, _unpin, check_dtype, new_pinned
+from .array import CachedArray, check_dtype, from_ndarray, new_pinned, unpin
 from .defaults import default_manager
 from .scopes import readable
 
@@ -45,7 +45,7 @@ def array(a, dtype=None, order=None, *, manager=None, placement=None):
 def _copy_in(m, a, dtype, order, placement=None):
     src = np.asarray(a, dtype=dtype, order=order if order in ("C", "F") else None)
     check_dtype(src.dtype)
-    return _from_ndarray(m, src, placement)
+    return from_ndarray(m, src, placement)
 
 
 def empty(shape, dtype=float, order="C", *, manager=None, placement=None):
@@ -55,7 +55,7 @@ def empty(shape, dtype=float, order="C", *, manager=None, placement=None):
     that is read sparsely), "fast" in fast memory if it fits after forced evictions.
     """
     out = new_pinned(_manager(manager), shape, dtype, order, placement)
-    _unpin(out)
+    unpin(out)
     return out
 
 
@@ -67,7 +67,7 @@ def full(shape, fill_value, dtype=None, order="C", *, manager=None, placement=No
     try:
         out._view().fill(fill_value)
     finally:
-        _unpin(out)
+        unpin(out)
     return out
 
 
@@ -79,7 +79,7 @@ def zeros(shape, dtype=float, order="C", *, manager=None, placement=None):
         # so its K-order ravel is a view.
         out._view().ravel(order="K").view(np.uint8).fill(0)
     finally:
-        _unpin(out)
+        unpin(out)
     return out
 
 
@@ -91,7 +91,8 @@ def ones(shape, dtype=float, order="C", *, manager=None, placement=None):
 
 def _like_args(a, dtype, order, shape):
     dtype = a.dtype if dtype is None else dtype
-    shape = np.shape(a) if shape is None else shape
+    if shape is None:       # a CachedArray's own shape: np.shape would dispatch once more
+        shape = a.shape if isinstance(a, CachedArray) else np.shape(a)
     if order in ("K", "A", None):
         flags = a.flags if isinstance(a, np.ndarray) else None
         order = "F" if flags is not None and flags.f_contiguous and not flags.c_contiguous \

@@ -11,8 +11,12 @@ import inspect
 
 import numpy as np
 
-from .array import (CachedArray, _acquire_grouped, _first_manager, _objects_in,
-                    _release_grouped, _wrap, set_function_handler)
+from .array import CachedArray, set_function_handler
+from .pinning import SHORT_BYTES, acquire_grouped, first_manager, objects_in, release_grouped
+from .wrapping import wrap
+
+# NumPy functions that call back into Python code: never run under the manager's lock.
+_CALLBACKS = {np.apply_along_axis, np.apply_over_axes, np.piecewise}
 
 HANDLED_FUNCTIONS = {}         # NumPy function -> its dedicated implementation
 # NumPy functions that write their first argument, always or when a flag has the given truth:
@@ -34,14 +38,27 @@ def implements(*numpy_functions):
     return decorator
 
 
-def _array_function(func, types, args, kwargs):
+_entries = [0]
+
+
+def entries():
+    """How many times CachedArray.__array_function__ was entered so far (all threads).
+
+    A NumPy function called on CachedArrays enters it once; the difference around a call
+    shows whether the implementation dispatched again (benchmarks and tests read it).
+    """
+    return _entries[0]
+
+
+def _array_function(self, func, types, args, kwargs):
     """CachedArray.__array_function__: the dedicated implementation, else the general path.
 
     Types other than CachedArray and ndarray (and their subclasses) get NotImplemented, so NumPy
     tries them next.
     """
+    _entries[0] += 1
     for t in types:
-        if not (issubclass(t, CachedArray) or issubclass(t, np.ndarray)):
+        if t is not CachedArray and not (issubclass(t, CachedArray) or issubclass(t, np.ndarray)):
             return NotImplemented
     impl = HANDLED_FUNCTIONS.get(func)
     if impl is not None:
@@ -130,17 +147,21 @@ def _call_on_views(func, args, kwargs):
     if target_at is not None and (flag_at is None or
                                   bool(_given(args, kwargs, flag_at, not truth)) is truth):
         target = _given(args, kwargs, target_at)       # an absent flag never writes
-    written = list(_objects_in(out)) if out is not None else []
+    if out is None and target is None:
+        res = _read_only_call(func, args, kwargs)
+        if res is not _GENERAL:
+            return res
+    written = list(objects_in(out)) if out is not None else []
     if target is not None:
-        written += list(_objects_in(target))
+        written += list(objects_in(target))
     rest = args
     if out is not None and out_at[0] is not None and out_at[0] < len(args):
         rest = args[:out_at[0]] + args[out_at[0] + 1:]
-    read = list(_objects_in(list(rest) + [v for k, v in kwargs.items() if k != "out"]))
+    read = list(objects_in(list(rest) + [v for k, v in kwargs.items() if k != "out"]))
     like = kwargs.pop("like", None)
-    m = _first_manager(list(args) + list(kwargs.values())) or \
+    m = first_manager(list(args) + list(kwargs.values())) or \
         (like._m if isinstance(like, CachedArray) else None)
-    done = _acquire_grouped(read, written, getattr(func, "__name__", "function"))
+    done = acquire_grouped(read, written, getattr(func, "__name__", "function"))
     try:
         views = []
 
@@ -157,9 +178,54 @@ def _call_on_views(func, args, kwargs):
                     return arr                     # NumPy returned the written array itself
         if func in _INPLACE_FIRST:
             return res
-        return _wrap(m, res, views) if m is not None else res
+        return wrap(m, res, views) if m is not None else res
     finally:
-        _release_grouped(done)
+        release_grouped(done)
+
+
+_GENERAL = object()
+
+
+def _read_only_call(func, args, kwargs):
+    """The common call: it writes no argument and its arrays belong to one manager (top-level
+    arguments, or lists and tuples of arrays). Runs through ``Manager.run``; _GENERAL when the
+    call is not of that kind."""
+    m = None
+    reads = []
+    nbytes = 0
+    for x in (*args, *kwargs.values()) if kwargs else args:
+        tx = type(x)
+        if tx is CachedArray:
+            if m is None:
+                m = x._m
+            elif x._m is not m:
+                return _GENERAL
+            reads.append(x._obj)
+            nbytes += x._obj.nbytes
+        elif tx is list or tx is tuple:
+            for y in x:
+                if type(y) is CachedArray:
+                    if m is None:
+                        m = y._m
+                    elif y._m is not m:
+                        return _GENERAL
+                    reads.append(y._obj)
+                    nbytes += y._obj.nbytes
+                elif isinstance(y, (list, tuple, CachedArray)):
+                    return _GENERAL
+        elif isinstance(x, CachedArray) or tx is dict:
+            return _GENERAL
+    if m is None or "like" in kwargs:
+        return _GENERAL
+
+    def kernel(_):
+        views = []
+        nargs = [_to_views_recording(a, views) for a in args]
+        nkwargs = {k: _to_views_recording(v, views) for k, v in kwargs.items()} \
+            if kwargs else kwargs
+        return wrap(m, func(*nargs, **nkwargs), views)
+    return m.run(kernel, reads, (), None, getattr(func, "__name__", "function"),
+                 nbytes <= SHORT_BYTES and func not in _CALLBACKS)
 
 
 set_function_handler(_array_function)

@@ -191,6 +191,23 @@ class Heap:
         except OutOfMemoryError:
             return None
 
+    def quick_alloc(self, nbytes: int, owner: int) -> Optional[int]:
+        """try_alloc for a caller passing ints it made itself (sizes >= 0, owner ids > 0) on an
+        open heap: no argument checks on the common path."""
+        r = self._lib_alloc(self._h, nbytes, owner)
+        if r >= 0:
+            return r
+        return self.try_alloc(nbytes, owner)
+
+    def quick_free(self, offset: int, owner: int) -> None:
+        """free for a caller passing the offset and owner of a block it allocated, on an open
+        heap: no argument checks on the common path."""
+        if self._lib_free(self._h, offset, owner):
+            self.free(offset, owner)                     # raises the reason
+
+    _lib_alloc = staticmethod(lib.ca_heap_alloc)
+    _lib_free = staticmethod(lib.ca_heap_free)
+
     def alloc(self, nbytes: int, owner: int) -> int:
         """Allocate a block with room for nbytes, owned by owner (> 0); returns its offset."""
         h = self._h

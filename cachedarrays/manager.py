@@ -4,7 +4,7 @@ This is the mechanism of dissertation Table 4.4. It decides nothing: a policy (`
 calls these operations. Every operation runs under one re-entrant lock, so the manager is safe
 to use from several threads; ``atomic()`` holds it across a sequence of calls. Pin counts and
 dirty bits are private to this module: the rest of the library reads and changes them through
-``pin``/``unpin``/``acquire``/``release``/``new_pinned``, ``pinned``/``pin_count`` and
+``pin``/``unpin``/``acquire``/``release``/``new_pinned``/``run``, ``pinned``/``pin_count`` and
 ``markdirty``/``markclean``/``isdirty``. Objects freed by the garbage collector are only queued
 by their finalizer; the queue drains at the next manager call.
 """
@@ -38,7 +38,7 @@ class Region:
     __slots__ = ("device", "offset", "nbytes", "owner", "_dirty", "freed", "_buffer",
                  "__weakref__")
 
-    def __init__(self, device, offset, nbytes, owner):
+    def __init__(self, device, offset, nbytes, owner, buffer=None):
         self.device = device
         self.offset = offset          # heap block offset; -1 for a zero-byte region
         self.nbytes = nbytes
@@ -46,7 +46,7 @@ class Region:
         self._dirty = False
         self.freed = False
         # The device's mapping, for Manager.ndarray (the hot path); None once freed or if empty.
-        self._buffer = device.buffer if nbytes else None
+        self._buffer = (buffer if buffer is not None else device.buffer) if nbytes else None
 
     @property
     def data_offset(self):
@@ -77,11 +77,12 @@ class Object:
     __slots__ = ("id", "nbytes", "primary", "regions", "_pins", "freed", "_manager",
                  "version", "dropped", "chain", "__weakref__")
 
-    def __init__(self, manager_ref, obj_id, nbytes):
+    def __init__(self, manager_ref, obj_id, nbytes, primary=None, device_name=None):
         self.id = obj_id
         self.nbytes = nbytes
-        self.primary = None
-        self.regions = {}             # device name -> Region (primary and linked regions)
+        self.primary = primary
+        # device name -> Region (primary and linked regions)
+        self.regions = {} if primary is None else {device_name: primary}
         self._pins = 0
         self.freed = False
         self._manager = manager_ref   # a weak reference: objects never keep a manager alive
@@ -116,7 +117,8 @@ class Object:
             return
         m = self._manager()
         if m is not None and not m.closed:
-            m._deferred.append((self.id, list(self.regions.values()), self.primary))
+            # the regions dict itself: nothing changes it once its object is gone
+            m._deferred.append((self.id, self.regions, self.primary))
 
     def __repr__(self):
         m = self._manager()
@@ -592,23 +594,68 @@ class Manager:
             if nbytes > 0:
                 if self._reading:
                     self._await_readers(dev)
-                offset = dev.try_alloc(nbytes, self._last_id + 1)
+                heap = dev.heap
+                offset = None if heap is None else heap.try_alloc(nbytes, self._last_id + 1)
                 if offset is None:
                     return None
                 if self._debug is not None:
                     self._debug_reuse(dev, offset)
             else:
                 offset = -1
-            obj = self._register(nbytes)
-            region = Region(dev, offset, nbytes, obj.id)
+            oid = self._last_id = next(self._ids)             # _register, inlined
+            obj = Object(self._ref, oid, nbytes)
+            self._objects[oid] = weakref.ref(obj)
+            if self._observers:
+                for o in self._observers:
+                    o.on_object(obj)
+            name = dev.name
+            region = Region(dev, offset, nbytes, obj.id, dev._mm)
             if nbytes:
-                self._by_offset[dev.name][offset] = region
+                self._by_offset[name][offset] = region
             obj.primary = region
-            obj.regions[dev.name] = region
-            self.telemetry.on_alloc(dev.name, nbytes, obj.id)
-            for o in self._observers:
-                o.on_region(region, True)
+            obj.regions[name] = region
+            tel = self.telemetry
+            if tel._log is None:                  # Telemetry.on_alloc, inlined
+                tel.allocs[name] += 1
+                cur = tel.current[name] = tel.current[name] + nbytes
+                if cur > tel.peak[name]:
+                    tel.peak[name] = cur
+            else:
+                tel.on_alloc(name, nbytes, oid)
+            if self._observers:
+                for o in self._observers:
+                    o.on_region(region, True)
             return obj
+
+    def _create_fast(self, nbytes):
+        """create(fast, nbytes) for a policy that puts new objects in fast memory when they
+        fit (``Policy.fast_first``), its region already marked dirty (the policy's alloc_fast
+        does so); None if it does not fit without evictions. The caller holds the lock, has
+        drained the queue and checked that no observer, debug poisoning or in-flight read of
+        a freed block needs the general path."""
+        dev = self.fast
+        heap = dev.heap
+        if heap is None:
+            return None
+        offset = heap.quick_alloc(nbytes, self._last_id + 1)
+        if offset is None:
+            return None
+        oid = self._last_id = next(self._ids)
+        name = dev.name
+        region = Region(dev, offset, nbytes, oid, dev._mm)
+        region._dirty = True
+        obj = Object(self._ref, oid, nbytes, region, name)
+        self._objects[oid] = weakref.ref(obj)
+        self._by_offset[name][offset] = region
+        tel = self.telemetry
+        if tel._log is None:                      # Telemetry.on_alloc, inlined
+            tel.allocs[name] += 1
+            cur = tel.current[name] = tel.current[name] + nbytes
+            if cur > tel.peak[name]:
+                tel.peak[name] = cur
+        else:
+            tel.on_alloc(name, nbytes, oid)
+        return obj
 
     def object(self, obj_id):
         """The live object with this id, or None."""
@@ -684,14 +731,36 @@ class Manager:
             self._dependents.pop(obj_id, None)
         if not self.closed:
             self.policy.forget(obj_id)
-            for o in reversed(self._observers):     # last in, first out: ids go last
-                o.on_free(obj_id)
+            if self._observers:
+                for o in reversed(self._observers):     # last in, first out: ids go last
+                    o.on_free(obj_id)
 
     def _drain(self):
         """Free the regions of objects whose finalizers ran since the last call."""
-        while self._deferred:
-            obj_id, regions, primary = self._deferred.popleft()
-            self._release(obj_id, regions, primary)
+        deferred = self._deferred
+        while deferred:
+            obj_id, regions, primary = deferred.popleft()
+            if len(regions) == 1 and primary is not None and not primary.freed and \
+                    primary.nbytes and not (self._copies or self._observers or self._dropped or
+                                            self._dependents or self.closed) and \
+                    self._debug is None and primary.device.heap is not None and \
+                    regions.get(primary.device.name) is primary:
+                # the common case (one region, nothing else under way): _release, inlined
+                dev = primary.device
+                dev.heap.quick_free(primary.offset, obj_id)
+                self._by_offset[dev.name].pop(primary.offset, None)
+                primary.freed = True
+                primary._buffer = None
+                tel = self.telemetry
+                if tel._log is None:              # Telemetry.on_free, inlined
+                    tel.frees[dev.name] += 1
+                    tel.current[dev.name] -= primary.nbytes
+                else:
+                    tel.on_free(dev.name, primary.nbytes, obj_id)
+                self._objects.pop(obj_id, None)
+                self.policy.forget(obj_id)
+            else:
+                self._release(obj_id, list(regions.values()), primary)
 
     def drain(self):
         """Process queued frees now."""
@@ -972,6 +1041,105 @@ class Manager:
                 ob.on_release(objs)
             if self._closing:
                 self._cond.notify_all()
+
+    def run(self, fn, reads=(), writes=(), nbytes=None, name="use", short=False,
+            placement=None):
+        """``fn(new)`` with reads and writes pinned and reported as used (``acquire``), and,
+        when nbytes is given, a new object of nbytes placed by the policy, pinned and reported
+        written (``new_pinned``); new is None otherwise. Returns fn's result; everything is
+        released when fn returns or raises (``release``).
+
+        The same pins, use reports, lineage and telemetry as acquire + new_pinned + release, in
+        fewer steps. short: fn is brief (a kernel on small arrays): when nothing else is under
+        way (no close, observer, background copy, dropped object or kernels-in-fast staging) it
+        runs under the manager's lock, so the call takes the lock once.
+        """
+        lock = self._lock
+        lock.acquire()
+        try:
+            if self._gate or self._observers or self._copies or self._dropped or \
+                    self._dependents or getattr(self.policy, "kernels_in_fast", False):
+                lock.release()
+                lock = None
+                return self._run_general(fn, reads, writes, nbytes, name, placement)
+            if self._deferred:
+                self._drain()
+            policy = self.policy
+            held = []
+            try:
+                for o in reads:
+                    if o.freed:
+                        self._live(o)
+                    o._pins += 1
+                    held.append(o)
+                    policy.read_use(o)
+                for o in writes:
+                    if o.freed:
+                        self._live(o)
+                    o._pins += 1
+                    held.append(o)
+                    policy.write_use(o)
+                if writes and not self.recomputing:
+                    for o in writes:             # no recipe: the lineage breaks here
+                        o.version += 1
+                        o.chain = name
+                new = None
+                if nbytes is not None:
+                    if nbytes and placement is None and policy.fast_first and \
+                            not self._reading and self._debug is None:
+                        new = self._create_fast(nbytes)
+                    if new is not None:          # where allocate would put it: report both
+                        new._pins += 1           # on_fast and write_use in one call
+                        held.append(new)
+                        policy.new_in_fast(new)
+                    else:
+                        new = policy.allocate(nbytes) if placement is None else \
+                            policy.place(nbytes, placement)
+                        new._pins += 1
+                        held.append(new)
+                        policy.write_use(new)
+            except BaseException:
+                for o in held:
+                    o._pins -= 1
+                raise
+            if short:
+                try:
+                    return fn(new)
+                finally:
+                    for o in held:
+                        o._pins -= 1
+            lock.release()
+            try:
+                return fn(new)
+            finally:
+                lock.acquire()
+                for o in held:
+                    o._pins -= 1
+                if self._closing:
+                    self._cond.notify_all()
+        finally:
+            if lock is not None:
+                lock.release()
+
+    def _run_general(self, fn, reads, writes, nbytes, name, placement):
+        """run() while something else is under way: acquire, new_pinned, fn, release (with
+        no operands, only new_pinned and release: no kernel is reported)."""
+        objs = (*reads, *writes)
+        if objs:
+            self.acquire(reads, writes, name)
+        try:
+            new = None if nbytes is None else self.new_pinned(nbytes, placement)
+        except BaseException:
+            if objs:
+                self.release(objs)
+            raise
+        try:
+            return fn(new)
+        finally:
+            if new is not None:
+                self.release((*objs, new))
+            elif objs:
+                self.release(objs)
 
     # ---- lineage: drop and regenerate ------------------------------------------------------
 
@@ -1402,15 +1570,20 @@ class Manager:
             if c is not None:
                 self._copy_region_freed(region, c)
         if region.nbytes:
-            dev.free(region.offset, region.owner)
+            heap = dev.heap
+            if heap is not None:
+                heap.free(region.offset, region.owner)
+            else:
+                dev.free(region.offset, region.owner)     # raises: the device has no heap
             self._by_offset[dev.name].pop(region.offset, None)
             if self._debug is not None:
                 self._debug_vacate(region, why)
         region.freed = True
         region._buffer = None
         self.telemetry.on_free(dev.name, region.nbytes, region.owner)
-        for o in self._observers:
-            o.on_region(region, False)
+        if self._observers:
+            for o in self._observers:
+                o.on_region(region, False)
         ref = self._objects.get(region.owner)
         obj = ref() if ref is not None else None
         if obj is not None:

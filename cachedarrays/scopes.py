@@ -5,9 +5,16 @@ array. Nothing moves a pinned array, so the views stay valid inside the with-blo
 array may move and a kept view would show (or overwrite) another array's bytes.
 """
 
-from .array import (CachedArray, _c_strides, _contiguous_strides, _Scope, _acquire_grouped,
-                    _release_grouped)
+from .array import CachedArray
+from .layout import c_strides, contiguous_strides
+from .pinning import PinnedView, acquire_grouped, release_grouped
 from .lineage import Recipe, capture_rng
+
+
+def _checked(x):
+    if not isinstance(x, CachedArray):
+        raise TypeError(f"expected a CachedArray, got {type(x).__name__}")
+    return x
 
 
 def readable(x):
@@ -16,7 +23,7 @@ def readable(x):
     The view is valid inside the with-block only: afterwards x may move and the view would
     show another array's bytes.
     """
-    return _Scope(x, False)
+    return PinnedView(_checked(x), False)
 
 
 def writable(x):
@@ -25,7 +32,7 @@ def writable(x):
     The view is valid inside the with-block only: once x moves, writes through it would land
     in memory that belongs to another array (``Manager(debug=True)`` reports them).
     """
-    return _Scope(x, True)
+    return PinnedView(_checked(x), True)
 
 
 class access:
@@ -53,7 +60,7 @@ class access:
     def __enter__(self):
         r = [a._obj for a in self.reads if a is not None]
         w = [a._obj for a in self.writes if a is not None]
-        self.done = _acquire_grouped(r, w, self.name, self.touched)
+        self.done = acquire_grouped(r, w, self.name, self.touched)
         try:
             views = [None if a is None else a._view(readonly=True) for a in self.reads] + \
                 [None if a is None else a._view() for a in self.writes]
@@ -64,13 +71,13 @@ class access:
         except BaseException:
             for m, _ in self.done:
                 m.scope_closed(self)
-            _release_grouped(self.done)
+            release_grouped(self.done)
             raise
 
     def __exit__(self, *exc):
         for m, _ in self.done:
             m.scope_closed(self)
-        _release_grouped(self.done)
+        release_grouped(self.done)
 
 
 class kernel(access):
@@ -174,5 +181,5 @@ def _covers(a):
     for d in shape:
         n *= d
     return a._offset == 0 and n == a._obj.nbytes and (
-        a._strides == _c_strides(shape, itemsize) or
-        a._strides == _contiguous_strides(shape, itemsize, "F"))
+        a._strides == c_strides(shape, itemsize) or
+        a._strides == contiguous_strides(shape, itemsize, "F"))

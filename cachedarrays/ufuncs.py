@@ -10,10 +10,14 @@ import numbers
 
 import numpy as np
 
-from .array import (CachedArray, _PY_SCALARS, _SLOW, _acquire_grouped, _c_strides,
-                    _first_manager, _new_object, _release_grouped, _wrap, new_pinned,
-                    set_ufunc_handlers)
+from .array import _PY_SCALARS, _SLOW, CachedArray, new_pinned, set_ufunc_handlers
+from .heap import HEADER
+from .layout import c_strides
+from .pinning import (OPEN_SCOPES, SHORT_BYTES, acquire_grouped, first_manager, record_new,
+                      release_grouped)
+from .wrapping import wrap
 
+_new = object.__new__
 _HANDLED_TYPES = (np.ndarray, CachedArray, numbers.Number, np.generic, list, tuple, bool)
 
 
@@ -25,8 +29,116 @@ def _dtype_of(x):
     return np.asarray(x).dtype
 
 
-def _fast_call(ufunc, inputs):
-    """The common case: one manager, equal shapes, scalars; result written in place via out=."""
+def _fast_call(ufunc, inputs, out=None):
+    """The common case: one manager, equal shapes, scalars; the result (or out, a CachedArray
+    of the same shape) written in place via out=."""
+    if out is None and len(inputs) == 2:
+        a, b = inputs
+        ta, tb = type(a), type(b)
+        if ta is CachedArray:
+            if tb is CachedArray:
+                m = a._m
+                shape = a._shape
+                if b._m is not m or b._shape != shape:
+                    return _SLOW
+                plan = _PLANS.get((ufunc, a._dtype, b._dtype))
+                objs = (a._obj, b._obj)
+            elif tb in _PY_SCALARS:
+                m = a._m
+                shape = a._shape
+                plan = _PLANS.get((ufunc, a._dtype, tb))
+                objs = (a._obj,)
+            else:
+                return _fast_general(ufunc, inputs, out)
+        elif tb is CachedArray and ta in _PY_SCALARS:
+            m = b._m
+            shape = b._shape
+            plan = _PLANS.get((ufunc, ta, b._dtype))
+            objs = (b._obj,)
+        else:
+            return _fast_general(ufunc, inputs, out)
+    elif out is None and len(inputs) == 1 and type(inputs[0]) is CachedArray:
+        a = inputs[0]
+        m = a._m
+        shape = a._shape
+        plan = _PLANS.get((ufunc, a._dtype))
+        objs = (a._obj,)
+    else:
+        return _fast_general(ufunc, inputs, out)
+    if plan is None:
+        plan = _plan(ufunc, inputs)
+    if not plan or not shape:
+        return _SLOW
+    return _new_result(ufunc, inputs, m, shape, plan, objs)
+
+
+def _new_result(ufunc, inputs, m, shape, plan, objs):
+    """Run ufunc(*inputs) into a new, policy-placed CachedArray (Manager.run)."""
+    dt, itemsize, name, layouts = plan
+    lay = layouts.get(shape)
+    if lay is None:
+        lay = _layout(layouts, shape, itemsize)
+    strides, n = lay
+
+    def kernel(obj):
+        if OPEN_SCOPES[0]:
+            record_new(obj)
+        res = _new(CachedArray)                    # CachedArray._make, inlined
+        res._obj, res._m, res._shape, res._dtype = obj, m, shape, dt
+        res._strides, res._offset = strides, 0
+        r = obj.primary
+        buf = r._buffer
+        if buf is not None:                        # ObjectView._kview, inlined
+            view = np.ndarray(shape, dt, buf, r.offset + HEADER, strides)
+            res._vc = (r, r.offset, view)
+        else:
+            res._vc = None
+            view = res._kview()
+        if len(inputs) == 2:
+            a, b = inputs
+            if type(a) is CachedArray:             # a._kview(), inlined
+                r = a._obj.primary
+                c = a._vc
+                a = c[2] if c is not None and c[0] is r and c[1] == r.offset else a._kview()
+            if type(b) is CachedArray:
+                r = b._obj.primary
+                c = b._vc
+                b = c[2] if c is not None and c[0] is r and c[1] == r.offset else b._kview()
+            ufunc(a, b, out=view)
+        else:
+            ufunc(*[x._kview() if type(x) is CachedArray else x for x in inputs], out=view)
+        return res
+    return m.run(kernel, objs, (), n, name, n <= SHORT_BYTES)
+
+
+# (ufunc, operand dtypes or scalar types) -> (result dtype, itemsize, name, {shape: (strides,
+# nbytes)}), or False when the shortcut does not apply
+_PLANS = {}
+
+
+def _plan(ufunc, inputs):
+    """The result dtype of ufunc on inputs' kinds, cached (False: not for the shortcut)."""
+    key = (ufunc,) + tuple(x._dtype if type(x) is CachedArray else type(x) for x in inputs)
+    dt = _resolve(ufunc, inputs, "same_kind")
+    plan = False if dt is None or dt.hasobject else (dt, dt.itemsize, ufunc.__name__, {})
+    if len(_PLANS) < 4096:
+        _PLANS[key] = plan
+    return plan
+
+
+def _layout(layouts, shape, itemsize):
+    """(C strides, nbytes) of a result of shape, cached in a plan."""
+    n = itemsize
+    for d in shape:
+        n *= d
+    lay = (c_strides(shape, itemsize), n)
+    if len(layouts) < 64:
+        layouts[shape] = lay
+    return lay
+
+
+def _fast_general(ufunc, inputs, out=None):
+    """_fast_call for any number of inputs, numpy scalars and out."""
     m = None
     shape = None
     objs = []
@@ -49,36 +161,38 @@ def _fast_call(ufunc, inputs):
             return _SLOW
     if not shape:
         return _SLOW
+    if out is not None:
+        if type(out) is not CachedArray or out._m is not m or out._shape != shape:
+            return _SLOW
+        n = out._dtype.itemsize
+        for d in shape:
+            n *= d
+
+        def into(_):
+            ufunc(*[x._kview() if type(x) is CachedArray else x for x in inputs],
+                  out=out._kview())
+            return out
+        return m.run(into, objs, (out._obj,), None, ufunc.__name__, n <= SHORT_BYTES)
     key = tuple(key)
     dt = _RESOLVED.get(key)
     if dt is None:
         dt = _resolve(ufunc, inputs, "same_kind")
         if dt is None or dt.hasobject:
             return _SLOW
-    n = dt.itemsize
-    for d in shape:
-        n *= d
-    m.acquire(objs, (), ufunc.__name__)
-    try:
-        out = _new_object(m, n)
-    except BaseException:
-        m.release(objs)
-        raise
-    objs.append(out)
-    try:
-        res = CachedArray._make(out, m, shape, dt, _c_strides(shape, dt.itemsize), 0)
-        ufunc(*[x._view() if type(x) is CachedArray else x for x in inputs],
-              out=res._view())
-        return res
-    finally:
-        m.release(objs)
+    return _new_result(ufunc, inputs, m, shape, (dt, dt.itemsize, ufunc.__name__, {}), objs)
 
 
-def _array_ufunc(ufunc, method, inputs, kwargs):
-    if method == "__call__" and not kwargs and ufunc.nout == 1 and ufunc.signature is None:
-        res = _fast_call(ufunc, inputs)
-        if res is not _SLOW:
-            return res
+def _array_ufunc(self, ufunc, method, *inputs, **kwargs):
+    """CachedArray.__array_ufunc__ (NEP 13)."""
+    if method == "__call__" and ufunc.nout == 1 and ufunc.signature is None:
+        if not kwargs:
+            res = _fast_call(ufunc, inputs)
+            if res is not _SLOW:
+                return res
+        elif len(kwargs) == 1 and "out" in kwargs and len(kwargs["out"]) == 1:
+            res = _fast_call(ufunc, inputs, kwargs["out"][0])
+            if res is not _SLOW:
+                return kwargs["out"][0]
     out = kwargs.pop("out", None)
     for x in inputs + (out or ()):
         if x is not None and not isinstance(x, _HANDLED_TYPES) and \
@@ -89,8 +203,8 @@ def _array_ufunc(ufunc, method, inputs, kwargs):
     if method == "at" and isinstance(inputs[0], CachedArray):
         reads.remove(inputs[0]._obj)
         writes.append(inputs[0]._obj)
-    m = _first_manager(inputs) or _first_manager(out or ())
-    done = _acquire_grouped(reads, writes, getattr(ufunc, "__name__", "ufunc"))
+    m = first_manager(inputs) or first_manager(out or ())
+    done = acquire_grouped(reads, writes, getattr(ufunc, "__name__", "ufunc"))
     try:
         args = tuple(x._view() if isinstance(x, CachedArray) else x
                      for x in inputs)
@@ -122,9 +236,9 @@ def _array_ufunc(ufunc, method, inputs, kwargs):
             getattr(ufunc, method)(*args, **kwargs)
             return None
         res = getattr(ufunc, method)(*args, **kwargs)
-        return _wrap(m, res, ())
+        return wrap(m, res, ())
     finally:
-        _release_grouped(done)
+        release_grouped(done)
 
 
 def _matmul_shape(args):

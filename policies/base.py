@@ -45,19 +45,34 @@ class Policy:
     allows_prefetch = True
     allows_cleanup = True
     kernels_in_fast = False
+    # allocate(nbytes) puts a new object in fast memory whenever it fits there without evicting
+    # anything (alloc_fast: create, markdirty, on_fast), so the manager may create a kernel's
+    # small result there itself and report it with new_in_fast. A subclass that overrides
+    # allocate or alloc_fast without declaring it gets False.
+    fast_first = True
     _staging = frozenset()            # ids of the operands of the kernel being staged
 
     def __init_subclass__(cls, **kwargs):
-        """A method overridden below the class that declared its capability: assume True."""
+        """A method overridden below the class that declared its capability: assume True
+        (fast_first: False; new_in_fast: the general form, if its parts were overridden)."""
         super().__init_subclass__(**kwargs)
         mro = cls.__mro__
-        for attr, method in _CAPABILITIES:
-            if attr in cls.__dict__:
-                continue
+
+        def below(attr, method):
             declared = next(i for i, c in enumerate(mro) if attr in c.__dict__)
             defined = next(i for i, c in enumerate(mro) if method in c.__dict__)
-            if defined < declared:
+            return defined < declared
+
+        for attr, method in _CAPABILITIES:
+            if attr not in cls.__dict__ and below(attr, method):
                 setattr(cls, attr, True)
+        if "fast_first" not in cls.__dict__ and \
+                (below("fast_first", "allocate") or below("fast_first", "alloc_fast")):
+            cls.fast_first = False
+        if "new_in_fast" not in cls.__dict__ and \
+                any(below("new_in_fast", m) for m in ("on_fast", "write_use", "_touch")
+                    if hasattr(cls, m)):
+            cls.new_in_fast = Policy.new_in_fast
 
     def __init__(self):
         self.manager = None
@@ -128,6 +143,12 @@ class Policy:
     def write_use(self, obj):
         """obj was (or is about to be) written: its primary differs from any linked copy."""
         self.manager.markdirty(obj.primary)
+
+    def new_in_fast(self, obj):
+        """obj was just created in fast memory, where allocate would have put it (see
+        fast_first), and is about to be written: on_fast and write_use in one call."""
+        self.on_fast(obj)
+        self.write_use(obj)
 
     def unsafe_free(self, obj):
         """Free obj now (before the garbage collector would)."""

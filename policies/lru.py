@@ -160,10 +160,15 @@ def _used_between(indices, lo, hi):
     return i < len(indices) and indices[i] <= hi
 
 
+def _touching(self, obj):
+    self._touch(obj)
+
+
 class LRU(Policy):
     """Least-recently-used placement; see the module docstring for the switches."""
 
     name = "lru"
+    fast_first = True                  # with local_alloc (set per instance)
     honours_prefetch = True
     honours_softevict = True
     tracks_reads = True
@@ -194,7 +199,7 @@ class LRU(Policy):
         self.spare = ()                  # object ids make_room must not evict now
         self._ahead = None
         self._kernels = None
-        self.local_alloc = bool(local_alloc)
+        self.local_alloc = local_alloc
         self.allows_prefetch = bool(prefetch)
         self.allows_cleanup = bool(cleanup)
         self.recent = OrderedDict()      # id -> None, least recent first
@@ -211,8 +216,18 @@ class LRU(Policy):
 
     # ---- allocation ----------------------------------------------------------------------
 
+    @property
+    def local_alloc(self):
+        """True: new arrays go to fast memory (evicting to make room), else slow memory."""
+        return self._local_alloc
+
+    @local_alloc.setter
+    def local_alloc(self, value):
+        self._local_alloc = bool(value)
+        self.fast_first = self._local_alloc and type(self).fast_first
+
     def allocate(self, nbytes):
-        if self.local_alloc:
+        if self._local_alloc:
             obj = self.alloc_fast(nbytes, force=True)
             return obj if obj is not None else self.alloc_slow(nbytes)
         obj = self.alloc_slow(nbytes)
@@ -231,11 +246,26 @@ class LRU(Policy):
             self.recent[oid] = None
 
     def read_use(self, obj):
-        self._touch(obj)
+        oid = obj.id                     # _touch, inlined (the per-kernel path)
+        if oid in self.recent:
+            self.recent.move_to_end(oid)
+        elif oid in self.soft:
+            del self.soft[oid]
+            self.recent[oid] = None
 
     def write_use(self, obj):
         self.manager.markdirty(obj.primary)
-        self._touch(obj)
+        self.read_use(obj)
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "_touch" in cls.__dict__ and "read_use" not in cls.__dict__:
+            cls.read_use = _touching          # read_use is _touch inlined: keep the override
+
+    def new_in_fast(self, obj):
+        # on_fast + write_use for an object just created (its id is in neither tier yet, and
+        # its region is already dirty)
+        self.recent[obj.id] = None
 
     def on_fast(self, obj):
         self.soft.pop(obj.id, None)
@@ -244,7 +274,8 @@ class LRU(Policy):
 
     def forget(self, obj_id):
         self.recent.pop(obj_id, None)
-        self.soft.pop(obj_id, None)
+        if self.soft:
+            self.soft.pop(obj_id, None)
 
     def softevict(self, obj):
         oid = obj.id

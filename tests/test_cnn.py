@@ -379,7 +379,9 @@ KERNELS = {"conv2d_forward", "conv2d_backward_data", "conv2d_backward_weights",
            "batchnorm_forward", "batchnorm_backward", "relu_forward", "relu_backward",
            "maxpool_forward", "maxpool_backward", "avgpool_forward", "avgpool_backward",
            "dense_forward", "dense_backward_data", "dense_backward_weights", "add",
-           "softmax_cross_entropy", "sgd_update", "concat_channels", "split_channels"}
+           "softmax_cross_entropy", "sgd_update", "concat_channels", "split_channels",
+           "batchnorm_relu_forward", "batchnorm_relu_backward", "slice_channels",
+           "place_channels"}
 
 
 @pytest.fixture(scope="module")
@@ -573,8 +575,8 @@ def test_benchmark_runs_every_setup_end_to_end(tmp_path, capsys):
     bench = _bench()
     assert bench.main(["--model", "resnet", "--depth", "18", "--batch", "2", "--image", "16",
                        "--width", "16", "--backend", "numpy", "--fast", "25%", "--iterations", "2",
-                       "--setup", ",".join(cnn.SETUPS), "--no-progress", "--plot", "--sweep",
-                       "--outdir", str(tmp_path)]) == 0
+                       "--setup", ",".join(cnn.SETUPS), "--no-progress", "--plot", str(tmp_path),
+                       "--sweep", "--outdir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     for setup in cnn.SETUPS:
         assert f"{setup:>9} " in out

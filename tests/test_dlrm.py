@@ -148,7 +148,7 @@ def test_a_traced_training_run_has_named_kernels_and_a_step_mark_per_step(m, kin
     for g in groups:
         names = [t.kernels[k][0] for k in g]
         assert set(names) <= MLP_KERNELS | {"embedding_lookup", "embedding_update",
-                                            "embedding_writeback"}
+                                            "embedding_writeback", "embedding_cache_rows"}
         assert {"dense_forward", "embedding_lookup", "embedding_update", "sgd_update"} <= set(names)
         # One ensemble lookup and update, plus one nested in it per cached table.
         per_table = cfg.ntables if kind in ("static", "dynamic") else 0
@@ -312,3 +312,22 @@ def test_specialised_interaction_forward_is_bit_identical_to_generic(nfeat, fs):
     finally:
         M.set_specialised(old)
     assert np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("nfeat,fs,dtype", [(5, 8, np.float32)])    # the tiny config's shape
+def test_specialised_interaction_backward_is_bit_identical_to_generic(nfeat, fs, dtype):
+    from cachedarrays.models.dlrm import model as M
+    rng = np.random.default_rng(nfeat + fs)
+    b = 67                                      # not a multiple of the kernels' sample blocks
+    t = rng.standard_normal((b, nfeat * fs)).astype(dtype)
+    dr = rng.standard_normal((b, fs + nfeat * (nfeat - 1) // 2)).astype(dtype)
+    dt = np.full_like(t, np.nan)                # every element must be written
+    assert M._specialised(nfeat, fs, t, dr, dt, backward=True) is not None
+    dot_interaction_backward(t, dr, nfeat, fs, dt)
+    old = M.set_specialised(False)
+    try:
+        generic = dot_interaction_backward(t, dr, nfeat, fs)
+    finally:
+        M.set_specialised(old)
+    assert np.array_equal(dt, generic)
+    assert M._specialised(nfeat, fs, t, dr[:, 1:].copy(), dt, backward=True) is None

@@ -13,13 +13,14 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 # DESIGN.md's layer table, bottom up: a module may import its own layer and the layers below.
 LAYERS = [
-    ("native", ["_native", "errors", "sizes", "heap", "copyengine"]),
+    ("native", ["_native", "errors", "threads", "sizes", "heap", "copyengine"]),
     ("devices", ["devices"]),
     ("manager", ["registry", "poison", "telemetry", "lineage", "manager"]),
     ("policy lab", ["trace", "torchtrace", "costmodel", "replay", "triggers", "stepprofile",
                     "batching"]),
     ("policies", ["policies"]),
-    ("array", ["array", "scopes", "ufuncs", "dispatch", "creation", "routines", "defaults"]),
+    ("array", ["layout", "pinning", "viewattrs", "array", "wrapping", "scopes", "ufuncs",
+               "dispatch", "creation", "routines", "defaults"]),
     ("annotations", ["annotations"]),
     ("package", [""]),                    # cachedarrays/__init__.py: the public names
     ("models", ["models"]),

@@ -6,8 +6,9 @@ package's ``__init__`` imports this package); NumPy functions without one take t
 
 - ``creation``: the *_like forms and ``like=`` (NEP 35)
 - ``joining``: concatenate
+- ``ordering``: sort, cumsum, cumprod
 """
 
-from . import creation, joining
+from . import creation, joining, ordering
 
-__all__ = ["creation", "joining"]
+__all__ = ["creation", "joining", "ordering"]

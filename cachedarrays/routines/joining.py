@@ -6,8 +6,10 @@ array is never built in ordinary memory and copied in.
 
 import numpy as np
 
-from ..array import CachedArray, _unpin, new_pinned
+from ..array import CachedArray, new_pinned, unpin
 from ..dispatch import _call_on_views, implements
+from ..layout import c_strides
+from ..pinning import SHORT_BYTES, record_new
 
 
 @implements(np.concatenate)
@@ -18,7 +20,7 @@ def concatenate(arrays, axis=0, out=None, *, dtype=None, casting="same_kind"):
     if out is not None or first is None or axis is None or not arrays:
         return _call_on_views(np.concatenate, (arrays,), dict(axis=axis, out=out, dtype=dtype,
                                                                casting=casting))
-    shapes = [np.shape(a) for a in arrays]
+    shapes = [a._shape if type(a) is CachedArray else np.shape(a) for a in arrays]
     nd = len(shapes[0])
     if nd == 0 or any(len(s) != nd for s in shapes):
         return _call_on_views(np.concatenate, (arrays,), dict(axis=axis, dtype=dtype,
@@ -31,9 +33,27 @@ def concatenate(arrays, axis=0, out=None, *, dtype=None, casting="same_kind"):
     shape[ax] = sum(s[ax] for s in shapes)
     dt = np.dtype(dtype) if dtype is not None else np.result_type(
         *[a.dtype if hasattr(a, "dtype") else np.asarray(a).dtype for a in arrays])
+    m = first._m
+    if all(type(a) is CachedArray and a._m is m for a in arrays):
+        # every input on one manager: one Manager.run pins them and places the result
+        shape = tuple(shape)
+        strides = c_strides(shape, dt.itemsize)
+        n = dt.itemsize
+        for d in shape:
+            n *= d
+        nbytes = sum(a._obj.nbytes for a in arrays)
+
+        def kernel(obj):
+            record_new(obj)
+            res = CachedArray._make(obj, m, shape, dt, strides, 0)
+            np.concatenate([a._kview() for a in arrays], axis=axis, out=res._kview(),
+                           dtype=dtype, casting=casting)
+            return res
+        return m.run(kernel, [a._obj for a in arrays], (), n, "concatenate",
+                     n + nbytes <= SHORT_BYTES)
     res = new_pinned(first.manager, tuple(shape), dt)
     try:
         return _call_on_views(np.concatenate, (arrays,), dict(axis=axis, out=res,
                                                                dtype=dtype, casting=casting))
     finally:
-        _unpin(res)
+        unpin(res)

@@ -56,6 +56,14 @@ class Backend(Protocol):
     def batchnorm_backward(self, dy, x, gamma, mean, var, eps, dx, dgamma, dbeta) -> np.ndarray:
         """dx, dgamma, dbeta of training batch norm; returns dx."""
 
+    def batchnorm_relu_forward(self, x, gamma, beta, eps, out, mean_out, var_out) -> np.ndarray:
+        """Training batch norm then ReLU in one kernel: out = max(batchnorm(x), 0)."""
+
+    def batchnorm_relu_backward(self, dy, y, x, gamma, mean, var, eps, dx, dgamma,
+                                dbeta, acc=None) -> np.ndarray:
+        """dx, dgamma, dbeta of batchnorm_relu_forward given its output y; returns dx. With acc
+        (N, >= C, H, W), its first C channels are added to dx (a concatenation's gradient)."""
+
     def batchnorm_inference(self, x, gamma, beta, mean, var, eps, out) -> np.ndarray:
         """Batch norm with given statistics."""
 
@@ -76,6 +84,12 @@ class Backend(Protocol):
 
     def concat_channels(self, xs: Sequence[np.ndarray], out) -> np.ndarray:
         """out = concatenate(xs, axis=1)."""
+
+    def slice_channels(self, x, start, out) -> np.ndarray:
+        """out = x[:, start:start + C] for out (N, C, ...)."""
+
+    def place_channels(self, x, start, out) -> np.ndarray:
+        """out[:, start:start + C] = x for x (N, C, ...); out's other channels are kept."""
 
     def split_channels(self, dy, sizes: Sequence[int], outs: Sequence[np.ndarray]) -> Sequence[np.ndarray]:
         """outs[i] = dy[:, offset_i : offset_i + sizes[i]]."""

@@ -20,19 +20,19 @@ _FM = {"nsz", "arcp", "contract", "afn", "reassoc"}   # no nnan/ninf: NaN and in
 
 
 @njit(parallel=True, fastmath=_FM, nogil=True, cache=True)
-def _forward(x, gamma, beta, eps, out, mean_out, var_out):
-    n, c, hw = x.shape
+def _forward(x, xbs, gamma, beta, eps, out, mean_out, var_out, relu):
+    n, c, hw = out.shape
     inv_m = 1.0 / (n * hw)
     for ch in prange(c):
         s = 0.0
         for i in range(n):
-            row = x[i, ch]
+            row = x[i * xbs + ch * hw:i * xbs + ch * hw + hw]
             for j in range(hw):
                 s += row[j]
         mu = s * inv_m
         q = 0.0
         for i in range(n):
-            row = x[i, ch]
+            row = x[i * xbs + ch * hw:i * xbs + ch * hw + hw]
             for j in range(hw):
                 d = row[j] - mu
                 q += d * d
@@ -42,17 +42,21 @@ def _forward(x, gamma, beta, eps, out, mean_out, var_out):
         scale = np.float32(gamma[ch] / np.sqrt(np.float64(var32) + eps))
         shift = beta[ch]
         for i in range(n):
-            row = x[i, ch]
+            row = x[i * xbs + ch * hw:i * xbs + ch * hw + hw]
             orow = out[i, ch]
-            for j in range(hw):
-                orow[j] = (row[j] - mu32) * scale + shift
+            if relu:
+                for j in range(hw):
+                    orow[j] = max((row[j] - mu32) * scale + shift, np.float32(0))
+            else:
+                for j in range(hw):
+                    orow[j] = (row[j] - mu32) * scale + shift
         mean_out[ch] = mu32
         var_out[ch] = var32
 
 
 @njit(parallel=True, fastmath=_FM, nogil=True, cache=True)
-def _backward(dy, x, gamma, mean, var, eps, dx, dgamma, dbeta):
-    n, c, hw = x.shape
+def _backward(dy, x, xbs, gamma, mean, var, eps, dx, dgamma, dbeta):
+    n, c, hw = dx.shape
     inv_m = 1.0 / (n * hw)
     for ch in prange(c):
         mu = mean[ch]
@@ -60,7 +64,7 @@ def _backward(dy, x, gamma, mean, var, eps, dx, dgamma, dbeta):
         sdyx = 0.0
         for i in range(n):
             drow = dy[i, ch]
-            xrow = x[i, ch]
+            xrow = x[i * xbs + ch * hw:i * xbs + ch * hw + hw]
             for j in range(hw):
                 d = drow[j]
                 sdy += d
@@ -74,23 +78,108 @@ def _backward(dy, x, gamma, mean, var, eps, dx, dgamma, dbeta):
         b = np.float32(dg * invstd * inv_m)
         for i in range(n):
             drow = dy[i, ch]
-            xrow = x[i, ch]
+            xrow = x[i * xbs + ch * hw:i * xbs + ch * hw + hw]
             orow = dx[i, ch]
             for j in range(hw):
                 orow[j] = k * (drow[j] - a - (xrow[j] - mu) * b)
+
+
+@njit(parallel=True, fastmath=_FM, nogil=True, cache=True)
+def _backward_masked(dy, y, x, xbs, gamma, mean, var, eps, dx, dgamma, dbeta, acc, use_acc):
+    """_backward of dy * (y > 0) (a ReLU after the batch norm), without forming it; with
+    use_acc, dx also gets acc[:, :C] added (acc may have more channels)."""
+    n, c, hw = dx.shape
+    inv_m = 1.0 / (n * hw)
+    for ch in prange(c):
+        mu = mean[ch]
+        sdy = 0.0
+        sdyx = 0.0
+        for i in range(n):
+            drow = dy[i, ch]
+            yrow = y[i, ch]
+            xrow = x[i * xbs + ch * hw:i * xbs + ch * hw + hw]
+            for j in range(hw):
+                d = drow[j] if yrow[j] > 0 else np.float32(0)
+                sdy += d
+                sdyx += d * (xrow[j] - mu)
+        invstd = 1.0 / np.sqrt(np.float64(var[ch]) + eps)
+        dg = sdyx * invstd
+        dgamma[ch] = np.float32(dg)
+        dbeta[ch] = np.float32(sdy)
+        k = np.float32(gamma[ch] * invstd)
+        a = np.float32(sdy * inv_m)
+        b = np.float32(dg * invstd * inv_m)
+        for i in range(n):
+            drow = dy[i, ch]
+            yrow = y[i, ch]
+            xrow = x[i * xbs + ch * hw:i * xbs + ch * hw + hw]
+            orow = dx[i, ch]
+            if use_acc:
+                arow = acc[i, ch]
+                for j in range(hw):
+                    d = drow[j] if yrow[j] > 0 else np.float32(0)
+                    orow[j] = k * (d - a - (xrow[j] - mu) * b) + arow[j]
+            else:
+                for j in range(hw):
+                    d = drow[j] if yrow[j] > 0 else np.float32(0)
+                    orow[j] = k * (d - a - (xrow[j] - mu) * b)
 
 
 def _flat(a):
     return a.reshape(a.shape[0], a.shape[1], -1)
 
 
-def forward(x, gamma, beta, eps, out, mean_out, var_out):
-    """Batch mean, biased variance and normalised output (shapes and dtypes checked by caller)."""
-    _forward(_flat(x), gamma, beta, float(eps), _flat(out), mean_out, var_out)
+def _readonly(a):
+    """A read-only view: x always reaches the kernels as the same numba type (one compiled
+    specialisation, so a slice and its copy give bitwise the same results)."""
+    if a.flags.writeable:
+        a = a.view()
+        a.flags.writeable = False
+    return a
+
+
+def _rows(x):
+    """(flat, batch stride) of x (N, C, H, W): channel ch of sample i is
+    flat[i * stride + ch * H * W:][:H * W]. A channel slice of a larger C-contiguous NCHW array
+    (a dense block's concatenation buffer) is read in place, as one contiguous span; any other
+    layout is copied first."""
+    n, c = x.shape[:2]
+    hw = x.size // max(n * c, 1)
+    item = x.itemsize
+    if x.flags.c_contiguous:
+        return _readonly(x.reshape(-1)), c * hw
+    inner = _flat(x)
+    if n and c and hw and (inner.strides[2] != item or inner.strides[1] != hw * item
+                           or inner.strides[0] % item or inner.strides[0] < c * hw * item):
+        return _readonly(np.ascontiguousarray(x).reshape(-1)), c * hw
+    bs = inner.strides[0] // item
+    span = (n - 1) * bs + c * hw if n and c and hw else 0
+    flat = np.lib.stride_tricks.as_strided(inner, shape=(span,), strides=(item,),
+                                           writeable=False)
+    return flat, bs
+
+
+def forward(x, gamma, beta, eps, out, mean_out, var_out, relu=False):
+    """Batch mean, biased variance and normalised output (shapes and dtypes checked by caller);
+    relu: the output goes through max(., 0) in the same pass. x may be a channel slice of a
+    larger NCHW array (read in place)."""
+    xf, xbs = _rows(x)
+    _forward(xf, xbs, gamma, beta, float(eps), _flat(out), mean_out, var_out, bool(relu))
     return out
 
 
-def backward(dy, x, gamma, mean, var, eps, dx, dgamma, dbeta):
-    """dx, dgamma, dbeta from the saved batch mean and variance."""
-    _backward(_flat(dy), _flat(x), gamma, mean, var, float(eps), _flat(dx), dgamma, dbeta)
+def backward(dy, x, gamma, mean, var, eps, dx, dgamma, dbeta, y=None, acc=None):
+    """dx, dgamma, dbeta from the saved batch mean and variance; with y (the output of a
+    forward with relu=True) the gradient is masked by y > 0 first, in the same passes; with acc
+    (needs y; (N, >= C, H, W)) its first C channels are added to dx in the same pass. x may be
+    a channel slice of a larger NCHW array (read in place)."""
+    xf, xbs = _rows(x)
+    if y is None:
+        if acc is not None:
+            raise ValueError("_bnorm.backward: acc needs y (the masked kernel)")
+        _backward(_flat(dy), xf, xbs, gamma, mean, var, float(eps), _flat(dx), dgamma, dbeta)
+    else:
+        fdx = _flat(dx)
+        _backward_masked(_flat(dy), _flat(y), xf, xbs, gamma, mean, var, float(eps), fdx,
+                         dgamma, dbeta, fdx if acc is None else _flat(acc), acc is not None)
     return dx

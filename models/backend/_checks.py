@@ -227,3 +227,39 @@ def check_softmax_ce(op, logits, labels, dlogits_out, **kw):
     if dlogits_out is not None:
         array(op, "dlogits_out", dlogits_out, shape=logits.shape, writable=True, **kw)
         same_dtype(op, logits=logits, dlogits_out=dlogits_out)
+
+
+def check_slice(op, x, start, out, **kw):
+    """out (N, C, H, W) receives channels start..start+C of x (N, >= start+C, H, W)."""
+    array(op, "x", x, ndim=4, **kw)
+    array(op, "out", out, ndim=4, writable=True, **kw)
+    start = int(start)
+    n, c = out.shape[:2]
+    if start < 0 or x.shape[0] != n or x.shape[2:] != out.shape[2:] or x.shape[1] < start + c:
+        raise ValueError(f"{op}: out {out.shape} must be channels {start}..{start + c} of x "
+                         f"{x.shape} (same N, H, W)")
+    same_dtype(op, x=x, out=out)
+    return start
+
+
+def check_place(op, x, start, out, **kw):
+    """x (N, C, H, W) is written to channels start..start+C of out (N, >= start+C, H, W)."""
+    array(op, "x", x, ndim=4, **kw)
+    array(op, "out", out, ndim=4, writable=True, **kw)
+    start = int(start)
+    n, c = x.shape[:2]
+    if start < 0 or out.shape[0] != n or out.shape[2:] != x.shape[2:] or out.shape[1] < start + c:
+        raise ValueError(f"{op}: x {x.shape} must fit channels {start}..{start + c} of out "
+                         f"{out.shape} (same N, H, W)")
+    same_dtype(op, x=x, out=out)
+    return start
+
+
+def check_acc(op, acc, dx, **kw):
+    """acc (N, >= C, H, W), whose first C channels are added to dx (N, C, H, W)."""
+    array(op, "acc", acc, ndim=4, **kw)
+    if (acc.shape[0] != dx.shape[0] or acc.shape[2:] != dx.shape[2:]
+            or acc.shape[1] < dx.shape[1]):
+        raise ValueError(f"{op}: acc {acc.shape} must hold at least the {dx.shape[1]} channels "
+                         f"of dx {dx.shape} (same N, H, W)")
+    same_dtype(op, acc=acc, dx=dx)

@@ -3,14 +3,19 @@
 Primitives are built once per (operation, shapes, geometry) and cached; their memory objects
 hold no buffer (DNNL_MEMORY_NONE) and are re-bound to the caller's ndarrays on every call, so
 no pointer survives between calls and arrays may move in between. Caller arrays are float32,
-C-contiguous, in plain layouts (nchw / oihw / nc / oi / x). Convolutions (oneDNN's choice) and
+C-contiguous, in plain layouts (nchw / oihw / nc / oi / x), except the input of the batch
+norms, which may be a channel slice of a larger NCHW array (a DenseNet block's concatenation
+buffer; the numba kernels read it in place). Convolutions (oneDNN's choice) and
 batch norm with >= 16 channels (nChw16c) by default run in blocked layouts, reordering to and
 from them around each call, which is faster despite the copies; those internal tensors and
 all scratchpads live in library-owned grow-only buffers (see ``buffer_bytes``), guarded by the
-module's execution lock, so nothing of the caller's is retained. Exceptions: 1x1
-convolutions with >= 64 output pixels run in plain layouts (``PLAIN_1X1_MIN_PIXELS``); training batch
+module's execution lock, so nothing of the caller's is retained. Each convolution shape
+runs in the layouts the first call measured faster, plain or blocked with its reorders
+(``set_conv_layouts``); training batch
 norm runs as numba kernels on NCHW directly (``set_numba_batchnorm``; inference batch norm stays
-oneDNN's); ``sgd_update`` is a threaded numba pass, bitwise NumPy's float32 result (``_sgd``).
+oneDNN's); ``sgd_update`` is a threaded numba pass, bitwise NumPy's float32 result (``_sgd``); the dense
+kernels run oneDNN's inner product or NumPy's BLAS matmul, whichever the first call of each
+shape measured faster (``set_dense_impl``).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+import time
 
 import numpy as np
 
@@ -33,7 +39,8 @@ name = "onednn"
 
 __all__ = ["OneDNNError", "OneDNNNotFoundError", "set_threads", "get_threads", "version",
            "clear_cache", "cache_size", "impl_info", "buffer_bytes", "set_blocked_layouts",
-           "set_numba_batchnorm"]
+           "set_numba_batchnorm", "set_dense_impl", "dense_choices", "set_conv_layouts",
+           "conv_layout_choices"]
 
 _lib = api.load_library()
 _F32 = {"dtypes": (np.dtype(np.float32),), "contiguous": True}
@@ -178,6 +185,7 @@ def set_blocked_layouts(enabled: bool) -> None:
     with _dnnl_lock:
         _blocked = bool(enabled)
         clear_cache()
+        _conv_choice.clear()
 
 
 def set_numba_batchnorm(enabled: bool) -> bool:
@@ -337,17 +345,41 @@ def _conv_geometry(stride, pad, op):
     return st, pd
 
 
-# 1x1 convolutions with at least this many output pixels (P*Q) run in plain layouts even when
-# blocked layouts are on: there oneDNN's GEMM-based plain kernels beat the blocked ones plus the
-# reorders of src, weights and dst (measured on ResNet-50's 16x16 and 8x8 bottleneck 1x1
-# convolutions, 2 threads, AVX-512: ~11 ms of a 260 ms step). 0 disables the rule.
+# 1x1 convolutions with at least this many output pixels (P*Q) run in plain layouts when the
+# layouts are not measured (``set_conv_layouts("rule")``): there oneDNN's GEMM-based plain
+# kernels beat the blocked ones plus the reorders of src, weights and dst (measured on
+# ResNet-50's 16x16 and 8x8 bottleneck 1x1 convolutions, 2 threads, AVX-512). 0 disables it.
 PLAIN_1X1_MIN_PIXELS = 64
 
+# How each convolution picks plain or blocked layouts: "auto" times both (the blocked one with
+# its reorders) on the first call of each (operation, shapes, geometry) and leaves the rule's
+# choice when the other is clearly faster (_CONV_SWITCH_MARGIN); "rule" applies
+# PLAIN_1X1_MIN_PIXELS alone. Blocked layouts off (set_blocked_layouts) means plain.
+_conv_layouts = "auto"
+_conv_choice: dict = {}
+_CONV_TRIALS = 2
+_CONV_SWITCH_MARGIN = 1.1     # the other layout must be this many times faster than the rule's
 
-def _conv_blocked(xs, ws, st):
-    """True when this convolution runs in oneDNN-chosen (`any`, usually blocked) layouts."""
-    if not _blocked:
-        return False
+
+def set_conv_layouts(mode: str) -> str:
+    """"auto" (measure plain and blocked layouts once per convolution shape, keep the faster)
+    or "rule" (blocked, except large 1x1 convolutions). Returns the previous setting."""
+    global _conv_layouts
+    if mode not in ("auto", "rule"):
+        raise ValueError(f"set_conv_layouts: {mode!r} is not one of auto, rule")
+    with _dnnl_lock:
+        old, _conv_layouts = _conv_layouts, mode
+        _conv_choice.clear()
+    return old
+
+
+def conv_layout_choices() -> dict:
+    """True (blocked) or False (plain) for each convolution (operation, shapes) measured so far."""
+    return dict(_conv_choice)
+
+
+def _rule_blocked(xs, ws, st):
+    """The fixed rule: blocked, except 1x1 convolutions with many output pixels."""
     if PLAIN_1X1_MIN_PIXELS and tuple(ws[2:]) == (1, 1):
         p, q = (xs[2] - 1) // st[0] + 1, (xs[3] - 1) // st[1] + 1      # output pixels
         if p * q >= PLAIN_1X1_MIN_PIXELS:
@@ -355,20 +387,47 @@ def _conv_blocked(xs, ws, st):
     return True
 
 
-def _conv_mds(xs, ws, ys, st):
+def _conv_run(key, xs, ws, st, run):
+    """run(blocked) with the layouts chosen for convolution key (timing both the first time)."""
+    if not _blocked:
+        return run(False)
+    if _conv_layouts != "auto":
+        return run(_rule_blocked(xs, ws, st))
+    blocked = _conv_choice.get(key)
+    if blocked is None:
+        best = {}
+        for option in (True, False):
+            run(option)                                     # warm-up (primitive creation)
+            times = []
+            for _ in range(_CONV_TRIALS):
+                t = time.perf_counter()
+                run(option)
+                times.append(time.perf_counter() - t)
+            best[option] = min(times)
+        # Leave the fixed rule's choice only for a clear gain: one measurement is noisy.
+        blocked = _rule_blocked(xs, ws, st)
+        if best[not blocked] * _CONV_SWITCH_MARGIN < best[blocked]:
+            blocked = not blocked
+        _conv_choice[key] = blocked
+        log.debug("conv %s: %s (blocked %.1f us, plain %.1f us)", key,
+                  "blocked" if blocked else "plain", best[True] * 1e6, best[False] * 1e6)
+    return run(blocked)                                     # the result comes from this run
+
+
+def _conv_mds(xs, ws, ys, blocked):
     """(primitive mds, user mds): `any` layouts when this convolution runs blocked."""
     user = [_md(s) for s in (xs, ws, ys)]
-    if not _conv_blocked(xs, ws, st):
+    if not blocked:
         return user, user
     return [_md(s, api.TAG_ANY) for s in (xs, ws, ys)], user
 
 
-def _conv_fwd(xs, ws, has_bias, st, pd):
-    key = ("conv_fwd", xs, ws, has_bias, st, pd, _blocked, PLAIN_1X1_MIN_PIXELS)
+def _conv_fwd(xs, ws, has_bias, st, pd, blocked):
+    key = ("conv_fwd", xs, ws, has_bias, st, pd, blocked)
 
     def build():
         os_ = ck.conv2d_output_shape(xs, ws, st, pd)
-        (src, wei, dst), user = _conv_mds(xs, ws, os_, st)
+        (src, wei, dst), user = _conv_mds(xs, ws, os_, blocked)
         bias = _md((ws[0],)) if has_bias else _NULL
         desc = _create_pd("dnnl_convolution_forward_primitive_desc_create", _engine, api.FORWARD_TRAINING,
                           api.CONVOLUTION_DIRECT, src, wei, bias, dst,
@@ -385,11 +444,16 @@ def conv2d_forward(x, w, b, stride, pad, out):
     op = "conv2d_forward"
     ck.check_conv_forward(op, x, w, b, stride, pad, out, **_F32)
     st, pd = _conv_geometry(stride, pad, op)
-    prim = _conv_fwd(x.shape, w.shape, b is not None, st, pd)
-    if b is None:
-        prim.run(x, w, out)
-    else:
-        prim.run(x, w, b, out)
+    xs, ws, has_bias = x.shape, w.shape, b is not None
+
+    def run(blocked):
+        prim = _conv_fwd(xs, ws, has_bias, st, pd, blocked)
+        if b is None:
+            prim.run(x, w, out)
+        else:
+            prim.run(x, w, b, out)
+
+    _conv_run((op, xs, ws, has_bias, st, pd), xs, ws, st, run)
     return out
 
 
@@ -399,20 +463,23 @@ def conv2d_backward_data(dy, w, stride, pad, dx):
     ck.check_conv_backward_data(op, dy, w, stride, pad, dx, **_F32)
     st, pd = _conv_geometry(stride, pad, op)
     xs, ws = dx.shape, w.shape
-    key = ("conv_bwd_data", xs, ws, st, pd, _blocked, PLAIN_1X1_MIN_PIXELS)
 
-    def build():
-        hint = _conv_fwd(xs, ws, False, st, pd).pd
-        (dsrc, wei, ddst), user = _conv_mds(xs, ws, dy.shape, st)
-        desc = _create_pd("dnnl_convolution_backward_data_primitive_desc_create", _engine,
-                          api.CONVOLUTION_DIRECT, dsrc, wei, ddst,
-                          _dims(st), _dims((0, 0)), _dims(pd), _dims(pd), hint, _attr,
-                          detail=f"conv bwd data dx {xs} w {ws}")
-        return _Primitive(f"{op} dx {xs} w {ws} stride {st} pad {pd}", desc,
-                          [api.ARG_DIFF_DST, api.ARG_WEIGHTS, api.ARG_DIFF_SRC],
-                          dict(zip((api.ARG_DIFF_SRC, api.ARG_WEIGHTS, api.ARG_DIFF_DST), user)), {api.ARG_DIFF_SRC})
+    def run(blocked):
+        def build():
+            hint = _conv_fwd(xs, ws, False, st, pd, blocked).pd
+            (dsrc, wei, ddst), user = _conv_mds(xs, ws, dy.shape, blocked)
+            desc = _create_pd("dnnl_convolution_backward_data_primitive_desc_create", _engine,
+                              api.CONVOLUTION_DIRECT, dsrc, wei, ddst,
+                              _dims(st), _dims((0, 0)), _dims(pd), _dims(pd), hint, _attr,
+                              detail=f"conv bwd data dx {xs} w {ws}")
+            return _Primitive(f"{op} dx {xs} w {ws} stride {st} pad {pd}", desc,
+                              [api.ARG_DIFF_DST, api.ARG_WEIGHTS, api.ARG_DIFF_SRC],
+                              dict(zip((api.ARG_DIFF_SRC, api.ARG_WEIGHTS, api.ARG_DIFF_DST), user)),
+                              {api.ARG_DIFF_SRC})
 
-    _cached(key, build).run(dy, w, dx)
+        _cached(("conv_bwd_data", xs, ws, st, pd, blocked), build).run(dy, w, dx)
+
+    _conv_run((op, xs, ws, st, pd), xs, ws, st, run)
     return dx
 
 
@@ -422,26 +489,28 @@ def conv2d_backward_weights(x, dy, stride, pad, dw, db):
     ck.check_conv_backward_weights(op, x, dy, stride, pad, dw, db, **_F32)
     st, pd = _conv_geometry(stride, pad, op)
     xs, ws, has_bias = x.shape, dw.shape, db is not None
-    key = ("conv_bwd_weights", xs, ws, has_bias, st, pd, _blocked, PLAIN_1X1_MIN_PIXELS)
 
-    def build():
-        hint = _conv_fwd(xs, ws, has_bias, st, pd).pd
-        (src, dwei, ddst), user = _conv_mds(xs, ws, dy.shape, st)
-        bias = _md((ws[0],)) if has_bias else _NULL
-        desc = _create_pd("dnnl_convolution_backward_weights_primitive_desc_create", _engine,
-                          api.CONVOLUTION_DIRECT, src, dwei, bias, ddst,
-                          _dims(st), _dims((0, 0)), _dims(pd), _dims(pd), hint, _attr,
-                          detail=f"conv bwd weights x {xs} dw {ws}")
-        args = [api.ARG_SRC, api.ARG_DIFF_DST, api.ARG_DIFF_WEIGHTS] + ([api.ARG_DIFF_BIAS] if has_bias else [])
-        return _Primitive(f"{op} x {xs} dw {ws} stride {st} pad {pd}", desc, args,
-                          dict(zip((api.ARG_SRC, api.ARG_DIFF_WEIGHTS, api.ARG_DIFF_DST), user)),
-                          {api.ARG_DIFF_WEIGHTS})
+    def run(blocked):
+        def build():
+            hint = _conv_fwd(xs, ws, has_bias, st, pd, blocked).pd
+            (src, dwei, ddst), user = _conv_mds(xs, ws, dy.shape, blocked)
+            bias = _md((ws[0],)) if has_bias else _NULL
+            desc = _create_pd("dnnl_convolution_backward_weights_primitive_desc_create", _engine,
+                              api.CONVOLUTION_DIRECT, src, dwei, bias, ddst,
+                              _dims(st), _dims((0, 0)), _dims(pd), _dims(pd), hint, _attr,
+                              detail=f"conv bwd weights x {xs} dw {ws}")
+            args = [api.ARG_SRC, api.ARG_DIFF_DST, api.ARG_DIFF_WEIGHTS] + ([api.ARG_DIFF_BIAS] if has_bias else [])
+            return _Primitive(f"{op} x {xs} dw {ws} stride {st} pad {pd}", desc, args,
+                              dict(zip((api.ARG_SRC, api.ARG_DIFF_WEIGHTS, api.ARG_DIFF_DST), user)),
+                              {api.ARG_DIFF_WEIGHTS})
 
-    prim = _cached(key, build)
-    if has_bias:
-        prim.run(x, dy, dw, db)
-    else:
-        prim.run(x, dy, dw)
+        prim = _cached(("conv_bwd_weights", xs, ws, has_bias, st, pd, blocked), build)
+        if has_bias:
+            prim.run(x, dy, dw, db)
+        else:
+            prim.run(x, dy, dw)
+
+    _conv_run((op, xs, ws, has_bias, st, pd), xs, ws, st, run)
     return dw
 
 
@@ -564,12 +633,28 @@ def _bn_fwd(xs, eps):
     return _cached(key, build)
 
 
+_F32_STRIDED = {"dtypes": _F32["dtypes"], "contiguous": False}
+
+
+def _bn_checks(op, x, per_channel, same_shape):
+    """Check a batch norm's arguments; returns x as its kernel reads it. Every argument but x
+    must be C-contiguous; x may be a channel slice of a larger NCHW array (a dense block's
+    concatenation buffer), which the numba kernels read in place and oneDNN's get as a copy."""
+    ck.check_channels(op, x, per_channel, **_F32_STRIDED)
+    ck.check_same_shape(op, "x", x, same_shape, **_F32_STRIDED)
+    for name, a, _ in (*per_channel, *same_shape):
+        ck.array(op, name, a, **_F32)
+    if not x.flags.c_contiguous and not (_bn_numba and x.ndim == 4):
+        x = np.ascontiguousarray(x)
+    return x
+
+
 def batchnorm_forward(x, gamma, beta, eps, out, mean_out, var_out):
     """Training-mode batch norm: batch mean and biased variance over N,H,W."""
     op = "batchnorm_forward"
-    ck.check_channels(op, x, [("gamma", gamma, False), ("beta", beta, False),
-                              ("mean_out", mean_out, True), ("var_out", var_out, True)], **_F32)
-    ck.check_same_shape(op, "x", x, [("out", out, True)], **_F32)
+    x = _bn_checks(op, x, [("gamma", gamma, False), ("beta", beta, False),
+                           ("mean_out", mean_out, True), ("var_out", var_out, True)],
+                   [("out", out, True)])
     if _bn_numba and x.ndim == 4:
         return _bnorm.forward(x, gamma, beta, eps, out, mean_out, var_out)
     _bn_fwd(x.shape, float(eps)).run(x, gamma, beta, out, mean_out, var_out)
@@ -579,9 +664,9 @@ def batchnorm_forward(x, gamma, beta, eps, out, mean_out, var_out):
 def batchnorm_backward(dy, x, gamma, mean, var, eps, dx, dgamma, dbeta):
     """Gradients of training-mode batch norm given the saved batch mean and variance."""
     op = "batchnorm_backward"
-    ck.check_channels(op, x, [("gamma", gamma, False), ("mean", mean, False), ("var", var, False),
-                              ("dgamma", dgamma, True), ("dbeta", dbeta, True)], **_F32)
-    ck.check_same_shape(op, "x", x, [("dy", dy, False), ("dx", dx, True)], **_F32)
+    x = _bn_checks(op, x, [("gamma", gamma, False), ("mean", mean, False), ("var", var, False),
+                           ("dgamma", dgamma, True), ("dbeta", dbeta, True)],
+                   [("dy", dy, False), ("dx", dx, True)])
     if _bn_numba and x.ndim == 4:
         return _bnorm.backward(dy, x, gamma, mean, var, eps, dx, dgamma, dbeta)
     xs, eps = x.shape, float(eps)
@@ -598,6 +683,36 @@ def batchnorm_backward(dy, x, gamma, mean, var, eps, dx, dgamma, dbeta):
                           {api.ARG_DIFF_SRC})
 
     _cached(("bn_bwd", xs, eps, _blocked), build).run(x, mean, var, dy, gamma, dx, dgamma, dbeta)
+    return dx
+
+
+def batchnorm_relu_forward(x, gamma, beta, eps, out, mean_out, var_out):
+    """Training batch norm then ReLU, one pass over the output (numba; or two kernels)."""
+    op = "batchnorm_relu_forward"
+    x = _bn_checks(op, x, [("gamma", gamma, False), ("beta", beta, False),
+                           ("mean_out", mean_out, True), ("var_out", var_out, True)],
+                   [("out", out, True)])
+    if _bn_numba and x.ndim == 4:
+        return _bnorm.forward(x, gamma, beta, eps, out, mean_out, var_out, relu=True)
+    batchnorm_forward(x, gamma, beta, eps, out, mean_out, var_out)
+    return relu_forward(out, out)
+
+
+def batchnorm_relu_backward(dy, y, x, gamma, mean, var, eps, dx, dgamma, dbeta, acc=None):
+    """Gradients of batchnorm_relu_forward given its output y (the ReLU mask is y > 0); with
+    acc (N, >= C, H, W), its first C channels are added to dx in the same pass."""
+    op = "batchnorm_relu_backward"
+    x = _bn_checks(op, x, [("gamma", gamma, False), ("mean", mean, False), ("var", var, False),
+                           ("dgamma", dgamma, True), ("dbeta", dbeta, True)],
+                   [("dy", dy, False), ("y", y, False), ("dx", dx, True)])
+    if acc is not None:
+        ck.check_acc(op, acc, dx, **_F32)
+    if _bn_numba and x.ndim == 4:
+        return _bnorm.backward(dy, x, gamma, mean, var, eps, dx, dgamma, dbeta, y=y, acc=acc)
+    relu_backward(dy, y, dx)
+    batchnorm_backward(dx.copy(), x, gamma, mean, var, eps, dx, dgamma, dbeta)
+    if acc is not None:
+        dx += acc[:, :dx.shape[1]]
     return dx
 
 
@@ -691,14 +806,72 @@ def _ip_fwd(xs, ws, has_bias):
     return _cached(("ip_fwd", xs, ws, has_bias), build)
 
 
+# Which implementation runs each dense shape: oneDNN's inner product is slower than NumPy's
+# BLAS matmul at some shapes (16x512 -> 1000 on 2 threads: ~550 us vs ~225 us) and faster at
+# others, so the first call of each (operation, shapes) times both on the caller's arrays and
+# keeps NumPy's when it is clearly faster ("auto": at least _DENSE_NUMPY_MARGIN times, as its
+# BLAS threads spin for a while after each call); "onednn" or "numpy" forces one.
+_dense_impl = "auto"
+_dense_choice: dict = {}
+_DENSE_TRIALS = 3
+_DENSE_NUMPY_MARGIN = 1.5     # NumPy must be this many times faster to be chosen
+
+
+def set_dense_impl(impl: str) -> str:
+    """Choose the dense kernels: "auto" (time both once per shape; NumPy when clearly faster), "onednn"
+    or "numpy". Returns the previous setting."""
+    global _dense_impl
+    if impl not in ("auto", "onednn", "numpy"):
+        raise ValueError(f"set_dense_impl: {impl!r} is not one of auto, onednn, numpy")
+    with _dnnl_lock:
+        old, _dense_impl = _dense_impl, impl
+        _dense_choice.clear()
+    return old
+
+
+def dense_choices() -> dict:
+    """The implementation picked for each dense (operation, shapes) timed so far."""
+    return dict(_dense_choice)
+
+
+def _dense_run(key, run_onednn, run_numpy):
+    """Run the dense kernel with the implementation chosen for key (timing both the first time)."""
+    numpy_run = run_numpy
+
+    def run_numpy():            # as quiet as oneDNN's kernels about overflow in float32
+        with np.errstate(all="ignore"):
+            numpy_run()
+
+    impl = _dense_impl if _dense_impl != "auto" else _dense_choice.get(key)
+    if impl is None:
+        best = {}
+        for name, fn in (("onednn", run_onednn), ("numpy", run_numpy)):
+            fn()                                            # warm-up (primitive creation)
+            times = []
+            for _ in range(_DENSE_TRIALS):
+                t = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t)
+            best[name] = min(times)
+        # NumPy's BLAS pool keeps its threads spinning for a while after a call, on the cores
+        # oneDNN's next kernels need: take it only when it wins by a clear margin.
+        impl = "numpy" if best["numpy"] * _DENSE_NUMPY_MARGIN < best["onednn"] else "onednn"
+        _dense_choice[key] = impl
+        log.debug("dense %s: %s (onednn %.1f us, numpy %.1f us)", key, impl,
+                  best["onednn"] * 1e6, best["numpy"] * 1e6)
+    (run_onednn if impl == "onednn" else run_numpy)()       # the result comes from this run
+
+
 def dense_forward(x, w, b, out):
     """out = x @ w.T + b with x (N,I), w (O,I)."""
     ck.check_dense_forward("dense_forward", x, w, b, out, **_F32)
     prim = _ip_fwd(x.shape, w.shape, b is not None)
     if b is None:
-        prim.run(x, w, out)
+        run = lambda: prim.run(x, w, out)  # noqa: E731
     else:
-        prim.run(x, w, b, out)
+        run = lambda: prim.run(x, w, b, out)  # noqa: E731
+    _dense_run(("dense_forward", x.shape, w.shape, b is not None), run,
+               lambda: _ref.dense_forward(x, w, b, out))
     return out
 
 
@@ -713,7 +886,8 @@ def dense_backward_data(dy, w, dx):
                           _md(dy.shape), _ip_fwd(xs, ws, False).pd, _attr, detail=f"dense bwd data dx {xs} w {ws}")
         return _Primitive(f"{op} dx {xs} w {ws}", desc, [api.ARG_DIFF_DST, api.ARG_WEIGHTS, api.ARG_DIFF_SRC])
 
-    _cached(("ip_bwd_data", xs, ws), build).run(dy, w, dx)
+    _dense_run((op, xs, ws), lambda: _cached(("ip_bwd_data", xs, ws), build).run(dy, w, dx),
+               lambda: _ref.dense_backward_data(dy, w, dx))
     return dx
 
 
@@ -731,11 +905,14 @@ def dense_backward_weights(x, dy, dw, db):
         args = [api.ARG_SRC, api.ARG_DIFF_DST, api.ARG_DIFF_WEIGHTS] + ([api.ARG_DIFF_BIAS] if has_bias else [])
         return _Primitive(f"{op} x {xs} dw {ws}", desc, args)
 
-    prim = _cached(("ip_bwd_weights", xs, ws, has_bias), build)
-    if has_bias:
-        prim.run(x, dy, dw, db)
-    else:
-        prim.run(x, dy, dw)
+    def run():
+        prim = _cached(("ip_bwd_weights", xs, ws, has_bias), build)
+        if has_bias:
+            prim.run(x, dy, dw, db)
+        else:
+            prim.run(x, dy, dw)
+
+    _dense_run((op, xs, ws, has_bias), run, lambda: _ref.dense_backward_weights(x, dy, dw, db))
     return dw
 
 
@@ -745,6 +922,18 @@ def concat_channels(xs, out):
     """Concatenate NCHW arrays along C into out (memory copies)."""
     ck.check_concat("concat_channels", xs, out, **_F32)
     return _ref.concat_channels(xs, out)
+
+
+def slice_channels(x, start, out):
+    """out = x[:, start:start + C] for out (N, C, ...) (a memory copy)."""
+    ck.check_slice("slice_channels", x, start, out, **_F32)
+    return _ref.slice_channels(x, start, out)
+
+
+def place_channels(x, start, out):
+    """out[:, start:start + C] = x for x (N, C, ...) (a memory copy of x alone)."""
+    ck.check_place("place_channels", x, start, out, **_F32)
+    return _ref.place_channels(x, start, out)
 
 
 def split_channels(dy, sizes, outs):

@@ -251,6 +251,26 @@ def batchnorm_backward(dy, x, gamma, mean, var, eps, dx, dgamma, dbeta):
     return dx
 
 
+def batchnorm_relu_forward(x, gamma, beta, eps, out, mean_out, var_out):
+    """Training batch norm followed by ReLU: out = max(batchnorm(x), 0)."""
+    batchnorm_forward(x, gamma, beta, eps, out, mean_out, var_out)
+    np.maximum(out, out.dtype.type(0), out=out)
+    return out
+
+
+def batchnorm_relu_backward(dy, y, x, gamma, mean, var, eps, dx, dgamma, dbeta, acc=None):
+    """Gradients of batchnorm_relu_forward, given its output y (the ReLU mask is y > 0); with
+    acc (N, >= C, H, W), its first C channels are added to dx (a concatenation's gradient)."""
+    op = "batchnorm_relu_backward"
+    ck.check_same_shape(op, "y", y, [("dy", dy, False)])
+    if acc is not None:
+        ck.check_acc(op, acc, dx)
+    batchnorm_backward(dy * (y > 0), x, gamma, mean, var, eps, dx, dgamma, dbeta)
+    if acc is not None:
+        dx += acc[:, :dx.shape[1]]
+    return dx
+
+
 def batchnorm_inference(x, gamma, beta, mean, var, eps, out):
     """Batch norm with given (running) statistics."""
     op = "batchnorm_inference"
@@ -323,6 +343,21 @@ def concat_channels(xs, out):
     for a in xs:
         out[:, c0:c0 + a.shape[1]] = a
         c0 += a.shape[1]
+    return out
+
+
+def slice_channels(x, start, out):
+    """out = x[:, start:start + C] for out (N, C, ...): one part of a concatenation."""
+    ck.check_slice("slice_channels", x, start, out)
+    out[...] = x[:, start:start + out.shape[1]]
+    return out
+
+
+def place_channels(x, start, out):
+    """out[:, start:start + C] = x for x (N, C, ...): one part of a concatenation written in
+    place (out's other channels are kept)."""
+    start = ck.check_place("place_channels", x, start, out)
+    out[:, start:start + x.shape[1]] = x
     return out
 
 

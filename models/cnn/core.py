@@ -184,12 +184,15 @@ class Session:
         ca.mark_layer(m)
 
         def pullback_wrapper(dy):
-            # The unit is part of the result so that its new gradients are not temporaries.
-            dx, _ = ca.noescape(lambda d: (captured[1](d), unit))(dy)
+            # The unit's parameters (every array a Unit holds) are part of the result so that
+            # their new gradients are not temporaries; for a Unit the list of its Params is
+            # walked instead of its whole object tree (any other object is walked whole).
+            params = unit.params() if isinstance(unit, Unit) else unit
+            dx, _ = ca.noescape(lambda d: (captured[1](d), params))(dy)
             captured.append(dy)
             del dy
             try:
-                ca.cleanup(captured, keep=ca.preserve(unit, x, dx))
+                ca.cleanup(captured, keep=ca.preserve(params, x, dx))
             finally:
                 del captured[2:]
             ca.mark_layer(m)

@@ -126,27 +126,51 @@ class BatchNorm2d(Unit):
     def activation_bytes(self):
         return _nbytes(self.out_shape) + 8 * self.in_shape[1]
 
-    def forward(self, s, x):
+    def forward(self, s, x, relu=False):
+        """relu: apply a following ReLU in the same kernel (``Chain`` fuses BatchNorm2d, ReLU
+        pairs); the pullback then masks the incoming gradient by the output."""
         self.check_input(x)
         be, eps, c = s.be, self.eps, self.in_shape[1]
         g, b = self.gamma.value, self.beta.value
         y, mean, var = s.empty(self.out_shape), s.empty((c,)), s.empty((c,))
-        s.kernel("batchnorm_forward",
-                 lambda xv, gv, bv, yv, mv, vv: be.batchnorm_forward(xv, gv, bv, eps, yv, mv, vv),
-                 (x, g, b), (y, mean, var))
-        pg, pb, in_shape = self.gamma, self.beta, self.in_shape
+        if relu:
+            s.kernel("batchnorm_relu_forward",
+                     lambda xv, gv, bv, yv, mv, vv:
+                     be.batchnorm_relu_forward(xv, gv, bv, eps, yv, mv, vv),
+                     (x, g, b), (y, mean, var))
+        else:
+            s.kernel("batchnorm_forward",
+                     lambda xv, gv, bv, yv, mv, vv: be.batchnorm_forward(xv, gv, bv, eps, yv, mv, vv),
+                     (x, g, b), (y, mean, var))
+        pg, pb, in_shape, name = self.gamma, self.beta, self.in_shape, self.name
 
-        def pullback(dy):
+        def pullback(dy, acc=None):
+            if acc is not None and not relu:
+                raise ValueError(f"layer {name}: only a fused batch norm and ReLU adds a "
+                                 "gradient (acc) to dx")
             dx = s.empty(in_shape)
             dg, db = pg.new_grad(s), pb.new_grad(s)
-            s.kernel("batchnorm_backward",
-                     lambda d, xv, gv, mv, vv, o, dgv, dbv:
-                     be.batchnorm_backward(d, xv, gv, mv, vv, eps, o, dgv, dbv),
-                     (dy, x, g, mean, var), (dx, dg, db))
+            if acc is not None:
+                s.kernel("batchnorm_relu_backward",
+                         lambda d, yv, xv, gv, mv, vv, av, o, dgv, dbv:
+                         be.batchnorm_relu_backward(d, yv, xv, gv, mv, vv, eps, o, dgv, dbv,
+                                                    acc=av),
+                         (dy, y, x, g, mean, var, acc), (dx, dg, db))
+            elif relu:
+                s.kernel("batchnorm_relu_backward",
+                         lambda d, yv, xv, gv, mv, vv, o, dgv, dbv:
+                         be.batchnorm_relu_backward(d, yv, xv, gv, mv, vv, eps, o, dgv, dbv),
+                         (dy, y, x, g, mean, var), (dx, dg, db))
+            else:
+                s.kernel("batchnorm_backward",
+                         lambda d, xv, gv, mv, vv, o, dgv, dbv:
+                         be.batchnorm_backward(d, xv, gv, mv, vv, eps, o, dgv, dbv),
+                         (dy, x, g, mean, var), (dx, dg, db))
             s.grads_ready(pg, pb)
             s.release(y, mean, var)
             return dx
 
+        pullback.accumulates = relu     # pullback(dy, acc) adds acc[:, :C] to dx
         return y, pullback
 
 
@@ -309,7 +333,9 @@ class Dense(_Weighted):
 
 
 class Chain(Unit):
-    """Layers applied in order; the pullback runs theirs in reverse."""
+    """Layers applied in order; the pullback runs theirs in reverse. A batch norm followed by a
+    ReLU runs as one fused kernel each way when the backend has them (same results: the ReLU's
+    mask is the fused output's sign)."""
 
     def __init__(self, name, layers):
         self.name = name
@@ -320,19 +346,32 @@ class Chain(Unit):
 
     def forward(self, s, x):
         pullbacks = []
-        for layer in self.layers:
-            x, pb = layer.forward(s, x)
+        layers, i = self.layers, 0
+        fuse = hasattr(s.be, "batchnorm_relu_forward")
+        while i < len(layers):
+            layer = layers[i]
+            if (fuse and type(layer) is BatchNorm2d and i + 1 < len(layers)
+                    and type(layers[i + 1]) is ReLU):
+                layers[i + 1].check_input(x)
+                x, pb = layer.forward(s, x, relu=True)      # one kernel each way for the pair
+                i += 2
+            else:
+                x, pb = layer.forward(s, x)
+                i += 1
             pullbacks.append(pb)
+        first = pullbacks[0]
 
-        def pullback(dy):
+        def pullback(dy, acc=None):
+            """acc (when ``pullback.accumulates``): added to dx by the first layer's kernel."""
             g = dy
             for pb in reversed(pullbacks):
-                dg = pb(g)
+                dg = pb(g, acc) if pb is first and acc is not None else pb(g)
                 if g is not dy and (dg is None or dg.object is not g.object):  # Flatten: a view
                     s.release(g)
                 g = dg
             return g
 
+        pullback.accumulates = getattr(first, "accumulates", False)
         return x, pullback
 
 

@@ -159,9 +159,24 @@ class ResidualBlock(Unit):
 
 
 class DenseLayer(Unit):
-    """DenseNet-B layer: BN-ReLU-Conv1x1(4k)-BN-ReLU-Conv3x3(k), concatenated to its input."""
+    """DenseNet-B layer: BN-ReLU-Conv1x1(4k)-BN-ReLU-Conv3x3(k), concatenated to its input.
 
-    def __init__(self, name, in_shape, growth, bn_size=4):
+    Concatenation in place: a dense block's layers share one buffer of the block's final
+    channel count (``block_channels``; by default this layer's output alone). The block's first
+    layer (``first``) allocates it and writes its input into the first channels; every layer
+    writes its k new channels into their slice and returns the whole buffer, and the next layer
+    reads the channel prefix it was built for (a strided view, no copy). So a layer built for
+    ``in_shape`` (N, c, H, W) takes, unless it is the first, the buffer (N, block_channels, H, W)
+    of which channels :c are written, and returns the buffer with channels :c + k written. The
+    buffer is freed when the block's first layer's pullback (the last of the block) has run.
+
+    Backward: the gradient of the concatenation is not split. Only its k new channels are
+    copied out (the inner chain's input gradient); the first kernel of the inner chain's
+    backward (its fused batch norm and ReLU) adds the first c channels to the dx it writes,
+    so dx = dy[:, :c] + d(inner)/dx costs no pass of its own (backends without the fused
+    kernels split and add)."""
+
+    def __init__(self, name, in_shape, growth, bn_size=4, block_channels=None, first=True):
         self.name, self.in_shape = name, tuple(in_shape)
         n, c, h, w = self.in_shape
         b1 = BatchNorm2d(f"{name}.bn1", in_shape)
@@ -173,28 +188,66 @@ class DenseLayer(Unit):
         self.inner = Chain(f"{name}.inner", [b1, r1, c1, b2, r2, c2])
         self.growth = growth
         self.out_shape = (n, c + growth, h, w)
+        cb = c + growth if block_channels is None else int(block_channels)
+        if cb < c + growth:
+            raise ValueError(f"layer {name}: block_channels {cb} must hold the input's {c} "
+                             f"channels and the {growth} new ones")
+        self.buffer_shape = (n, cb, h, w)
+        self.first = bool(first)
 
     def activation_bytes(self):
-        return super().activation_bytes() + 4 * math.prod(self.out_shape)
+        # The block's buffer is counted once, by its first layer.
+        return super().activation_bytes() + (4 * math.prod(self.buffer_shape) if self.first else 0)
+
+    def check_input(self, x):
+        if self.first:
+            return super().check_input(x)
+        if tuple(x.shape) != self.buffer_shape:
+            raise ValueError(f"layer {self.name}: input has shape {tuple(x.shape)}, expected "
+                             f"the dense block's buffer {self.buffer_shape} (channels "
+                             f":{self.in_shape[1]} written by the layers before it)")
 
     def forward(self, s, x):
         self.check_input(x)
         be = s.be
         c, k = self.in_shape[1], self.growth
-        new, pb_inner = self.inner.forward(s, x)
-        y = s.empty(self.out_shape)
-        s.kernel("concat_channels", lambda a, b, o: be.concat_channels([a, b], o), (x, new), (y,))
-        s.release(new)                     # the concatenation holds a copy
-        in_shape, new_shape = self.in_shape, new.shape
+        if self.first:
+            buf, xin = s.empty(self.buffer_shape), x
+            s.kernel("place_channels", lambda a, o: be.place_channels(a, 0, o), (x,), (buf,),
+                     pure=False)
+        else:
+            buf, xin = x, x[:, :c]       # the channels written so far: a strided view
+        new, pb_inner = self.inner.forward(s, xin)
+        s.kernel("place_channels", lambda a, o: be.place_channels(a, c, o), (new,), (buf,),
+                 pure=False)
+        s.release(new)                   # the buffer holds a copy
+        y, first, new_shape = buf, self.first, new.shape
+
+        if getattr(pb_inner, "accumulates", False) and hasattr(be, "slice_channels"):
+            def pullback(dy):
+                # dx = dy[:, :c] + d(inner)/dx: the inner chain's first kernel (batch norm and
+                # ReLU) adds dy's first c channels itself, so only the new channels are copied.
+                dnew = s.empty(new_shape)
+                s.kernel("slice_channels", lambda d, o: be.slice_channels(d, c, o), (dy,), (dnew,))
+                dx = pb_inner(dnew, acc=dy)
+                s.release(dnew)
+                if first:                # the block's last pullback: the buffer is done
+                    s.release(y)
+                return dx
+
+            return y, pullback
+
+        in_shape = self.in_shape
 
         def pullback(dy):
             dx, dnew = s.empty(in_shape), s.empty(new_shape)
             s.kernel("split_channels", lambda d, o1, o2: be.split_channels(d, [c, k], [o1, o2]),
                      (dy,), (dx, dnew))
-            s.release(y)
             dinner = pb_inner(dnew)
             add(s, dx, dinner, out=dx)
             s.release(dnew, dinner)
+            if first:
+                s.release(y)
             return dx
 
         return y, pullback
@@ -274,8 +327,9 @@ def densenet(depth=121, batch=16, image=64, channels=3, classes=10, width=1, gro
     units, shape = _stem((batch, channels, image, image), width)
     blocks = DENSENET_DEPTHS[depth]
     for b, n in enumerate(blocks, 1):
+        final = shape[1] + n * k          # one buffer per block (concatenation in place)
         for i in range(1, n + 1):
-            layer = DenseLayer(f"dense{b}.{i}", shape, k)
+            layer = DenseLayer(f"dense{b}.{i}", shape, k, block_channels=final, first=i == 1)
             units.append(layer)
             shape = layer.out_shape
         if b < len(blocks):

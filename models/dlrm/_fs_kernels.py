@@ -47,6 +47,15 @@ ROWS_PER_ITEM = 256
 PREFETCH_AHEAD = 16
 #: Indices ahead whose rows the bag sums prefetch.
 ROW_PREFETCH = 16
+#: Indices ahead whose ``where`` entries the translation pass prefetches.
+WHERE_PREFETCH = 32
+#: Indices translated by one parallel work item.
+INDICES_PER_ITEM = 4096
+#: A translated position's flag for a cache row, and the mask of its flat start.
+CACHED = np.uint64(1 << 63)
+OFFSET = np.uint64((1 << 63) - 1)
+WAHEAD = WHERE_PREFETCH
+IPI = INDICES_PER_ITEM
 BPI = BAGS_PER_ITEM
 RPI = ROWS_PER_ITEM
 AHEAD = PREFETCH_AHEAD
@@ -195,6 +204,15 @@ def add8(acc, t, p0, p1, p2, p3, p4, p5, p6, p7, fs):
 
 
 @njit(**INLINE)
+def add8x(acc, t0, t1, t2, t3, t4, t5, t6, t7, p0, p1, p2, p3, p4, p5, p6, p7, fs):
+    """add8 with each row from its own flat buffer (base or cache)."""
+    for f in range(fs):
+        uf = np.uint64(f)
+        acc[uf] = (acc[uf] + t0[p0 + uf] + t1[p1 + uf] + t2[p2 + uf] + t3[p3 + uf]
+                   + t4[p4 + uf] + t5[p5 + uf] + t6[p6 + uf] + t7[p7 + uf])
+
+
+@njit(**INLINE)
 def add4(acc, t, p0, p1, p2, p3, fs):
     for f in range(fs):
         uf = np.uint64(f)
@@ -250,15 +268,17 @@ def sum_bag(t, indices, start, end, acc, fs, specialised):
 
 
 @njit(**SERIAL)
-def sum_bag_indirect(bflat, cflat, where, indices, start, end, acc, fs, specialised):
+def sum_bag_indirect(bflat, cflat, where, indices, start, end, acc, missed, fs, specialised):
     """Like sum_bag, row r read from cache[where[r]] when where[r] >= 0; specialised sets
     take 8 rows at a time and prefetch, the generic set one row at a time (measured faster
-    there).  The order of additions is the same.
+    there).  The order of additions is the same.  Returns how many of the rows were cached;
+    ``missed[j] = 1`` marks each index j whose row is not (``missed`` may be None).
 
     A call, not inlined by numba: LLVM inlines it and folds the constants, and inlined by
     numba it doubled the compile time of the bag sums for no measured gain."""
     nidx = indices.shape[0]
     zero(acc, fs)
+    hits = 0
     j = start
     while j < end:
         n = min(8, end - j) if specialised else 1
@@ -278,31 +298,124 @@ def sum_bag_indirect(bflat, cflat, where, indices, start, end, acc, fs, speciali
             c6, p6 = addr(where, indices[j + 6], fs)
             c7, p7 = addr(where, indices[j + 7], fs)
             ncached = c0 + c1 + c2 + c3 + c4 + c5 + c6 + c7
-            if ncached == 8 or ncached == 0:
-                add8(acc, cflat if ncached else bflat, p0, p1, p2, p3, p4, p5, p6, p7, fs)
-                j += 8
-                continue
+            hits += ncached
+            if ncached == 8:
+                add8(acc, cflat, p0, p1, p2, p3, p4, p5, p6, p7, fs)
+            elif ncached == 0:
+                add8(acc, bflat, p0, p1, p2, p3, p4, p5, p6, p7, fs)
+            else:  # a mix: one 8-row add, each row from where it lives
+                add8x(acc, cflat if c0 else bflat, cflat if c1 else bflat,
+                      cflat if c2 else bflat, cflat if c3 else bflat, cflat if c4 else bflat,
+                      cflat if c5 else bflat, cflat if c6 else bflat, cflat if c7 else bflat,
+                      p0, p1, p2, p3, p4, p5, p6, p7, fs)
+            if missed is not None and ncached < 8:
+                for q in range(j, j + 8):
+                    if where[indices[q]] < 0:
+                        missed[q] = 1
+            j += 8
+            continue
         for q in range(j, j + n):
             c, p = addr(where, indices[q], fs)
             if c:  # two calls rather than one on a selected array: that measured slower
                 add1(acc, cflat, p, fs)
+                hits += 1
             else:
                 add1(acc, bflat, p, fs)
+                if missed is not None:
+                    missed[q] = 1
+        j += n
+    return hits
+
+
+@njit(**INLINE)
+def translate(where, indices, lo, hi, pos, missed, fs):
+    """pos[j] = flat start of row indices[j] where it lives, CACHED set for a cache row, for
+    j in lo..hi; returns how many are cached and marks ``missed[j] = 1`` for the others.
+
+    The first of the lookup's two passes: its iterations are independent, so the core keeps
+    many ``where`` misses in flight (plus a prefetch WAHEAD on); the sums then read ``pos``
+    sequentially instead of waiting on ``where`` for every row."""
+    hits = 0
+    for j in range(lo, hi):
+        if j + WAHEAD < hi:
+            prefetch_read(where, np.uint64(indices[j + WAHEAD]))
+        r = indices[j]
+        w = where[r]
+        if w >= 0:
+            pos[j] = at(w, fs) | CACHED
+            hits += 1
+        else:
+            pos[j] = at(r, fs)
+            if missed is not None:
+                missed[j] = 1
+    return hits
+
+
+@njit(**INLINE)
+def sum_bag_pos(bflat, cflat, pos, start, end, acc, fs, specialised):
+    """sum_bag over translated positions (see ``translate``): 8 rows at a time, each group
+    from the cache, the base or (a mix) each row from its own buffer; same order of additions."""
+    nidx = pos.shape[0]
+    zero(acc, fs)
+    j = start
+    while j < end:
+        n = 8 if j + 8 <= end else 1
+        if specialised:
+            for q in range(j + RAHEAD, min(j + RAHEAD + n, nidx)):
+                pq = pos[q]
+                prefetch_row(cflat if pq & CACHED else bflat, pq & OFFSET, fs)
+        if n == 8:
+            p0, p1, p2, p3 = pos[j], pos[j + 1], pos[j + 2], pos[j + 3]
+            p4, p5, p6, p7 = pos[j + 4], pos[j + 5], pos[j + 6], pos[j + 7]
+            anded = p0 & p1 & p2 & p3 & p4 & p5 & p6 & p7
+            ored = p0 | p1 | p2 | p3 | p4 | p5 | p6 | p7
+            if anded & CACHED:
+                add8(acc, cflat, p0 & OFFSET, p1 & OFFSET, p2 & OFFSET, p3 & OFFSET,
+                     p4 & OFFSET, p5 & OFFSET, p6 & OFFSET, p7 & OFFSET, fs)
+            elif not (ored & CACHED):
+                add8(acc, bflat, p0, p1, p2, p3, p4, p5, p6, p7, fs)
+            else:
+                add8x(acc, cflat if p0 & CACHED else bflat, cflat if p1 & CACHED else bflat,
+                      cflat if p2 & CACHED else bflat, cflat if p3 & CACHED else bflat,
+                      cflat if p4 & CACHED else bflat, cflat if p5 & CACHED else bflat,
+                      cflat if p6 & CACHED else bflat, cflat if p7 & CACHED else bflat,
+                      p0 & OFFSET, p1 & OFFSET, p2 & OFFSET, p3 & OFFSET, p4 & OFFSET,
+                      p5 & OFFSET, p6 & OFFSET, p7 & OFFSET, fs)
+        else:
+            pj = pos[j]
+            if pj & CACHED:  # two calls rather than one on a selected array: that measured slower
+                add1(acc, cflat, pj & OFFSET, fs)
+            else:
+                add1(acc, bflat, pj, fs)
         j += n
 
 
 @njit(**INLINE)
-def bag_sums(bflat, cflat, where, indices, offsets, lo, hi, out, ostride, ocol, acc, fs,
+def bag_sums_pos(bflat, cflat, pos, offsets, lo, hi, out, ostride, ocol, acc, fs, specialised):
+    """bag_sums over translated positions."""
+    nidx = pos.shape[0]
+    for b in range(lo, hi):
+        start, end = bag_bounds(offsets, b, nidx)
+        sum_bag_pos(bflat, cflat, pos, start, end, acc, fs, specialised)
+        store(acc, out, np.uint64(b * ostride + ocol), fs)
+
+
+@njit(**INLINE)
+def bag_sums(bflat, cflat, where, indices, offsets, lo, hi, out, ostride, ocol, acc, missed, fs,
              specialised):
-    """out rows lo..hi (at column ocol of a row-strided flat buffer) = those bags' sums."""
+    """out rows lo..hi (at column ocol of a row-strided flat buffer) = those bags' sums.
+    Returns how many indices were served from the cache (0 for a plain table)."""
     nidx = indices.shape[0]
+    hits = 0
     for b in range(lo, hi):
         start, end = bag_bounds(offsets, b, nidx)
         if where is None:
             sum_bag(bflat, indices, start, end, acc, fs, specialised)
         else:
-            sum_bag_indirect(bflat, cflat, where, indices, start, end, acc, fs, specialised)
+            hits += sum_bag_indirect(bflat, cflat, where, indices, start, end, acc, missed, fs,
+                                     specialised)
         store(acc, out, np.uint64(b * ostride + ocol), fs)
+    return hits
 
 
 @njit(**INLINE)
@@ -373,16 +486,35 @@ def make_kernels(FS):
                     out[o + uf] = tflat[p + uf]
 
     @njit(**PARALLEL)
-    def bag_sum(base, cache, where, indices, offsets, nbags, out, ostride, ocol):
-        """Bag sums into a row-strided flat ``out``; ``(table, table, None)`` for a plain table."""
+    def bag_sum(base, cache, where, indices, offsets, nbags, out, ostride, ocol, missed):
+        """Bag sums into a row-strided flat ``out``; ``(table, table, None)`` for a plain table.
+        Returns how many indices were served from the cache; ``missed`` (None or one uint8
+        per index) gets 1 for every index whose row is not cached."""
         fs = FS or base.shape[1]
         bflat = base.reshape(-1)
         cflat = cache.reshape(-1)
-        for it in prange((nbags + BPI - 1) // BPI):
-            acc = np.empty(fs, dtype=base.dtype)
-            lo, hi = span(it, BPI, nbags)
-            bag_sums(bflat, cflat, where, indices, offsets, lo, hi, out, ostride, ocol, acc, fs,
-                     SPECIALISED)
+        served = 0
+        if where is None:
+            for it in prange((nbags + BPI - 1) // BPI):
+                acc = np.empty(fs, dtype=base.dtype)
+                lo, hi = span(it, BPI, nbags)
+                bag_sums(bflat, cflat, where, indices, offsets, lo, hi, out, ostride, ocol,
+                         acc, missed, fs, SPECIALISED)
+        else:  # two passes: translate every index to its row's position, then sum
+            nidx = indices.shape[0]
+            pos = np.empty(nidx, dtype=np.uint64)
+            nitems = (nidx + IPI - 1) // IPI
+            cached = np.empty(nitems, dtype=np.int64)  # per item: no parfor reduction
+            for it in prange(nitems):
+                lo, hi = span(it, IPI, nidx)
+                cached[it] = translate(where, indices, lo, hi, pos, missed, fs)
+            served = cached.sum()
+            for it in prange((nbags + BPI - 1) // BPI):
+                acc = np.empty(fs, dtype=base.dtype)
+                lo, hi = span(it, BPI, nbags)
+                bag_sums_pos(bflat, cflat, pos, offsets, lo, hi, out, ostride, ocol, acc, fs,
+                             SPECIALISED)
+        return served
 
     @njit(**PARALLEL)
     def bag_sum_many(tables, indices, offsets, nbags, out, ostride, cols, chunk):
@@ -397,7 +529,7 @@ def make_kernels(FS):
             acc = np.empty(fs, dtype=tflat.dtype)
             lo, hi = span(c, chunk, nbags)
             bag_sums(tflat, tflat, None, indices[t], offsets[t], lo, hi, out, ostride, cols[t],
-                     acc, fs, SPECIALISED)
+                     acc, None, fs, SPECIALISED)
 
     @njit(**PARALLEL)
     def apply_sgd(base, cache, where, rows, bounds, occ, nu, dout, gstride, gcol, lr):

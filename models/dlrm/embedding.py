@@ -13,9 +13,10 @@ no view outlives its scope.
 * :class:`CachedEmbeddingTable` keeps the *base* rows in slow memory and caches single rows in a
   pool of fixed-size pages in fast memory.  ``where[row]`` (int64) is the row's slot in the
   pool or -1; ``backedge[slot]`` is the row held by a slot or -1.  numba has no CPU
-  compare-and-swap, so rows are cached batch-synchronously: take the batch's uncached rows,
-  bump-allocate slots, copy the rows in parallel, swap the pointers, then look up.  The result
-  is the state the dissertation's lock-bit protocol reaches, deterministically.
+  compare-and-swap, so rows are cached batch-synchronously: the lookup reads every row where
+  it lives and marks the indices that missed; then the missed rows are listed once each,
+  given bump-allocated slots, copied in and the pointers swapped.  The result is the state the
+  dissertation's lock-bit protocol reaches, deterministically.
 
 Table kinds (the dissertation's §5.6.1 "policies"; see :func:`make_table`): ``fast`` and
 ``simple`` (a SimpleTable in fast or slow memory), ``static`` (fill the cache once with random
@@ -92,6 +93,12 @@ def _place_rows(base, cache, where, backedge, rows, slots):
             where[r] = -1
 
 
+#: The same copy on one thread: for a few rows, starting the thread pool costs more than the copy.
+_place_rows_serial = njit(cache=True, nogil=True)(_place_rows.py_func)
+#: Rows below which the cache's copies run on one thread.
+SERIAL_ROWS = 4096
+
+
 @njit(parallel=True, cache=True, nogil=True)
 def _drop_slots(base, cache, where, backedge, dirty, slots):
     """Send the rows of ``slots`` home, copying the dirty ones back; returns the copies."""
@@ -109,6 +116,9 @@ def _drop_slots(base, cache, where, backedge, dirty, slots):
             backedge[s] = -1
         dirty[s] = 0
     return copied
+
+
+_drop_slots_serial = njit(cache=True, nogil=True)(_drop_slots.py_func)
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -307,14 +317,16 @@ class SimpleTable(EmbeddingTable):
         _check_context(context, self.name)
         nbags = _batch_size(offsets, out, np.shape(indices)[0] if np.ndim(indices) else 0)
         idx = kernels.check_indices(indices, self.nvectors, self.name)
+        off = None if offsets is None else kernels.check_offsets(offsets, idx.shape[0], nbags,
+                                                                 self.name)
         if out is None:
             out = self._new_output(nbags)
         with _kernel("embedding_lookup", (self.data,), (out,),
                      [(self.data, idx.shape[0] * self.rowbytes)]) as (t, o):
-            if offsets is None:
+            if off is None:
                 kernels.lookup(t, idx, o, name=self.name, check=False)
-            else:
-                kernels.lookup_sum(t, idx, offsets, o, name=self.name)
+            else:  # indices and offsets checked once, above
+                kernels.lookup_sum(t, idx, off, o, name=self.name, check=False)
         self._account_lookup(idx.shape[0])
         return out
 
@@ -405,7 +417,11 @@ class CachedEmbeddingTable(EmbeddingTable):
             self.flush_dirty(0)
             ca.unsafe_free(self.cache)
         want = min(self.nvectors, self._lower_rows + self._slack_rows)
-        self.page_rows = max(1, min(self._page_rows_wanted, want))
+        # A flush drops whole pages, oldest first, down to cachelower: a page no larger than
+        # the slack keeps a flush to about the slack (one page holding a small table's whole
+        # cache would empty the cache on every flush, and every lookup would start cold).
+        page = self._slack_rows if self._slack_rows > 0 else want
+        self.page_rows = max(1, min(self._page_rows_wanted, want, page))
         self.npages = -(-want // self.page_rows)
         slots = self.npages * self.page_rows
         self.cache = ca.empty((slots, self.featuresize), dtype=self.dtype, manager=self.manager)
@@ -508,7 +524,8 @@ class CachedEmbeddingTable(EmbeddingTable):
     def _place(self, base_view, cache_view, misses, slots):
         """Copy the planned rows into their slots (inside a kernel that writes the pool)."""
         if slots.size:
-            _place_rows(base_view, cache_view, self.where, self.backedge, misses, slots)
+            place = _place_rows_serial if misses.shape[0] < SERIAL_ROWS else _place_rows
+            place(base_view, cache_view, self.where, self.backedge, misses, slots)
         else:
             self.where[misses] = -1
         self._stats["rows_cached"] += slots.size
@@ -525,9 +542,6 @@ class CachedEmbeddingTable(EmbeddingTable):
             self._unmark(misses)
             raise
         return hits
-
-    def _count_hits(self, idx):
-        return int(np.count_nonzero(self.where[idx] >= 0))
 
     def rowpointer(self, i, context=None):
         _check_context(context, self.name)
@@ -558,26 +572,16 @@ class CachedEmbeddingTable(EmbeddingTable):
             out = self._new_output(nbags)
         if not ca.in_fast(self.cache):
             ca.prefetch(self.cache)
-        # One kernel: read the base, fill the pool with the batch's uncached rows (cache) or
-        # only read it, write the output.
-        misses = None
-        if cache:
-            hits, misses, slots = self._scan(idx)
-            reads, writes = self._cache_operands(slots.size > 0)
-        else:
-            hits = self._count_hits(idx)
-            reads, writes = self._cache_operands(False)
-        try:
-            with _kernel("embedding_lookup", reads, (*writes, out)) as views:
-                base_view, cache_view, o = views[0], views[1], views[-1]
-                if misses is not None:
-                    self._place(base_view, cache_view, misses, slots)
-                kernels.lookup_sum_indirect(base_view, cache_view, self.where, idx, off, o,
-                                            name=self.name, check=False)
-        except BaseException:
-            if misses is not None:
-                self._unmark(misses)
-            raise
+        # Look up through the pointers (rows not cached are read from the base, which holds
+        # their value), marking the indices that missed; then cache those rows while there
+        # is room.  The sums are those of caching first: a cached row is a copy of its base row.
+        room = cache and (self._insert < self.page_rows or bool(self._free_pages))
+        missed = np.zeros(idx.shape[0], dtype=np.uint8) if room else None
+        with _kernel("embedding_lookup", (self.base, self.cache), (out,)) as (b, c, o):
+            _, hits = kernels.lookup_sum_indirect_hits(b, c, self.where, idx, off, o, missed,
+                                                       name=self.name, check=False)
+        if missed is not None and hits < idx.shape[0]:
+            self._cache_rows(idx[np.flatnonzero(missed)])
         self._account_lookup(idx.shape[0], hits)
         return out
 
@@ -631,7 +635,8 @@ class CachedEmbeddingTable(EmbeddingTable):
         nrows = int(np.count_nonzero(held >= 0))
         if writeback:
             with ca.kernel("embedding_writeback", (self.cache,), (self.base,)) as (c, b):
-                copied = _drop_slots(b, c, self.where, self.backedge, self.dirty_slots, slots)
+                drop = _drop_slots_serial if slots.shape[0] < SERIAL_ROWS else _drop_slots
+                copied = drop(b, c, self.where, self.backedge, self.dirty_slots, slots)
         else:
             self.where[held[held >= 0]] = -1
             self.backedge[slots] = -1

@@ -24,6 +24,7 @@ __all__ = [
     "lookup",
     "lookup_sum",
     "lookup_sum_indirect",
+    "lookup_sum_indirect_hits",
     "lookup_many",
     "sgd_update",
     "sgd_update_indirect",
@@ -44,8 +45,8 @@ _FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 # kernels of ``_fs_kernels.make_kernels(fs)``: closures over the feature size, which numba
 # compiles with constant trip counts (unrolled, vectorised loops without aliasing re-checks).
 # ``fs = 0`` is the generic set (feature size read at run time) for rows wider than
-# MAX_SPECIALISED_FS, ensembles and ``set_specialised(False)``.  Both come from the same
-# source and add in the same order, so results are bit-identical.
+# MAX_SPECIALISED_FS, ensembles of mixed sizes and ``set_specialised(False)``.  Both come from
+# the same source and add in the same order, so results are bit-identical.
 # ----------------------------------------------------------------------------------------
 
 #: Feature sizes up to this get specialised kernels; wider rows use the generic ones.
@@ -53,8 +54,6 @@ MAX_SPECIALISED_FS = 512
 _specialised_cache = {}
 _specialised_lock = threading.RLock()
 _USE_SPECIALISED = True
-#: Ensembles (lookup_many/update_many) use the specialised kernels only when set.
-_SPECIALISE_ENSEMBLES = False
 
 
 def _kernels_for(fs):
@@ -333,7 +332,7 @@ def lookup_sum(table, indices, offsets, out=None, *, name="table", check=True):
     Without ``out`` there are ``len(offsets)`` bags, so pass ``out`` when ``offsets`` ends with
     ``len(indices)``."""
     _check_table(table, name)
-    return _lookup_bags(table, table, None, indices, offsets, out, name, check)
+    return _lookup_bags(table, table, None, indices, offsets, out, name, check)[0]
 
 
 def lookup_sum_indirect(base, cache, where, indices, offsets, out=None, *, name="table",
@@ -343,22 +342,40 @@ def lookup_sum_indirect(base, cache, where, indices, offsets, out=None, *, name=
     ``check=False`` trusts indices, offsets and ``where`` (a table that keeps them valid)."""
     _check_table(base, name, "base")
     _check_table(cache, name, "cache")
-    return _lookup_bags(base, cache, where, indices, offsets, out, name, check)
+    return _lookup_bags(base, cache, where, indices, offsets, out, name, check)[0]
 
 
-def _lookup_bags(base, cache, where, indices, offsets, out, name, check):
-    """The bag sums of ``lookup_sum`` (``where=None``, ``cache=base``) and ``lookup_sum_indirect``."""
+def lookup_sum_indirect_hits(base, cache, where, indices, offsets, out, missed=None, *,
+                             name="table", check=True):
+    """``lookup_sum_indirect`` that also returns how many indices were served from the cache
+    and, given ``missed`` (uint8, one per index, zero on entry), marks the others with 1:
+    ``(out, hits)``."""
+    _check_table(base, name, "base")
+    _check_table(cache, name, "cache")
+    if missed is not None and (not isinstance(missed, np.ndarray) or missed.dtype != np.uint8
+                               or missed.shape != (np.shape(indices)[0],)):
+        raise ValueError(f"table {name!r}: missed must be a uint8 array with one entry per index")
+    return _lookup_bags(base, cache, where, indices, offsets, out, name, check, missed)
+
+
+def _lookup_bags(base, cache, where, indices, offsets, out, name, check, missed=None):
+    """The bag sums of ``lookup_sum`` (``where=None``, ``cache=base``) and ``lookup_sum_indirect``.
+
+    ``missed`` (uint8, one per index, zero on entry) gets 1 for each index whose row is not
+    cached.  Returns ``(out, hits)``: hits counts indices served from the cache."""
     nbags = _nbags_of(out, offsets)
     idx = _indices(indices, base.shape[0], name, check)
     off = _offsets(offsets, idx.shape[0], nbags, name, check)
     if where is not None:
         where = _check_where(where, base, cache, idx, name, check)
     out, flat, stride, scratch = _output(out, nbags, base.shape[1], base.dtype, name)
+    hits = 0
     if nbags and base.shape[1]:
-        _pick("bag_sum", base.shape[1])(base, cache, where, idx, off, nbags, flat, stride, 0)
+        hits = _pick("bag_sum", base.shape[1])(base, cache, where, idx, off, nbags, flat, stride,
+                                               0, missed)
     if scratch is not None:
         out[...] = scratch
-    return out
+    return out, int(hits)
 
 
 def _prepare_update(nrows, indices, offsets, dout, dtype, fs, name, check=True):
@@ -528,10 +545,8 @@ def lookup_many(tables, indices_list, offsets_list, out=None, column_offsets=Non
     if nbags:
         nthreads = numba.get_num_threads()
         chunk = max(1, min(_BAGS_PER_ITEM, -(-nbags * len(tables) // (8 * nthreads))))
-        # The generic ensemble kernel: for DLRM's one-row bags of 16 features the specialised
-        # one measured slower (11.8 vs 6.2 ms for 26 tables, batch 8192), so it is opt-in.
-        _pick("bag_sum_many", _common_fs(tables) if _SPECIALISE_ENSEMBLES else 0)(
-            tl, il, ol, nbags, flat, stride, cols, chunk)
+        # one feature size: the kernels specialised for it (the generic ones otherwise)
+        _pick("bag_sum_many", _common_fs(tables))(tl, il, ol, nbags, flat, stride, cols, chunk)
     if scratch is not None:
         out[...] = scratch
     return out
@@ -560,8 +575,7 @@ def update_many(tables, indices_list, offsets_list, dout, lr, column_offsets=Non
     maxrows = max(t.shape[0] for t in tables)
     nworkers = max(1, min(numba.get_num_threads(), len(tables)))
     slots = _slots.take(nworkers, maxrows)
-    kernel = _pick("update_many", _common_fs(tables) if _SPECIALISE_ENSEMBLES else 0)
-    # generic by default, as in lookup_many
+    kernel = _pick("update_many", _common_fs(tables))
     nus, rows = kernel(tl, il, ol, nbags, gflat, gstride, cols, dtype.type(lr), slots, nworkers,
                        idx_base)
     _slots.give(slots)

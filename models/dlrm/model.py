@@ -22,7 +22,7 @@ from cachedarrays.models.backend import get_backend
 
 from . import embedding as emb
 from . import kernels
-from ._interaction_kernels import make_forward
+from ._interaction_kernels import make_backward, make_forward
 from .configs import DLRMConfig, get_config
 from .data import Batch, SyntheticDataset
 
@@ -83,8 +83,8 @@ def _dot_backward(t, dr, nfeat, fs, dt):
 MAX_SPECIALISED_NFEAT = 128
 MAX_SPECIALISED_FS = 512
 _use_specialised = True
-_forward_kernels = {}     # (nfeat, fs) -> jitted forward kernel
-_forward_lock = threading.Lock()
+_kernels = {}             # (nfeat, fs) -> (jitted forward, jitted backward)
+_kernels_lock = threading.Lock()
 
 
 def set_specialised(enabled: bool) -> bool:
@@ -94,9 +94,10 @@ def set_specialised(enabled: bool) -> bool:
     return old
 
 
-def _specialised(nfeat, fs, t, *arrays):
-    """The interaction kernels for this shape, or None (generic kernels) when the shape is
-    large, the arrays are not C-contiguous (B, width) float arrays or specialisation is off."""
+def _specialised(nfeat, fs, t, *arrays, backward=False):
+    """The forward (or ``backward``) interaction kernel for this shape, or None (generic
+    kernels) when the shape is large, the arrays are not C-contiguous (B, width) float arrays of
+    t's dtype or specialisation is off. ``arrays`` are r (forward) or dr, dt (backward)."""
     if not (_use_specialised and 1 <= nfeat <= MAX_SPECIALISED_NFEAT
             and 1 <= fs <= MAX_SPECIALISED_FS):
         return None
@@ -110,13 +111,13 @@ def _specialised(nfeat, fs, t, *arrays):
     if any(a.shape[1] != (width if k == 0 else nfeat * fs) for k, a in enumerate(arrays)):
         return None
     key = (nfeat, fs)
-    k = _forward_kernels.get(key)
+    k = _kernels.get(key)
     if k is None:
-        with _forward_lock:
-            k = _forward_kernels.get(key)
+        with _kernels_lock:
+            k = _kernels.get(key)
             if k is None:
-                k = _forward_kernels[key] = make_forward(nfeat, fs)
-    return k
+                k = _kernels[key] = (make_forward(nfeat, fs), make_backward(nfeat, fs))
+    return k[1] if backward else k[0]
 
 
 def dot_interaction(t, nfeat, fs, out=None):
@@ -136,9 +137,11 @@ def dot_interaction_backward(t, dr, nfeat, fs, dt=None):
     """Gradient of :func:`dot_interaction` with respect to ``t``."""
     if dt is None:
         dt = np.empty_like(t)
-    # The generic backward stays: a shape-specialised one (per-feature gradient sums) measured
-    # 2.5x slower than this pair loop (21.5 vs 8.5 ms at B 8192, 27 x 16).
-    _dot_backward(t, dr, nfeat, fs, dt)
+    k = _specialised(nfeat, fs, t, dr, dt, backward=True)
+    if k is not None:
+        k(t, dr, dt)
+    else:
+        _dot_backward(t, dr, nfeat, fs, dt)
     return dt
 
 

@@ -1,0 +1,132 @@
+"""Array layout arithmetic: which dtypes a CachedArray may hold, shapes, strides, and the
+view a basic index (ints and slices) selects, computed without touching any bytes.
+
+Pure functions of (dtype, shape, strides, offset): nothing here knows about managers or objects.
+"""
+
+import operator
+
+import numpy as np
+
+_OK_DTYPES = {}                # hashable dtype spelling ("f8", float, ...) -> checked np.dtype
+
+
+def check_dtype(dtype):
+    """Return np.dtype(dtype) if a CachedArray can hold it; refuse types holding references.
+
+    Takes every spelling np.dtype takes (lists of fields, dicts, "i4,f8", types, subarray
+    tuples); only hashable spellings are cached, and np.dtype instances are returned as given.
+    """
+    if isinstance(dtype, np.dtype):
+        dt = dtype
+    else:
+        try:
+            dt = _OK_DTYPES.get(dtype)
+        except TypeError:      # unhashable spelling: a list of fields, a dict, ...
+            return _checked(np.dtype(dtype))
+        if dt is not None:
+            return dt
+        dt = np.dtype(dtype)
+        _checked(dt)
+        if len(_OK_DTYPES) < 256:
+            _OK_DTYPES[dtype] = dt
+        return dt
+    return _checked(dt)
+
+
+def _checked(dt):
+    if dt.hasobject or dt.kind == "T":
+        raise TypeError(f"CachedArray cannot hold dtype {dt}: its elements are Python objects "
+                        "or references; use a fixed-size dtype (numbers, bool, fixed-width "
+                        "strings, structured types of those)")
+    return dt
+
+
+def shape_tuple(shape):
+    """shape as a tuple of non-negative ints (an int is a 1-d shape)."""
+    if type(shape) is tuple:
+        for s in shape:
+            if type(s) is not int or s < 0:
+                break
+        else:
+            return shape
+    if isinstance(shape, (int, np.integer)):
+        shape = (shape,)
+    try:
+        shape = tuple(operator.index(s) for s in shape)
+    except TypeError:
+        raise TypeError(f"shape must be an int or a tuple of ints, got {shape!r}") from None
+    if any(s < 0 for s in shape):
+        raise ValueError(f"negative dimensions are not allowed: {shape}")
+    return shape
+
+
+def contiguous_strides(shape, itemsize, order="C"):
+    strides = [0] * len(shape)
+    step = itemsize
+    dims = range(len(shape) - 1, -1, -1) if order == "C" else range(len(shape))
+    for i in dims:
+        strides[i] = step
+        step *= max(shape[i], 1)
+    return tuple(strides)
+
+
+_STRIDES = {}
+
+
+def c_strides(shape, itemsize):
+    """C-order strides, cached per (shape, itemsize)."""
+    key = (shape, itemsize)
+    st = _STRIDES.get(key)
+    if st is None:
+        st = contiguous_strides(shape, itemsize)
+        if len(_STRIDES) < 4096:
+            _STRIDES[key] = st
+    return st
+
+
+def is_fortran(shape, strides, itemsize):
+    """True for F-contiguous strides that are not also C-contiguous."""
+    return tuple(strides) == contiguous_strides(shape, itemsize, "F") and \
+        tuple(strides) != contiguous_strides(shape, itemsize, "C")
+
+
+def basic_index(shape, strides, key):
+    """(shape, strides, byte offset) of the view ``a[key]`` selects, for a key of ints and slices
+    (one per leading dimension) that leaves at least one dimension; None for any other key
+    (NumPy's own indexing handles those, and raises its own errors).
+
+    The same arithmetic as NumPy's basic indexing, so the view is the one NumPy would give.
+    """
+    if type(key) is not tuple:
+        key = (key,)
+    nd = len(shape)
+    nk = len(key)
+    if nk > nd:
+        return None
+    off = 0
+    new_shape = []
+    new_strides = []
+    for i in range(nk):
+        k = key[i]
+        tk = type(k)
+        if tk is slice:
+            start, stop, step = k.indices(shape[i])
+            n = len(range(start, stop, step))
+            if n == 0:                       # NumPy's rule for an empty slice
+                start, step = 0, 1
+            off += start * strides[i]
+            new_shape.append(n)
+            new_strides.append(strides[i] * step)
+        elif tk is int:
+            n = shape[i]
+            if k < 0:
+                k += n
+            if not 0 <= k < n:
+                return None
+            off += k * strides[i]
+        else:
+            return None
+    if nk == nd and not new_shape:
+        return None                          # a scalar: not a view
+    return (tuple(new_shape) + shape[nk:], tuple(new_strides) + strides[nk:], off)

@@ -1,0 +1,98 @@
+"""Sorting and running totals on CachedArrays: np.sort, np.cumsum and np.cumprod.
+
+The result is allocated by the policy first and NumPy writes into it (np.sort copies and sorts
+in place, as NumPy's own np.sort does; the running totals take ``out=``), so the result is
+never built in ordinary memory and copied in.
+"""
+
+import numpy as np
+
+from ..array import CachedArray
+from ..dispatch import _call_on_views, implements
+from ..layout import c_strides
+from ..pinning import SHORT_BYTES, record_new
+
+
+def _into_new(a, shape, dt, name, fill):
+    """A new CachedArray of shape and dt placed by a's manager's policy, filled by
+    fill(view of a, view of the result) while both are pinned (one Manager.run)."""
+    m = a._m
+    strides = c_strides(shape, dt.itemsize)
+    n = dt.itemsize
+    for d in shape:
+        n *= d
+
+    def kernel(obj):
+        record_new(obj)
+        res = CachedArray._make(obj, m, shape, dt, strides, 0)
+        fill(a._kview(), res._kview())
+        return res
+    return m.run(kernel, (a._obj,), (), n, name, n + a._obj.nbytes <= SHORT_BYTES)
+
+
+@implements(np.sort)
+def sort(a, axis=-1, kind=None, order=None, *, stable=None):
+    """np.sort into a policy-placed copy of a C-contiguous array (other layouts: the general
+    path, which keeps NumPy's layout of the copy)."""
+    if type(a) is not CachedArray or axis is None or not a._shape or \
+            a._strides != c_strides(a._shape, a._dtype.itemsize):
+        return _call_on_views(np.sort, (a,), dict(axis=axis, kind=kind, order=order,
+                                                   stable=stable))
+
+    def fill(src, dst):
+        np.copyto(dst, src, casting="no")
+        dst.sort(axis=axis, kind=kind, order=order, stable=stable)
+    return _into_new(a, a._shape, a._dtype, "sort", fill)
+
+
+_ACC_DTYPES = {}       # (ufunc, input dtype, dtype argument) -> the running total's dtype
+
+
+def _accumulated(func, ufunc, a, axis, dtype, out):
+    if type(a) is not CachedArray or out is not None or not a._shape or a._dtype.hasobject:
+        return _call_on_views(func, (a,), dict(axis=axis, dtype=dtype, out=out))
+    key = (ufunc, a._dtype, dtype)
+    dt = _ACC_DTYPES.get(key)
+    if dt is None:
+        try:
+            dt = func(np.zeros(1, a._dtype), dtype=dtype).dtype
+        except (TypeError, ValueError):
+            return _call_on_views(func, (a,), dict(axis=axis, dtype=dtype, out=out))
+        if len(_ACC_DTYPES) < 1024:
+            _ACC_DTYPES[key] = dt
+    if dt.hasobject:
+        return _call_on_views(func, (a,), dict(axis=axis, dtype=dtype, out=out))
+    if axis is None:
+        n = 1
+        for d in a._shape:
+            n *= d
+        shape = (n,)
+    else:
+        shape = a._shape
+        try:
+            _check_axis(axis, len(shape))
+        except ValueError:
+            return _call_on_views(func, (a,), dict(axis=axis, dtype=dtype, out=out))
+
+    def fill(src, dst):
+        func(src, axis=axis, dtype=dtype, out=dst)
+    return _into_new(a, shape, dt, func.__name__, fill)
+
+
+def _check_axis(axis, ndim):
+    axis = int(axis) if isinstance(axis, (int, np.integer)) and not isinstance(axis, bool) \
+        else None
+    if axis is None or not -ndim <= axis < ndim:
+        raise ValueError("axis out of range")
+
+
+@implements(np.cumsum)
+def cumsum(a, axis=None, dtype=None, out=None):
+    """np.cumsum writing straight into a policy-placed result (out=)."""
+    return _accumulated(np.cumsum, np.add, a, axis, dtype, out)
+
+
+@implements(np.cumprod)
+def cumprod(a, axis=None, dtype=None, out=None):
+    """np.cumprod writing straight into a policy-placed result (out=)."""
+    return _accumulated(np.cumprod, np.multiply, a, axis, dtype, out)

@@ -1,0 +1,130 @@
+"""The benchmark conventions (benchmarks/_common.py) and the library's thread settings."""
+
+import ast
+import importlib.util
+import json
+import os
+import pathlib
+import sys
+
+import pytest
+
+import cachedarrays as ca
+from cachedarrays import threads
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks"
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(f"_bench_{name}", BENCH / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(BENCH))          # as when the script runs: its siblings import
+    try:
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(str(BENCH))
+    return mod
+
+
+common = _load("_common")
+
+
+def test_the_library_asks_for_passive_openmp_waiting_before_any_runtime_loads(monkeypatch):
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    assert threads.prefer_passive_wait() == "PASSIVE" == os.environ["OMP_WAIT_POLICY"]
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")          # the user's choice stands
+    assert threads.prefer_passive_wait() == "ACTIVE"
+    # cachedarrays/__init__.py calls it before importing anything that may start a runtime
+    body = ast.parse((ROOT / "cachedarrays" / "__init__.py").read_text()).body
+    stmts = [n for n in body if not isinstance(n, ast.Expr) or isinstance(n.value, ast.Call)]
+    first_call = next(i for i, n in enumerate(stmts) if isinstance(n, ast.Expr))
+    assert ast.unparse(stmts[first_call]) == "threads.prefer_passive_wait()"
+    assert [ast.unparse(n) for n in stmts[:first_call]] == ["from . import threads"]
+
+
+def test_limit_sets_every_loaded_pool_and_describe_names_them():
+    import numba
+    before = numba.get_num_threads()
+    try:
+        s = threads.limit(1)
+        assert s["OMP_NUM_THREADS"] == "1" and s["numba"] == 1
+        assert all(n == 1 for _, _, _, n in s["pools"])
+        line = threads.describe(s)
+        assert "OMP_WAIT_POLICY=" in line and "numba 1" in line
+    finally:
+        threads.limit(before)
+    with pytest.raises(ValueError, match="threads >= 1"):
+        threads.limit(0)
+
+
+def test_stat_median_spread_and_speedup_direction():
+    s = common.Stat([0.003, 0.001, 0.002])
+    assert (s.median, s.lo, s.hi, s.n) == (0.002, 0.001, 0.003, 3)
+    assert s.fmt(1e3, "ms", 1) == "2.0 ms [1.0-3.0, n=3]"
+    assert common.speedup(peer=2.0, ours=1.0) == 2.0          # > 1: we are faster
+    assert common.speedups([2.0, 4.0, 3.0], [1.0, 1.0, 1.0]).median == 3.0
+    with pytest.raises(ValueError):
+        common.Stat([])
+
+
+def test_goal_lines_print_and_record(tmp_path, monkeypatch, capsys):
+    path = tmp_path / "results.jsonl"
+    monkeypatch.setenv("CA_BENCH_RESULTS", str(path))
+    assert common.goal("lookup speedup", 1.25, 1.2) is True
+    assert common.goal("extra per call", 4.0, 3.0, higher=False, unit=" us") is False
+    common.headline("copy speedup", 1.1)
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "goal lookup speedup: 1.25x (target >= 1.2x): met"
+    assert out[1] == "goal extra per call: 4.00 us (target <= 3 us): not met"
+    rows = [json.loads(x) for x in path.read_text().splitlines()]
+    assert [(r["kind"], r["met"] if r["kind"] == "goal" else None) for r in rows] == [
+        ("goal", True), ("goal", False), ("headline", None)]
+
+
+def test_help_shows_defaults_and_hidden_choices():
+    p = common.parser("Title line.\n\nMore text.")
+    p.add_argument("--size", type=int, default=7, help="side")
+    p.add_argument("--kind", default="a", choices=("a", "b"), metavar="K", help="which")
+    p.add_argument("--said", default=3, help="n (default 3 here)")
+    common.add_standard(p)
+    text = p.format_help()
+    assert "side (default: 7)" in text and "(choices: a, b)" in text
+    assert "(default: 3 here)" not in text and text.count("default 3") == 1
+    assert "--plot PATH" in text and "--threads" in text and "--no-progress" in text
+
+
+def _scripts():
+    return sorted(p for p in BENCH.glob("*.py") if not p.name.startswith("_"))
+
+
+@pytest.mark.parametrize("path", _scripts(), ids=lambda p: p.name)
+def test_every_script_follows_the_conventions(path):
+    """Help from _common.parser, a help string on every flag, and --plot where it draws."""
+    tree = ast.parse(path.read_text())
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call)
+             and isinstance(n.func, ast.Attribute)]
+    assert any(c.func.attr == "parser" for c in calls), f"{path.name}: use _common.parser"
+    flags = [c for c in calls if c.func.attr == "add_argument"]
+    for c in flags:
+        names = [a.value for a in c.args if isinstance(a, ast.Constant)]
+        assert any(k.arg == "help" for k in c.keywords), f"{path.name}: {names} has no help"
+    assert "ArgumentParser(" not in path.read_text(), f"{path.name}: use _common.parser"
+
+
+def test_run_all_writes_a_summary_of_goals(tmp_path, monkeypatch):
+    run_all = _load("run_all")
+    jobs = [("a", "a.py", ["--x", "1"])]
+    results = [
+        {"script": "a", "kind": "goal", "name": "g1", "value": 1.3, "target": 1.2,
+         "higher": True, "unit": "x", "met": True, "detail": ""},
+        {"script": "a", "kind": "goal", "name": "g2", "value": None, "detail": "LM 1.1x",
+         "met": False},
+        {"script": "a", "kind": "headline", "name": "h", "value": 2.0, "unit": "x", "detail": ""}]
+    path = run_all.summary(str(tmp_path), jobs, [(3.0, 0, "python benchmarks/a.py --x 1")],
+                           results, "machine: m", "threads: 2")
+    text = pathlib.Path(path).read_text()
+    assert "## Goals: 1 of 2 met" in text
+    assert "| a | g1 | 1.30x | >= 1.2x | met |" in text
+    assert "| a | g2 (LM 1.1x) | - | - | **not met** |" in text
+    assert "`python benchmarks/a.py --x 1`" in text

@@ -1,0 +1,62 @@
+"""The DLRM benchmark's report: speedups are the peer's time over ours and the table-kind
+orderings are judged on embedding time, paired per iteration."""
+
+import pytest
+
+from helpers import load_benchmark
+
+
+def _result(kind, dist, steps, table_times, peer_steps=None, hit_rate=0.5):
+    r = dict(table_kind=kind, distribution=dist, losses=[0.7] * len(steps), steps=steps,
+             table_times=table_times, phases=dict(lookup=0.01, interaction=0.01, mlp=0.1,
+                                                  update=0.01),
+             tables=dict(hit_rate=hit_rate, slow_read_bytes=0, slow_write_bytes=0,
+                         fast_read_bytes=0), manager={"moved": {}})
+    if peer_steps is not None:
+        r.update(peer_steps=peer_steps, peer_losses=[0.7] * len(steps),
+                 peer_phases=dict(r["phases"]))
+    return r
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return load_benchmark("dlrm")
+
+
+def test_the_torch_goal_is_the_peers_step_time_over_ours(bench, capsys):
+    rows = [_result("static", "uniform", [2.0] * 3, [1.0] * 3),
+            _result("simple", "uniform", [1.0, 1.0, 1.0], [0.1] * 3, peer_steps=[1.6, 1.5, 1.7])]
+    bench.report(rows, "uniform", "torch")
+    out = capsys.readouterr().out
+    assert "goal dlrm speedup vs torch (uniform): 1.60x (target >= 1.5x): met" in out
+    assert "simple tables" in out
+
+
+@pytest.mark.parametrize("dist, static, dynamic, winner, line", [
+    ("uniform", [1.0, 1.0, 1.0], [2.0, 3.0, 2.0], "static",
+     "goal static beats dynamic under uniform: 2.00x (target >= 1x): met"),
+    ("zipf", [1.0, 1.0, 1.0], [2.0, 2.0, 4.0], "static",
+     "goal dynamic beats static under zipf: 0.50x (target >= 1x): not met"),
+    ("zipf", [3.0, 3.0, 3.0], [1.0, 1.5, 1.0], "dynamic",
+     "goal dynamic beats static under zipf: 3.00x (target >= 1x): met"),
+])
+def test_orderings_compare_embedding_time_per_iteration(bench, capsys, dist, static, dynamic,
+                                                        winner, line):
+    steps = [10.0] * 3                  # equal steps: the ordering comes from the tables alone
+    bench.report([_result("static", dist, steps, static),
+                  _result("dynamic", dist, steps, dynamic)], dist, None)
+    out = capsys.readouterr().out
+    assert f"{dist}: {winner} tables win" in out
+    assert line in out
+    assert "speedup vs" not in out      # no peer, no peer goal
+
+
+def test_help_lists_defaults_and_choices(bench, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")           # one line per flag
+    with pytest.raises(SystemExit):
+        bench.main(["--help"])
+    out = capsys.readouterr().out
+    for text in ("--threads", "--plot PATH", "--no-progress", "(default: 20)",
+                 "{fast,simple,static,dynamic}", "(default: ['simple', 'static', 'dynamic'])",
+                 "(default: small)", "{torch}"):
+        assert text in out
