@@ -90,8 +90,23 @@ def machine():
     except OSError:
         load = "load average unknown"
     return (f"machine: {model}, {os.cpu_count()} cpus, python {platform.python_version()}, "
-            f"{load}, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}, "
+            f"{load}, empty Python call {python_call_ns():.0f} ns, "
+            f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}, "
             f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}")
+
+
+def python_call_ns(calls=200_000):
+    """Nanoseconds per call of an empty Python function (median of 3): how fast this machine
+    runs Python right now (about 40-60 ns on an idle modern core), to scale per-call figures."""
+    def f():
+        pass
+    out = []
+    for _ in range(3):
+        t = time.perf_counter()
+        for _ in range(calls):
+            f()
+        out.append((time.perf_counter() - t) / calls * 1e9)
+    return statistics.median(out)
 
 
 # ---------------------------------------------------------------------------- timing

@@ -19,17 +19,17 @@ import _common
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-#: (name, script, arguments): the sizes make bench runs (each ~1-2.5 minutes here).
+#: (name, script, arguments): the sizes make bench runs (8-9 minutes in all on 2 cores).
 JOBS = [
-    ("overhead", "overhead.py", ["--sizes", "10", "1000", "100000", "--repeats", "5"]),
+    ("overhead", "overhead.py", ["--sizes", "10", "1000", "100000", "--repeats", "7"]),
     ("copy_engine", "copy_engine.py", ["--sizes", "1M,16M,64M", "--repeats", "5"]),
     ("matmul", "matmul.py", ["--size", "1500", "--repeats", "5"]),
     ("kernels", "kernels.py", ["--reps", "5", "--no-numpy"]),
     ("cnn", "cnn.py", ["--models", "resnet50,vgg16,densenet121", "--peer", "torch",
-                       "--peer-only", "--repeats", "5"]),
-    ("embedding", "embedding.py", ["--repeats", "5", "--cache", "1.0", "--warmup", "6"]),
+                       "--peer-only", "--repeats", "9"]),
+    ("embedding", "embedding.py", ["--repeats", "9", "--cache", "1.0", "--warmup", "6"]),
     ("dlrm", "dlrm.py", ["--peer", "torch", "--table-kinds", "simple", "static", "dynamic",
-                         "--iterations", "5"]),
+                         "--iterations", "9"]),
     ("policies", "policies.py", ["--models", "resnet50", "--budgets", "20,25,50",
                                  "--sections", "sweep"]),
 ]
@@ -45,7 +45,11 @@ def run(name, script, args, out, env, progress):
         log.flush()
         rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     secs = time.perf_counter() - t
-    progress.write(f"{name}: {'ok' if rc == 0 else f'exit {rc}'} in {secs:.0f} s")
+    msg = f"{name}: {'ok' if rc == 0 else f'exit {rc}'} in {secs:.0f} s"
+    if progress.disable:
+        print(msg, flush=True)
+    else:
+        progress.write(msg)
     return secs, rc, shown
 
 
@@ -109,10 +113,6 @@ def main(argv=None):
     bar = _common.progress(jobs, total=len(jobs), desc="benchmarks", disable=args.no_progress)
     for name, script, extra in bar:
         runs.append(run(name, script, extra, args.out, env, bar))
-        if not bar.disable:
-            continue
-        secs, rc, _ = runs[-1]
-        print(f"{name}: {'ok' if rc == 0 else f'exit {rc}'} in {secs:.0f} s", flush=True)
     with open(results_path) as f:
         results = [json.loads(line) for line in f if line.strip()]
     path = summary(args.out, jobs, runs, results, machine, threads)

@@ -9,13 +9,16 @@ buffer; the numba kernels read it in place). Convolutions (oneDNN's choice) and
 batch norm with >= 16 channels (nChw16c) by default run in blocked layouts, reordering to and
 from them around each call, which is faster despite the copies; those internal tensors and
 all scratchpads live in library-owned grow-only buffers (see ``buffer_bytes``), guarded by the
-module's execution lock, so nothing of the caller's is retained. Each convolution shape
-runs in the layouts the first call measured faster, plain or blocked with its reorders
-(``set_conv_layouts``); training batch
+module's execution lock, so nothing of the caller's is retained. Convolutions run blocked
+except large 1x1 ones, which run plain; ``set_conv_layouts("auto")`` instead times both on the
+first call of each shape and keeps the clearly faster; training batch
 norm runs as numba kernels on NCHW directly (``set_numba_batchnorm``; inference batch norm stays
 oneDNN's); ``sgd_update`` is a threaded numba pass, bitwise NumPy's float32 result (``_sgd``); the dense
-kernels run oneDNN's inner product or NumPy's BLAS matmul, whichever the first call of each
-shape measured faster (``set_dense_impl``).
+kernels run oneDNN's inner product; ``set_dense_impl("auto")`` times it against NumPy's BLAS
+matmul on the first call of each shape and keeps NumPy's when clearly faster. Both measured
+choices are off by default: a single timing on a shared machine picked the slower layout often
+enough to make ResNet-50 and VGG-16 steps 4-6% slower than the fixed rule, and a choice that
+depends on the machine's load would make two runs' floating-point results differ.
 """
 
 from __future__ import annotations
@@ -355,7 +358,7 @@ PLAIN_1X1_MIN_PIXELS = 64
 # its reorders) on the first call of each (operation, shapes, geometry) and leaves the rule's
 # choice when the other is clearly faster (_CONV_SWITCH_MARGIN); "rule" applies
 # PLAIN_1X1_MIN_PIXELS alone. Blocked layouts off (set_blocked_layouts) means plain.
-_conv_layouts = "auto"
+_conv_layouts = "rule"
 _conv_choice: dict = {}
 _CONV_TRIALS = 2
 _CONV_SWITCH_MARGIN = 1.1     # the other layout must be this many times faster than the rule's
@@ -811,7 +814,7 @@ def _ip_fwd(xs, ws, has_bias):
 # others, so the first call of each (operation, shapes) times both on the caller's arrays and
 # keeps NumPy's when it is clearly faster ("auto": at least _DENSE_NUMPY_MARGIN times, as its
 # BLAS threads spin for a while after each call); "onednn" or "numpy" forces one.
-_dense_impl = "auto"
+_dense_impl = "onednn"
 _dense_choice: dict = {}
 _DENSE_TRIALS = 3
 _DENSE_NUMPY_MARGIN = 1.5     # NumPy must be this many times faster to be chosen
