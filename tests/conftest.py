@@ -17,6 +17,28 @@ SMALL = dict(fast="1MiB", slow="16MiB")
 TINY = dict(fast="64KiB", slow="4MiB", granularity=256)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _generic_dlrm_kernels():
+    """The suite runs the generic embedding and interaction kernels: the ones specialised per
+    feature size (bit-identical, see the ``specialised`` tests) compile one set per size, tens
+    of seconds each on a fresh clone's empty numba cache."""
+    from cachedarrays.models.dlrm import kernels, model
+    old = kernels.set_specialised(False), model.set_specialised(False)
+    yield
+    kernels.set_specialised(old[0])
+    model.set_specialised(old[1])
+
+
+@pytest.fixture
+def specialised():
+    """Feature-size specialised DLRM kernels on (as outside the test suite) for this test."""
+    from cachedarrays.models.dlrm import kernels, model
+    old = kernels.set_specialised(True), model.set_specialised(True)
+    yield
+    kernels.set_specialised(old[0])
+    model.set_specialised(old[1])
+
+
 @pytest.fixture
 def make_manager():
     """``make_manager(**kwargs)`` builds a Manager (default ``SMALL``) for this test; at

@@ -192,7 +192,7 @@ def test_interaction_kernels_match_formula():
 
 @pytest.mark.parametrize("f, d, dtype", [(4, 3, np.float32), (27, 16, np.float32),
                                          (9, 64, np.float64)])
-def test_specialised_interaction_is_bit_identical_to_the_generic_kernel(f, d, dtype):
+def test_specialised_interaction_is_bit_identical_to_the_generic_kernel(f, d, dtype, specialised):
     from cachedarrays.models.dlrm import model
 
     t = np.random.default_rng(f).standard_normal((70, f * d)).astype(dtype)
@@ -299,23 +299,9 @@ def test_demo_returns_losses_hit_rate_and_stats():
     assert "moved" in r["manager"] and set(r["phases"]) == {"lookup", "interaction", "mlp", "update"}
 
 
-@pytest.mark.parametrize("nfeat,fs", [(27, 16), (4, 3), (9, 17)])
-def test_specialised_interaction_forward_is_bit_identical_to_generic(nfeat, fs):
-    from cachedarrays.models.dlrm import model as M
-    rng = np.random.default_rng(nfeat * fs)
-    t = rng.standard_normal((70, nfeat * fs)).astype(np.float32)
-    assert M._specialised(nfeat, fs, t) is not None
-    a = dot_interaction(t, nfeat, fs)
-    old = M.set_specialised(False)
-    try:
-        b = dot_interaction(t, nfeat, fs)
-    finally:
-        M.set_specialised(old)
-    assert np.array_equal(a, b)
-
-
 @pytest.mark.parametrize("nfeat,fs,dtype", [(5, 8, np.float32)])    # the tiny config's shape
-def test_specialised_interaction_backward_is_bit_identical_to_generic(nfeat, fs, dtype):
+def test_specialised_interaction_backward_is_bit_identical_to_generic(nfeat, fs, dtype,
+                                                                     specialised):
     from cachedarrays.models.dlrm import model as M
     rng = np.random.default_rng(nfeat + fs)
     b = 67                                      # not a multiple of the kernels' sample blocks

@@ -70,7 +70,7 @@ def test_indirect_lookup_counts_hits_and_marks_misses():
     np.testing.assert_allclose(out, base[idx].reshape(100, 3, fs).sum(1), rtol=1e-6)
 
 
-def test_ensembles_of_one_feature_size_use_the_specialised_kernels():
+def test_ensembles_of_one_feature_size_use_the_specialised_kernels(specialised):
     rng = np.random.default_rng(1)
     tables = [rng.standard_normal((n, 16)).astype(np.float32) for n in (7, 300, 40)]
     idx = [rng.integers(0, t.shape[0], 64) for t in tables]
