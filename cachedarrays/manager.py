@@ -614,14 +614,7 @@ class Manager:
                 self._by_offset[name][offset] = region
             obj.primary = region
             obj.regions[name] = region
-            tel = self.telemetry
-            if tel._log is None:                  # Telemetry.on_alloc, inlined
-                tel.allocs[name] += 1
-                cur = tel.current[name] = tel.current[name] + nbytes
-                if cur > tel.peak[name]:
-                    tel.peak[name] = cur
-            else:
-                tel.on_alloc(name, nbytes, oid)
+            self.telemetry.on_alloc(name, nbytes, oid)
             if self._observers:
                 for o in self._observers:
                     o.on_region(region, True)
