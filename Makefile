@@ -19,8 +19,11 @@ install: $(STAMP)
 demo: install
 	$(PY) -m cachedarrays.models.demo
 
+# Test workers (pytest-xdist): auto = one per core; 0 runs the suite in this process.
+TEST_WORKERS ?= auto
+
 test: install
-	$(PY) -m pytest tests
+	$(PY) -m pytest tests -n $(TEST_WORKERS)
 
 # Long randomized runs (not part of `make test`): STRESS_STEPS steps and STRESS_MINUTES at least.
 STRESS_STEPS ?= 100000

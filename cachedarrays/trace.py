@@ -135,7 +135,12 @@ class KernelClock(Observer):
     One per manager (``KernelClock.of(m)``), shared by every recorder (traces, the profiles of
     planning policies), so they all see the same figure. A replay forces each kernel's recorded
     time with ``force_next``: what a policy measures in a replay is what the trace measured.
+    ``model``, when set to a function ``(name, reads, writes) -> seconds``, gives every kernel
+    not otherwise forced its time in place of the wall clock: profiles of a live run that do
+    not move with the machine's load.
     """
+
+    model = None
 
     def __init__(self):
         self._stacks = defaultdict(list)   # thread id -> [[key, start, nested, forced]]
@@ -165,6 +170,8 @@ class KernelClock(Observer):
             forced = e.seconds if e is not None else None       # kernel's, so it stays
         else:
             forced, self._forced = self._forced, None
+            if forced is None and self.model is not None:
+                forced = float(self.model(name, reads, writes))
         self._stacks[threading.get_ident()].append(
             [sorted(o.id for o in (*reads, *writes)), _perf(), 0.0, forced])
 

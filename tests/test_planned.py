@@ -59,6 +59,24 @@ def test_step_profile_refuses_a_step_the_trace_lacks():
         StepProfile([], 0)
 
 
+def test_a_kernel_clock_model_replaces_the_wall_clock_and_a_forced_time_wins(m):
+    x, y = ca.zeros(1000, manager=m), ca.zeros(500, manager=m)
+    clock = KernelClock.of(m)
+    clock.model = lambda name, reads, writes: \
+        (len(name) + sum(o.nbytes for o in (*reads, *writes))) * 1e-3
+    try:
+        with ca.trace(m) as t:
+            with ca.kernel("ab", (x,), (y,)):
+                with ca.kernel("inner", (y,), ()):     # nested: the model, not the gap
+                    pass
+            clock.force_next(0.125)
+            with ca.kernel("k", (x,), ()):
+                pass
+    finally:
+        clock.model = None
+    assert t.times == pytest.approx([(2 + 12000) * 1e-3, (5 + 4000) * 1e-3, 0.125])
+
+
 def test_one_kernel_clock_per_manager_and_replays_force_the_traced_times(m):
     assert KernelClock.of(m) is KernelClock.of(m)
     x = ca.zeros(1000, manager=m)
