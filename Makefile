@@ -10,8 +10,10 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel cffi
 
+# --no-compile: Python compiles the bytecode of the modules it imports on first use, instead of
+# pip compiling every file of every package (torch alone has thousands) at install.
 $(STAMP): $(PY) pyproject.toml setup.py native/build.py $(wildcard native/*.c native/*.h)
-	$(PY) -m pip install -q --no-build-isolation -e ".[test,plot,peer]"
+	$(PY) -m pip install -q --no-compile --no-build-isolation -e ".[test,plot,peer]"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -165,6 +165,26 @@ def test_flushes_write_back_dirty_rows_oldest_first(m):
     np.testing.assert_array_equal(t.snapshot(), init - np.where(np.arange(n) < 16, 1, 0).astype(np.float32)[:, None])
 
 
+def test_traffic_counts_every_row_each_tier_reads_and_writes(m):
+    n, fs = 64, 4
+    t = E.CachedEmbeddingTable(n, fs, manager=m, init=_init(n, fs), cachelower=8 * 16,
+                               cacheslack=8 * 16, page_rows=4, name="traffic")
+    t.lookup(np.arange(16))          # 16 misses read from base, then cached: slow -> fast
+    t.lookup(np.arange(4))           # 4 hits
+    t.update(np.arange(20), None, np.ones((20, fs), np.float32), 1.0)  # 16 cached, 4 not
+    assert t.flush_dirty() == 8      # two pages home: fast -> slow
+    s, rows = t.stats(), lambda k: t.stats()[k] // t.rowbytes
+    assert [rows(k) for k in ("fast_read_bytes", "slow_read_bytes", "fast_write_bytes",
+                              "slow_write_bytes")] == [4 + 16 + 8, 16 + 16 + 4, 16 + 16, 4 + 8]
+    assert E.traffic_time(s) > E.traffic_time(s, slow="dram")
+    simple = E.SimpleTable(n, fs, manager=m, placement="slow", name="simple-traffic")
+    simple.lookup(np.arange(10))
+    simple.update(np.arange(5), None, np.ones((5, fs), np.float32), 1.0)
+    s = simple.stats()
+    assert (s["slow_read_bytes"], s["slow_write_bytes"], s["fast_read_bytes"],
+            s["fast_write_bytes"]) == (15 * 16, 5 * 16, 0, 0)
+
+
 def test_static_kind_freezes_after_prepopulate(m):
     n, fs = 400, 8
     t = E.make_table("static", n, fs, manager=m, cache=0.25, name="static")

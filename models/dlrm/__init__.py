@@ -35,8 +35,10 @@ __all__ = [
 # Embedding tables, CachedEmbeddings and the DLRM model.
 from .configs import DLRMConfig, get_config  # noqa: E402
 from .embedding import (FORWARD, UPDATE, CachedEmbeddingTable, EmbeddingTable,  # noqa: E402
-                        SimpleTable, lookup_tables, make_table, update_tables)
+                        SimpleTable, lookup_tables, make_table, traffic_time,
+                        update_tables)
 from .model import DLRM, demo, synthetic_dataset  # noqa: E402
 __all__ += ["DLRMConfig", "get_config", "FORWARD", "UPDATE", "EmbeddingTable", "SimpleTable",
-            "CachedEmbeddingTable", "make_table", "lookup_tables", "update_tables", "DLRM", "demo",
+            "CachedEmbeddingTable", "make_table", "lookup_tables", "update_tables", "traffic_time",
+            "DLRM", "demo",
             "synthetic_dataset"]

@@ -263,7 +263,7 @@ def sum_bag_indirect(bflat, cflat, where, indices, start, end, acc, missed, fs, 
     """Like sum_bag, row r read from cache[where[r]] when where[r] >= 0; specialised sets
     take 8 rows at a time and prefetch, the generic set one row at a time (measured faster
     there).  The order of additions is the same.  Returns how many of the rows were cached;
-    ``missed[j] = 1`` marks each index j whose row is not (``missed`` may be None).
+    ``missed[j] = 1`` marks each index j whose row is not (an empty ``missed``: none marked).
 
     A call, not inlined by numba: LLVM inlines it and folds the constants, and inlined by
     numba it doubled the compile time of the bag sums for no measured gain."""
@@ -299,7 +299,7 @@ def sum_bag_indirect(bflat, cflat, where, indices, start, end, acc, missed, fs, 
                       cflat if c2 else bflat, cflat if c3 else bflat, cflat if c4 else bflat,
                       cflat if c5 else bflat, cflat if c6 else bflat, cflat if c7 else bflat,
                       p0, p1, p2, p3, p4, p5, p6, p7, fs)
-            if missed is not None and ncached < 8:
+            if missed.shape[0] and ncached < 8:
                 for q in range(j, j + 8):
                     if where[indices[q]] < 0:
                         missed[q] = 1
@@ -312,7 +312,7 @@ def sum_bag_indirect(bflat, cflat, where, indices, start, end, acc, missed, fs, 
                 hits += 1
             else:
                 add1(acc, bflat, p, fs)
-                if missed is not None:
+                if missed.shape[0]:
                     missed[q] = 1
         j += n
     return hits
@@ -406,7 +406,7 @@ def make_kernels(FS):
     @njit(**PARALLEL)
     def bag_sum(base, cache, where, indices, offsets, nbags, out, ostride, ocol, missed):
         """Bag sums into a row-strided flat ``out``; ``(table, table, None)`` for a plain table.
-        Returns how many indices were served from the cache; ``missed`` (None or one uint8
+        Returns how many indices were served from the cache; ``missed`` (empty, or one uint8
         per index) gets 1 for every index whose row is not cached."""
         fs = FS or base.shape[1]
         bflat = base.reshape(-1)

@@ -34,12 +34,13 @@ import numpy as np
 from numba import njit, prange
 
 import cachedarrays as ca
+from cachedarrays import costmodel
 
 from . import kernels
 
 __all__ = [
     "FORWARD", "UPDATE", "EmbeddingTable", "SimpleTable", "CachedEmbeddingTable",
-    "make_table", "lookup_tables", "update_tables", "TABLE_KINDS",
+    "make_table", "lookup_tables", "update_tables", "TABLE_KINDS", "traffic_time",
 ]
 
 log = logging.getLogger(__name__)
@@ -256,7 +257,9 @@ class EmbeddingTable:
         raise NotImplementedError
 
     def stats(self):
-        """Telemetry: accesses served from fast/slow memory, rows updated, bytes moved."""
+        """Telemetry: accesses served from fast/slow memory, rows updated, and the bytes each
+        tier read and wrote (``fast_read_bytes`` ... ``slow_write_bytes``: lookups, updates
+        as read-modify-write, cache fills and write-backs)."""
         raise NotImplementedError
 
     def __repr__(self):
@@ -290,7 +293,8 @@ class SimpleTable(EmbeddingTable):
         elif placement == "fast":
             ca.prefetch(self.data, force=True)
         self._stats = dict(lookups=0, hits=0, misses=0, updates=0, rows_updated=0,
-                           fast_write_bytes=0, slow_write_bytes=0)
+                           fast_write_bytes=0, slow_write_bytes=0, fast_update_read_bytes=0,
+                           slow_update_read_bytes=0)
 
     @property
     def device(self):
@@ -310,8 +314,9 @@ class SimpleTable(EmbeddingTable):
     def _account_update(self, nrows):
         self._stats["updates"] += 1
         self._stats["rows_updated"] += nrows
-        key = "fast_write_bytes" if self.data.device == "fast" else "slow_write_bytes"
-        self._stats[key] += nrows * self.rowbytes
+        tier = "fast" if self.data.device == "fast" else "slow"
+        self._stats[f"{tier}_write_bytes"] += nrows * self.rowbytes
+        self._stats[f"{tier}_update_read_bytes"] += nrows * self.rowbytes  # read-modify-write
 
     def lookup(self, indices, offsets=None, out=None, context=FORWARD):
         _check_context(context, self.name)
@@ -346,8 +351,8 @@ class SimpleTable(EmbeddingTable):
         s = dict(self._stats)
         s["device"] = self.data.device
         s["hit_rate"] = s["hits"] / s["lookups"] if s["lookups"] else 0.0
-        s["fast_read_bytes"] = s["hits"] * self.rowbytes
-        s["slow_read_bytes"] = s["misses"] * self.rowbytes
+        s["fast_read_bytes"] = s["hits"] * self.rowbytes + s.pop("fast_update_read_bytes")
+        s["slow_read_bytes"] = s["misses"] * self.rowbytes + s.pop("slow_update_read_bytes")
         return s
 
 
@@ -719,11 +724,28 @@ class CachedEmbeddingTable(EmbeddingTable):
         s["cache_bytes"] = self.cache_bytes
         s["bytes_cached"] = s["rows_cached"] * rb
         s["bytes_written_back"] = s["rows_written_back"] * rb
-        s["fast_read_bytes"] = s["hits"] * rb
-        s["slow_read_bytes"] = s["misses"] * rb + s["bytes_cached"]
+        slow_updates = s["rows_updated"] - s["update_hits"]
+        # lookups, updates (read-modify-write), cache fills (slow -> fast), write-backs (fast -> slow)
+        s["fast_read_bytes"] = (s["hits"] + s["update_hits"]) * rb + s["bytes_written_back"]
+        s["slow_read_bytes"] = (s["misses"] + slow_updates) * rb + s["bytes_cached"]
         s["fast_write_bytes"] = s["update_hits"] * rb + s["bytes_cached"]
-        s["slow_write_bytes"] = (s["rows_updated"] - s["update_hits"]) * rb + s["bytes_written_back"]
+        s["slow_write_bytes"] = slow_updates * rb + s["bytes_written_back"]
+        s["dirty_bytes"] = int(np.count_nonzero(self.dirty_slots)) * rb   # write-backs owed
         return s
+
+
+def traffic_time(stats, slow="optane", fast="dram"):
+    """Modelled seconds of the memory traffic in ``stats`` (a table's ``stats()``, or their sum,
+    or the difference of two) at the bandwidths of the cost model's device profiles: a policy
+    figure for comparing table kinds that does not move with the machine's load or depend on
+    its having slow memory.  Updated rows still cached (``dirty_bytes``) count as the
+    write-backs they owe (read fast, write slow), so a cache that defers its write-backs past
+    the end of a run is charged for them."""
+    f, s = costmodel.get_profile(fast), costmodel.get_profile(slow)
+    owed = stats.get("dirty_bytes", 0)
+    return ((stats["fast_read_bytes"] + owed) / f.read_gbps
+            + stats["fast_write_bytes"] / f.write_gbps + stats["slow_read_bytes"] / s.read_gbps
+            + (stats["slow_write_bytes"] + owed) / s.write_gbps) / 1e9
 
 
 # ---- table kinds and ensembles -----------------------------------------------------------

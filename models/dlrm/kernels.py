@@ -320,7 +320,7 @@ def lookup(table, indices, out=None, *, name="table", check=True):
     idx = _indices(indices, table.shape[0], name, check)
     out, flat, stride, scratch = _output(out, idx.shape[0], table.shape[1], table.dtype, name)
     if idx.size and table.shape[1]:
-        _pick("gather", table.shape[1])(table, idx, flat, stride, 0)
+        _pick("gather", table.shape[1])(_readonly(table), idx, flat, stride, 0)
     if scratch is not None:
         out[...] = scratch
     return out
@@ -371,8 +371,12 @@ def _lookup_bags(base, cache, where, indices, offsets, out, name, check, missed=
     out, flat, stride, scratch = _output(out, nbags, base.shape[1], base.dtype, name)
     hits = 0
     if nbags and base.shape[1]:
-        hits = _pick("bag_sum", base.shape[1])(base, cache, where, idx, off, nbags, flat, stride,
-                                               0, missed)
+        # read-only views and an empty ``missed`` for none: one compiled signature per dtype
+        # and table kind, whether the caller's arrays are writable or not
+        b = _readonly(base)
+        c = b if cache is base else _readonly(cache)
+        hits = _pick("bag_sum", base.shape[1])(b, c, where, idx, off, nbags, flat, stride, 0,
+                                               _NO_MISSES if missed is None else missed)
     if scratch is not None:
         out[...] = scratch
     return out, int(hits)
@@ -452,6 +456,9 @@ def accumulate_grad(indices, offsets, dout, nrows, *, name="table"):
     if nu and dout.shape[1]:
         _pick("grad", dout.shape[1])(rows, bounds, occ, nu, gflat, gstride, 0, grads)
     return rows[:nu].copy(), grads
+
+
+_NO_MISSES = np.empty(0, dtype=np.uint8)
 
 
 def _readonly(a):
