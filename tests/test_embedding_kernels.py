@@ -136,6 +136,29 @@ def test_indirect_lookup_reads_cache_copies(rng):
     np.testing.assert_allclose(out, ref_bag_sum(expect, indices, offsets), rtol=1e-6)
 
 
+def test_two_pass_cached_lookup_is_bit_identical_to_the_one_pass_kernel(rng, monkeypatch):
+    """Indirect lookups translate every index first, then sum: the same sums in the same
+    order, the same hit count and the same missed marks as summing through ``where``."""
+    n, fs = 5000, 24
+    base = rng.standard_normal((n, fs)).astype(np.float32)
+    cache = rng.standard_normal((1500, fs)).astype(np.float32)
+    where = np.full(n, -1, dtype=np.int64)
+    where[rng.choice(n, 1500, replace=False)] = rng.permutation(1500)
+    indices, offsets = make_bags(rng, 700, n, 40)       # > one translation item, empty bags
+    got = {}
+    for kernel in ("bag_sum", "bag_sum_cached"):
+        monkeypatch.setattr(K, "_INDIRECT_LOOKUP", kernel)
+        out = np.zeros((700, fs), np.float32)
+        missed = np.zeros(indices.shape[0], np.uint8)
+        _, hits = K.lookup_sum_indirect_hits(base, cache, where, indices, offsets, out, missed)
+        got[kernel] = out, hits, missed
+    (a, ha, ma), (b, hb, mb) = got["bag_sum"], got["bag_sum_cached"]
+    np.testing.assert_array_equal(a, b)
+    assert ha == hb == int(np.count_nonzero(where[indices] >= 0)) and ha > 0
+    np.testing.assert_array_equal(ma, mb)
+    np.testing.assert_array_equal(mb, (where[indices] < 0).astype(np.uint8))
+
+
 def test_lookup_many_matches_per_table_and_keeps_prepended_columns(rng):
     sizes, fss, batch = [50, 7, 300], [16, 8, 33], 37
     tables = [rng.standard_normal((n, f)).astype(np.float32) for n, f in zip(sizes, fss)]

@@ -47,6 +47,15 @@ ROWS_PER_ITEM = 256
 PREFETCH_AHEAD = 16
 #: Indices ahead whose rows the bag sums prefetch.
 ROW_PREFETCH = 16
+#: Indices ahead whose ``where`` entries the translation pass prefetches.
+WHERE_PREFETCH = 32
+#: Indices translated by one parallel work item.
+INDICES_PER_ITEM = 4096
+#: A translated position's flag for a cache row, and the mask of its flat start.
+CACHED = np.uint64(1 << 63)
+OFFSET = np.uint64((1 << 63) - 1)
+WAHEAD = WHERE_PREFETCH
+IPI = INDICES_PER_ITEM
 BPI = BAGS_PER_ITEM
 RPI = ROWS_PER_ITEM
 AHEAD = PREFETCH_AHEAD
@@ -319,6 +328,79 @@ def sum_bag_indirect(bflat, cflat, where, indices, start, end, acc, missed, fs, 
 
 
 @njit(**INLINE)
+def translate(where, indices, lo, hi, pos, missed, fs):
+    """pos[j] = flat start of row indices[j] where it lives, CACHED set for a cache row, for
+    j in lo..hi; returns how many are cached and marks ``missed[j] = 1`` for the others.
+
+    The first of the lookup's two passes: its iterations are independent, so the core keeps
+    many ``where`` misses in flight (plus a prefetch WAHEAD on); the sums then read ``pos``
+    sequentially instead of waiting on ``where`` for every row."""
+    hits = 0
+    for j in range(lo, hi):
+        if j + WAHEAD < hi:
+            prefetch_read(where, np.uint64(indices[j + WAHEAD]))
+        r = indices[j]
+        w = where[r]
+        if w >= 0:
+            pos[j] = at(w, fs) | CACHED
+            hits += 1
+        else:
+            pos[j] = at(r, fs)
+            if missed.shape[0]:
+                missed[j] = 1
+    return hits
+
+
+@njit(**INLINE)
+def sum_bag_pos(bflat, cflat, pos, start, end, acc, fs, specialised):
+    """sum_bag over translated positions (see ``translate``): 8 rows at a time, each group
+    from the cache, the base or (a mix) each row from its own buffer; same order of additions."""
+    nidx = pos.shape[0]
+    zero(acc, fs)
+    j = start
+    while j < end:
+        n = 8 if j + 8 <= end else 1
+        if specialised:
+            for q in range(j + RAHEAD, min(j + RAHEAD + n, nidx)):
+                pq = pos[q]
+                prefetch_row(cflat if pq & CACHED else bflat, pq & OFFSET, fs)
+        if n == 8:
+            p0, p1, p2, p3 = pos[j], pos[j + 1], pos[j + 2], pos[j + 3]
+            p4, p5, p6, p7 = pos[j + 4], pos[j + 5], pos[j + 6], pos[j + 7]
+            anded = p0 & p1 & p2 & p3 & p4 & p5 & p6 & p7
+            ored = p0 | p1 | p2 | p3 | p4 | p5 | p6 | p7
+            if anded & CACHED:
+                add8(acc, cflat, p0 & OFFSET, p1 & OFFSET, p2 & OFFSET, p3 & OFFSET,
+                     p4 & OFFSET, p5 & OFFSET, p6 & OFFSET, p7 & OFFSET, fs)
+            elif not (ored & CACHED):
+                add8(acc, bflat, p0, p1, p2, p3, p4, p5, p6, p7, fs)
+            else:
+                add8x(acc, cflat if p0 & CACHED else bflat, cflat if p1 & CACHED else bflat,
+                      cflat if p2 & CACHED else bflat, cflat if p3 & CACHED else bflat,
+                      cflat if p4 & CACHED else bflat, cflat if p5 & CACHED else bflat,
+                      cflat if p6 & CACHED else bflat, cflat if p7 & CACHED else bflat,
+                      p0 & OFFSET, p1 & OFFSET, p2 & OFFSET, p3 & OFFSET, p4 & OFFSET,
+                      p5 & OFFSET, p6 & OFFSET, p7 & OFFSET, fs)
+        else:
+            pj = pos[j]
+            if pj & CACHED:  # two calls rather than one on a selected array: that measured slower
+                add1(acc, cflat, pj & OFFSET, fs)
+            else:
+                add1(acc, bflat, pj, fs)
+        j += n
+
+
+@njit(**INLINE)
+def bag_sums_pos(bflat, cflat, pos, offsets, lo, hi, out, ostride, ocol, acc, fs, specialised):
+    """bag_sums over translated positions."""
+    nidx = pos.shape[0]
+    for b in range(lo, hi):
+        start, end = bag_bounds(offsets, b, nidx)
+        sum_bag_pos(bflat, cflat, pos, start, end, acc, fs, specialised)
+        store(acc, out, np.uint64(b * ostride + ocol), fs)
+
+
+@njit(**INLINE)
 def bag_sums(bflat, cflat, where, indices, offsets, lo, hi, out, ostride, ocol, acc, missed, fs,
              specialised):
     """out rows lo..hi (at column ocol of a row-strided flat buffer) = those bags' sums.
@@ -420,6 +502,28 @@ def make_kernels(FS):
         return served
 
     @njit(**PARALLEL)
+    def bag_sum_cached(base, cache, where, indices, offsets, nbags, out, ostride, ocol, missed):
+        """``bag_sum`` of an indirect table in two passes: translate every index to where its
+        row lives (independent iterations, so many ``where`` misses are in flight at once),
+        then sum over the translated positions.  Same sums, same order of additions."""
+        fs = FS or base.shape[1]
+        bflat = base.reshape(-1)
+        cflat = cache.reshape(-1)
+        nidx = indices.shape[0]
+        pos = np.empty(nidx, dtype=np.uint64)
+        nitems = (nidx + IPI - 1) // IPI
+        cached = np.empty(nitems, dtype=np.int64)  # per item: no parfor reduction
+        for it in prange(nitems):
+            lo, hi = span(it, IPI, nidx)
+            cached[it] = translate(where, indices, lo, hi, pos, missed, fs)
+        for it in prange((nbags + BPI - 1) // BPI):
+            acc = np.empty(fs, dtype=base.dtype)
+            lo, hi = span(it, BPI, nbags)
+            bag_sums_pos(bflat, cflat, pos, offsets, lo, hi, out, ostride, ocol, acc, fs,
+                         SPECIALISED)
+        return cached.sum()
+
+    @njit(**PARALLEL)
     def bag_sum_many(tables, indices, offsets, nbags, out, ostride, cols, chunk):
         """All tables into one concatenated output; work items are (bag chunk, table) pairs."""
         ntables = len(tables)
@@ -492,5 +596,6 @@ def make_kernels(FS):
                          gstride, cols[t], lr, acc, fs)
         return nus, rows
 
-    return dict(gather=gather, bag_sum=bag_sum, bag_sum_many=bag_sum_many,
+    return dict(gather=gather, bag_sum=bag_sum, bag_sum_cached=bag_sum_cached,
+                bag_sum_many=bag_sum_many,
                 apply_sgd=apply_sgd, grad=grad, update_many=update_many)

@@ -37,6 +37,7 @@ import cachedarrays as ca
 from cachedarrays import costmodel
 
 from . import kernels
+from ._fs_kernels import at, prefetch_row, span
 
 __all__ = [
     "FORWARD", "UPDATE", "EmbeddingTable", "SimpleTable", "CachedEmbeddingTable",
@@ -54,6 +55,9 @@ TABLE_KINDS = ("fast", "simple", "static", "dynamic")
 _DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 #: Rows per cache page unless the table says otherwise (a page is the unit of flushing).
 DEFAULT_PAGE_ROWS = 1024
+#: Rows one parallel work item of ``_place_rows`` copies, and how far ahead it prefetches.
+_PLACE_PER_ITEM = 256
+_PLACE_AHEAD = 8
 
 
 # ---- numba helpers for the cache (kernels.py owns lookup and SGD) -------------------------
@@ -79,19 +83,32 @@ def _scan_misses(indices, where, miss_rows):
 
 @njit(parallel=True, cache=True, nogil=True)
 def _place_rows(base, cache, where, backedge, rows, slots):
-    """Copy rows[k] into slot slots[k] for k < len(slots); unmark the rest (stay in base)."""
+    """Copy rows[k] into slot slots[k] for k < len(slots); unmark the rest (stay in base).
+
+    Flat unsigned offsets (a loop LLVM vectorises) and the source row prefetched a few rows
+    ahead: the rows are random reads of the base, 3-4x faster than 2-D indexing."""
     fs = base.shape[1]
+    bflat = base.reshape(-1)
+    cflat = cache.reshape(-1)
     nslots = slots.shape[0]
-    for k in prange(rows.shape[0]):
-        r = rows[k]
-        if k < nslots:
-            s = slots[k]
-            for f in range(fs):
-                cache[s, f] = base[r, f]
-            backedge[s] = r
-            where[r] = s
-        else:
-            where[r] = -1
+    n = rows.shape[0]
+    for it in prange((n + _PLACE_PER_ITEM - 1) // _PLACE_PER_ITEM):
+        lo, hi = span(it, _PLACE_PER_ITEM, n)
+        for k in range(lo, hi):
+            r = rows[k]
+            if k < nslots:
+                if k + _PLACE_AHEAD < min(hi, nslots):
+                    prefetch_row(bflat, at(rows[k + _PLACE_AHEAD], fs), fs)
+                s = slots[k]
+                src = at(r, fs)
+                dst = at(s, fs)
+                for f in range(fs):
+                    uf = np.uint64(f)
+                    cflat[dst + uf] = bflat[src + uf]
+                backedge[s] = r
+                where[r] = s
+            else:
+                where[r] = -1
 
 
 #: The same copy on one thread: for a few rows, starting the thread pool costs more than the copy.
@@ -431,6 +448,11 @@ class CachedEmbeddingTable(EmbeddingTable):
         slots = self.npages * self.page_rows
         self.cache = ca.empty((slots, self.featuresize), dtype=self.dtype, manager=self.manager)
         ca.prefetch(self.cache, force=True)
+        if ca.in_fast(self.cache):
+            # touch the whole pool now: the OS maps memory on first write, and a lookup that
+            # first fills a slot would otherwise wait for its page (2 MiB zeroed per huge page)
+            with ca.kernel("embedding_cache_init", (), (self.cache,)) as (c,):
+                c.fill(0)
         self.backedge = np.full(slots, -1, dtype=np.int64)
         self.dirty_slots = np.zeros(slots, dtype=np.uint8)
         self._pages = deque()                      # pages in use, oldest first

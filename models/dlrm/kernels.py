@@ -375,8 +375,9 @@ def _lookup_bags(base, cache, where, indices, offsets, out, name, check, missed=
         # and table kind, whether the caller's arrays are writable or not
         b = _readonly(base)
         c = b if cache is base else _readonly(cache)
-        hits = _pick("bag_sum", base.shape[1])(b, c, where, idx, off, nbags, flat, stride, 0,
-                                               _NO_MISSES if missed is None else missed)
+        kernel = _pick("bag_sum" if where is None else _INDIRECT_LOOKUP, base.shape[1])
+        hits = kernel(b, c, where, idx, off, nbags, flat, stride, 0,
+                      _NO_MISSES if missed is None else missed)
     if scratch is not None:
         out[...] = scratch
     return out, int(hits)
@@ -459,6 +460,8 @@ def accumulate_grad(indices, offsets, dout, nrows, *, name="table"):
 
 
 _NO_MISSES = np.empty(0, dtype=np.uint8)
+#: The kernel of indirect (cached-table) lookups: "bag_sum_cached" (two passes) or "bag_sum".
+_INDIRECT_LOOKUP = "bag_sum_cached"
 
 
 def _readonly(a):
