@@ -16,6 +16,7 @@ one gzip-compressed JSON file.
 import gzip
 import json
 import os
+import math
 import statistics
 import sys
 import threading
@@ -140,7 +141,29 @@ class KernelClock(Observer):
     not move with the machine's load.
     """
 
-    model = None
+    _model = None
+
+    @property
+    def model(self):
+        return self._model
+
+    @model.setter
+    def model(self, fn):
+        if fn is not None and not callable(fn):
+            raise TypeError(f"KernelClock.model must be None or a function (name, reads, "
+                            f"writes) -> seconds, not {type(fn).__name__}")
+        self._model = fn
+
+    def _modelled(self, name, reads, writes):
+        v = self._model(name, reads, writes)
+        try:
+            seconds = float(v)
+        except (TypeError, ValueError):
+            seconds = math.nan
+        if not (math.isfinite(seconds) and seconds >= 0):
+            raise ValueError(f"KernelClock.model gave {v!r} seconds for kernel {name!r}; it "
+                             f"must return a finite number of seconds >= 0")
+        return seconds
 
     def __init__(self):
         self._stacks = defaultdict(list)   # thread id -> [[key, start, nested, forced]]
@@ -170,8 +193,8 @@ class KernelClock(Observer):
             forced = e.seconds if e is not None else None       # kernel's, so it stays
         else:
             forced, self._forced = self._forced, None
-            if forced is None and self.model is not None:
-                forced = float(self.model(name, reads, writes))
+            if forced is None and self._model is not None:
+                forced = self._modelled(name, reads, writes)
         self._stacks[threading.get_ident()].append(
             [sorted(o.id for o in (*reads, *writes)), _perf(), 0.0, forced])
 

@@ -61,6 +61,12 @@ def test_table_traffic_time_counts_every_byte_at_its_tiers_bandwidth():
                  slow_write_bytes=11e9)
     assert traffic_time(stats) == pytest.approx(4.0)                # 1 s each at dram/optane
     assert traffic_time(stats, slow="dram") == pytest.approx(2 + 30 / 110 + 11 / 60)
+    owed = dict(stats, dirty_bytes=110e9)           # write-backs owed: read fast, write slow
+    assert traffic_time(owed) == pytest.approx(4.0 + 1.0 + 110 / 11)
+    with pytest.raises(ValueError, match="'slow_write_bytes'.* missing"):
+        traffic_time({k: v for k, v in stats.items() if k != "slow_write_bytes"})
+    with pytest.raises(ValueError, match="unknown device profile 'pmem9'"):
+        traffic_time(stats, slow="pmem9")
 
 
 def test_help_lists_defaults_and_choices(bench, capsys, monkeypatch):

@@ -77,6 +77,24 @@ def test_a_kernel_clock_model_replaces_the_wall_clock_and_a_forced_time_wins(m):
     assert t.times == pytest.approx([(2 + 12000) * 1e-3, (5 + 4000) * 1e-3, 0.125])
 
 
+@pytest.mark.parametrize("bad", [float("nan"), -1.0, float("inf"), "soon", None])
+def test_a_kernel_clock_model_must_give_finite_seconds_and_the_manager_survives(m, bad):
+    x = ca.zeros(100, manager=m)
+    clock = KernelClock.of(m)
+    with pytest.raises(TypeError, match="must be None or a function"):
+        clock.model = 0.5
+    clock.model = lambda name, reads, writes: bad
+    try:
+        with pytest.raises(ValueError, match="gave .* seconds for kernel 'k'.*finite number"):
+            with ca.kernel("k", (x,), ()):
+                pass
+    finally:
+        clock.model = None
+    m.check()
+    y = x + 1                                     # nothing is left pinned or half-recorded
+    assert np.asarray(y)[0] == 1.0 and x.object._pins == 0
+
+
 def test_one_kernel_clock_per_manager_and_replays_force_the_traced_times(m):
     assert KernelClock.of(m) is KernelClock.of(m)
     x = ca.zeros(1000, manager=m)

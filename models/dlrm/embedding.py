@@ -756,6 +756,9 @@ class CachedEmbeddingTable(EmbeddingTable):
         return s
 
 
+_TRAFFIC_KEYS = ("fast_read_bytes", "fast_write_bytes", "slow_read_bytes", "slow_write_bytes")
+
+
 def traffic_time(stats, slow="optane", fast="dram"):
     """Modelled seconds of the memory traffic in ``stats`` (a table's ``stats()``, or their sum,
     or the difference of two) at the bandwidths of the cost model's device profiles: a policy
@@ -764,6 +767,10 @@ def traffic_time(stats, slow="optane", fast="dram"):
     write-backs they owe (read fast, write slow), so a cache that defers its write-backs past
     the end of a run is charged for them."""
     f, s = costmodel.get_profile(fast), costmodel.get_profile(slow)
+    missing = [k for k in _TRAFFIC_KEYS if k not in stats]
+    if missing:
+        raise ValueError(f"traffic_time needs a table's stats() (or their sum); {missing} "
+                         f"missing from the {sorted(stats)} given")
     owed = stats.get("dirty_bytes", 0)
     return ((stats["fast_read_bytes"] + owed) / f.read_gbps
             + stats["fast_write_bytes"] / f.write_gbps + stats["slow_read_bytes"] / s.read_gbps
