@@ -13,7 +13,7 @@ $(PY):
 # --no-compile: Python compiles the bytecode of the modules it imports on first use, instead of
 # pip compiling every file of every package (torch alone has thousands) at install.
 $(STAMP): $(PY) pyproject.toml setup.py native/build.py $(wildcard native/*.c native/*.h)
-	$(PY) -m pip install -q --no-compile --no-build-isolation -e ".[test,plot,peer]"
+	$(PY) -m pip install -q --no-compile --no-build-isolation -e ".[test,plot,peer,dask]"
 	touch $(STAMP)
 
 install: $(STAMP)

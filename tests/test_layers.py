@@ -23,6 +23,7 @@ LAYERS = [
                "dispatch", "creation", "routines", "defaults"]),
     ("annotations", ["annotations"]),
     ("package", [""]),                    # cachedarrays/__init__.py: the public names
+    ("integrations", ["dask"]),           # chunk types of other libraries (optional extras)
     ("models", ["models"]),
 ]
 RANK = {name: i for i, (_, names) in enumerate(LAYERS) for name in names}

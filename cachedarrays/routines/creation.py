@@ -6,6 +6,7 @@ CachedArrays on x's manager, made by ``cachedarrays.creation`` (no copy through 
 
 import numpy as np
 
+from ..array import CachedArray
 from ..creation import (_manager, array, empty, empty_like, full, full_like, ones, ones_like,
                         zeros, zeros_like)
 from ..dispatch import implements
@@ -30,5 +31,31 @@ implements(np.empty)(_like_creation(empty))
 implements(np.zeros)(_like_creation(zeros))
 implements(np.ones)(_like_creation(ones))
 implements(np.full)(_like_creation(full))
-implements(np.asarray)(_like_creation(array))
-implements(np.array)(_like_creation(array))
+def _array_like(a, dtype=None, *, copy=True, order="K", subok=False, ndmin=0, like=None,
+                device=None):
+    """np.array / np.asarray with ``like=`` a CachedArray: a CachedArray on like's manager
+    (``copy`` None or False returns a CachedArray of that manager as it is; ``ndmin``
+    prepends axes of length 1, as NumPy does)."""
+    if device not in (None, "cpu"):
+        raise ValueError(f"device must be None or 'cpu', not {device!r}")
+    m = _manager(None, like)
+    same = isinstance(a, CachedArray) and a.manager is m and \
+        (dtype is None or np.dtype(dtype) == a.dtype)
+    if same and copy is not True:
+        out = a
+    elif copy is False:
+        raise ValueError("copy=False: the data must be copied into a CachedArray of like's "
+                         "manager; pass copy=None to allow the copy")
+    else:
+        out = array(a, dtype, order if order in ("C", "F") else None, manager=m)
+    if ndmin > out.ndim:
+        out = out.reshape((1,) * (ndmin - out.ndim) + out.shape)
+    return out
+
+
+def _asarray_like(a, dtype=None, order=None, *, device=None, copy=None, like=None):
+    return _array_like(a, dtype, copy=copy, order=order, like=like, device=device)
+
+
+implements(np.asarray)(_asarray_like)
+implements(np.array)(_array_like)
