@@ -19,7 +19,8 @@ flight, so when cancel() returns the job no longer touches memory (the destinati
 copied prefix of ``job.copied`` bytes). It returns True when the copy did not complete, False
 when it had already finished (even with an exception). Done callbacks always run once, on the
 worker thread (cancelled queued jobs too, when the worker reaches them), or at once in the
-caller's thread when added to a finished job. ``shutdown()`` joins the threads; a CopyWorkers
+caller's thread when added to a finished job; an exception a callback raises is logged
+either way, never raised. ``shutdown()`` joins the threads; a CopyWorkers
 that is garbage collected without shutdown lets its workers finish the queued jobs, after which
 they exit (no submit is possible any more), so threads never leak.
 """
@@ -328,12 +329,17 @@ class CopyJob:
             return self._state == _CANCELLED
 
     def add_done_callback(self, fn) -> None:
-        """Call fn(job) once when the job finishes (on the worker thread), or now if finished."""
+        """Call fn(job) once when the job finishes (on the worker thread), or now if finished.
+        Either way an exception fn raises is logged, not raised (as concurrent.futures does):
+        whether the job had finished is a race the caller cannot see."""
         with self._s.cond:
             if self._state < _DONE:
                 self._callbacks.append(fn)
                 return
-        fn(self)
+        try:
+            fn(self)
+        except Exception:
+            log.exception("copy job done callback %r failed", fn)
 
     def _run(self):
         """Copy chunk by chunk (on the worker thread, without the lock)."""

@@ -183,6 +183,20 @@ def test_callback_errors_do_not_kill_worker(workers):
     w.submit("k", 0, 0, 0).result(T)
 
 
+def test_a_callback_on_a_finished_job_raising_is_logged_not_raised(workers, caplog):
+    """Whether the job finished before add_done_callback is a race: both ways log the error."""
+    w = workers()
+    job = w.submit("k", 0, 0, 0)
+    job.result(T)
+
+    def boom(job):
+        raise RuntimeError("callback bug")
+    with caplog.at_level("ERROR", logger="cachedarrays.copyengine"):
+        job.add_done_callback(boom)                  # runs now, in this thread
+    assert "done callback" in caplog.text and "callback bug" in caplog.text
+    w.submit("k", 0, 0, 0).result(T)
+
+
 def test_wait_timeout_and_waited(workers, monkeypatch):
     w = workers(chunk=4096)
     src, dst = pair(8192)
