@@ -813,8 +813,12 @@ class Manager:
             policy.write_use(obj)
             return obj
 
-    def pin(self, obj):
-        """Pin obj: nothing moves or frees it until the matching unpin. Re-entrant."""
+    def pin(self, obj, detached=False):
+        """Pin obj: nothing moves or frees it until the matching unpin. Re-entrant.
+
+        ``detached=True``: a pin that no thread owns, for memory handed to code that lets go of
+        it on another thread (a buffer being sent); release it with ``unpin(obj,
+        detached=True)`` from any thread. close() waits for it as for other threads' pins."""
         with self._lock:
             if self._gate:
                 self._pass_gate((obj,))
@@ -826,15 +830,21 @@ class Manager:
             if self._copies and obj.id in self._copies:
                 self._settle(obj)
             obj._pins += 1
+            if detached:
+                return
             key = (threading.get_ident(), obj.id)
             held = self._pinned_by.get(key)
             self._pinned_by[key] = (obj, held[1] + 1 if held else 1)
 
-    def unpin(self, obj):
+    def unpin(self, obj, detached=False):
         with self._lock:
             if obj._pins <= 0:
                 raise CachedArraysError(f"object {obj.id} is not pinned; unpin without pin")
             obj._pins -= 1
+            if detached:
+                if self._closing:
+                    self._cond.notify_all()
+                return
             key = (threading.get_ident(), obj.id)
             held = self._pinned_by.get(key)
             if held is not None:

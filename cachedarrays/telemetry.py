@@ -16,6 +16,8 @@ EVENTS = (
     "copy_async",              # a copy issued to run in the background (wait=False)
     "copy_cancelled",          # a background copy cancelled (its destination was dropped)
     "copy_stall",              # a use of an array waited for its background copy
+    "dask_received",           # a CachedArray chunk received from another dask process
+    "dask_sent",               # a CachedArray chunk sent to another dask process (no copy)
     "debug_stale_writes",      # debug mode: a write into memory its object had left
     "defrag_moves",            # a heap defragmentation pass
     "evict_skipped_pinned",    # an eviction walk passed over a pinned region

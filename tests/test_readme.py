@@ -29,7 +29,7 @@ BLOCKS = _blocks()
 
 
 def _run(line, code):
-    ns = {"__name__": f"readme_line_{line}"}
+    ns = {"__name__": "__main__"}        # as a script: a block's main guard runs
     exec(compile(code, f"README.md block at line {line}", "exec"), ns)
     return ns
 

@@ -1,0 +1,113 @@
+"""CachedArray chunks on a real dask.distributed cluster: two worker processes on loopback, each
+keeping its chunks in its own manager (ManagerPlugin), chunks that together outgrow each
+worker's fast memory, results compared with NumPy, and a worker killed mid-computation."""
+
+import gc
+import os
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import cachedarrays as ca
+
+pytest.importorskip("distributed")
+import dask.array as da  # noqa: E402
+from distributed import Client, LocalCluster  # noqa: E402
+
+from cachedarrays.dask import ManagerPlugin  # noqa: E402
+
+# The worker processes cannot import this test module: send its functions by value.
+cloudpickle = pytest.importorskip("cloudpickle")
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+FAST = 4 << 20                     # each worker's fast memory: 4 MiB; the arrays are 11 MiB
+
+
+@pytest.fixture(scope="module")
+def client():
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1",
+                      dashboard_address=None) as cluster, Client(cluster) as c:
+        c.register_plugin(ManagerPlugin(fast=FAST, slow="256MiB"))
+        yield c
+
+
+@pytest.fixture
+def here():
+    """The client process's default manager, which receives the results."""
+    with ca.Manager(fast="64MiB", slow="256MiB") as m:
+        previous = ca.set_default_manager(m)
+        try:
+            yield m
+        finally:
+            ca.set_default_manager(previous)
+
+
+def _worker_report():
+    gc.collect()                   # frames of sent chunks let go: their pins are released
+    m = ca.default_manager()
+    s = m.stats()
+    return dict(fast=m.fast.size, moved=sum(v["bytes"] for v in s["moved"].values()),
+                sent=s["events"]["dask_sent"]["bytes"], received=s["events"]["dask_received"]["bytes"],
+                pinned=len([o for o in m.objects() if m.pinned(o)]))
+
+
+def _data(chunks):
+    x = da.random.RandomState(5).random_sample((1200, 1200), chunks=chunks)
+    return x, x.map_blocks(ca.asarray, meta=ca.empty((0, 0)))
+
+
+@pytest.mark.parametrize("name", ["blockwise", "reduction", "matmul"])
+def test_cluster_computations_on_cached_chunks_equal_numpy(client, here, name):
+    x, xc = _data((300, 300))
+    a = x.compute()
+    expr, ref = {
+        "blockwise": (np.exp(xc) - xc * 2, np.exp(a) - a * 2),
+        "reduction": (xc.std(axis=0), a.std(axis=0)),
+        "matmul": (xc @ xc.T, a @ a.T),
+    }[name]
+    got = expr.compute()
+    assert isinstance(got, ca.CachedArray) and got.manager is here
+    with ca.readable(got) as g:
+        np.testing.assert_allclose(g, ref, rtol=1e-10)
+    assert here.stats()["events"]["dask_received"]["bytes"] >= got.nbytes
+    reports = client.run(_worker_report)
+    assert len(reports) == 2
+    for r in reports.values():
+        assert r["fast"] == FAST and r["moved"] > 0          # chunks outgrew fast memory
+        assert r["pinned"] == 0                              # no pin outlived its frame
+    assert sum(r["sent"] for r in reports.values()) > 0
+
+
+def _slow_exp(c):
+    time.sleep(0.05)
+    return np.exp(c)
+
+
+def test_a_worker_killed_mid_computation_is_replaced_and_the_result_is_right(client, here):
+    x, xc = _data((200, 200))
+    a = x.compute()
+    future = client.compute((xc.map_blocks(_slow_exp) @ xc.T).sum(axis=0))
+    time.sleep(0.5)
+    victim = sorted(client.scheduler_info()["workers"])[0]
+    with pytest.raises(Exception):                 # the worker dies before it answers
+        client.run(lambda: os._exit(1), workers=[victim])
+    got = future.result(timeout=120)
+    with ca.readable(got) as g:
+        np.testing.assert_allclose(g, (np.exp(a) @ a.T).sum(axis=0), rtol=1e-10)
+    client.wait_for_workers(2, timeout=60)
+    reports = client.run(_worker_report)
+    assert all(r["fast"] == FAST and r["pinned"] == 0 for r in reports.values())
+
+
+def test_the_plugin_closes_each_workers_manager_at_shutdown(here):
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=False,
+                      dashboard_address=None) as cluster, Client(cluster) as c:  # in this process
+        plugin = ManagerPlugin(fast="2MiB", slow="16MiB")
+        c.register_plugin(plugin)
+        managers = c.run(lambda dask_worker: [
+            p.manager for p in dask_worker.plugins.values() if isinstance(p, ManagerPlugin)])
+        (m,) = next(iter(managers.values()))
+        assert not m.closed and m.fast.size == 2 << 20 and ca.default_manager() is m
+    assert m.closed and ca.default_manager() is here      # the previous default is back
