@@ -18,7 +18,8 @@ from distributed import Client, LocalCluster  # noqa: E402
 
 from cachedarrays.dask import ManagerPlugin  # noqa: E402
 
-# The worker processes cannot import this test module: send its functions by value.
+# The worker processes cannot import this test module: send its functions (client.run) by
+# value.
 cloudpickle = pytest.importorskip("cloudpickle")
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -80,15 +81,12 @@ def test_cluster_computations_on_cached_chunks_equal_numpy(client, here, name):
     assert sum(r["sent"] for r in reports.values()) > 0
 
 
-def _slow_exp(c):
-    time.sleep(0.05)
-    return np.exp(c)
-
-
 def test_a_worker_killed_mid_computation_is_replaced_and_the_result_is_right(client, here):
     x, xc = _data((200, 200))
     a = x.compute()
-    future = client.compute((xc.map_blocks(_slow_exp) @ xc.T).sum(axis=0))
+    # a lambda: dask pickles functions inside a graph by reference unless they cannot be
+    slow_exp = lambda c: (time.sleep(0.05), np.exp(c))[1]  # noqa: E731
+    future = client.compute((xc.map_blocks(slow_exp) @ xc.T).sum(axis=0))
     time.sleep(0.5)
     victim = sorted(client.scheduler_info()["workers"])[0]
     with pytest.raises(Exception):                 # the worker dies before it answers
