@@ -39,7 +39,8 @@ import numpy as np  # noqa: E402
 import cachedarrays as ca  # noqa: E402
 from cachedarrays.models.dlrm import configs  # noqa: E402
 from cachedarrays import costmodel  # noqa: E402
-from cachedarrays.models.dlrm.embedding import TABLE_KINDS, traffic_time  # noqa: E402
+from cachedarrays.models.dlrm.embedding import (TABLE_KINDS, TRAFFIC_KEYS,  # noqa: E402
+                                                traffic_time)
 from cachedarrays.models.dlrm.model import PHASES, DLRM, synthetic_dataset  # noqa: E402
 
 #: Defaults that fit a 2-core, 24 GiB machine in a few minutes.
@@ -150,8 +151,7 @@ def _timed(step, batch, times):
     return loss
 
 
-_TRAFFIC = ("fast_read_bytes", "fast_write_bytes", "slow_read_bytes", "slow_write_bytes",
-            "dirty_bytes")
+_TRAFFIC = TRAFFIC_KEYS + ("dirty_bytes",)
 
 
 def _traffic(model):

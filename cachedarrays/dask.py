@@ -87,8 +87,7 @@ def _frame(x):
             return np.ascontiguousarray(v)
     m.pin(obj, detached=True)
     try:
-        v = m.ndarray(obj.primary, x._dtype, x._shape, x._strides, x._offset, readonly=True)
-        holder = v.view()
+        holder = x._view(readonly=True)
         weakref.finalize(holder, _release, weakref.ref(m), obj)
     except BaseException:
         m.unpin(obj, detached=True)

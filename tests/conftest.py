@@ -17,26 +17,27 @@ SMALL = dict(fast="1MiB", slow="16MiB")
 TINY = dict(fast="64KiB", slow="4MiB", granularity=256)
 
 
+def _dlrm_kernels(specialised):
+    """Feature-size specialised DLRM kernels on or off until the generator resumes."""
+    from cachedarrays.models.dlrm import kernels, model
+    old = kernels.set_specialised(specialised), model.set_specialised(specialised)
+    yield
+    kernels.set_specialised(old[0])
+    model.set_specialised(old[1])
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _generic_dlrm_kernels():
     """The suite runs the generic embedding and interaction kernels: the ones specialised per
     feature size (bit-identical, see the ``specialised`` tests) compile one set per size, tens
     of seconds each on a fresh clone's empty numba cache."""
-    from cachedarrays.models.dlrm import kernels, model
-    old = kernels.set_specialised(False), model.set_specialised(False)
-    yield
-    kernels.set_specialised(old[0])
-    model.set_specialised(old[1])
+    yield from _dlrm_kernels(False)
 
 
 @pytest.fixture
 def specialised():
     """Feature-size specialised DLRM kernels on (as outside the test suite) for this test."""
-    from cachedarrays.models.dlrm import kernels, model
-    old = kernels.set_specialised(True), model.set_specialised(True)
-    yield
-    kernels.set_specialised(old[0])
-    model.set_specialised(old[1])
+    yield from _dlrm_kernels(True)
 
 
 @pytest.fixture

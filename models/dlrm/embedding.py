@@ -756,7 +756,8 @@ class CachedEmbeddingTable(EmbeddingTable):
         return s
 
 
-_TRAFFIC_KEYS = ("fast_read_bytes", "fast_write_bytes", "slow_read_bytes", "slow_write_bytes")
+#: The byte counts of ``stats()`` that ``traffic_time`` needs (``dirty_bytes`` is optional).
+TRAFFIC_KEYS = ("fast_read_bytes", "fast_write_bytes", "slow_read_bytes", "slow_write_bytes")
 
 
 def traffic_time(stats, slow="optane", fast="dram"):
@@ -767,7 +768,7 @@ def traffic_time(stats, slow="optane", fast="dram"):
     write-backs they owe (read fast, write slow), so a cache that defers its write-backs past
     the end of a run is charged for them."""
     f, s = costmodel.get_profile(fast), costmodel.get_profile(slow)
-    missing = [k for k in _TRAFFIC_KEYS if k not in stats]
+    missing = [k for k in TRAFFIC_KEYS if k not in stats]
     if missing:
         raise ValueError(f"traffic_time needs a table's stats() (or their sum); {missing} "
                          f"missing from the {sorted(stats)} given")
