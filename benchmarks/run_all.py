@@ -19,7 +19,7 @@ import _common
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-#: (name, script, arguments): the sizes make bench runs (8-9 minutes in all on 2 cores).
+#: (name, script, arguments): the sizes make bench runs (about 10 minutes in all on 2 cores).
 JOBS = [
     ("overhead", "overhead.py", ["--sizes", "10", "1000", "100000", "--repeats", "7"]),
     ("copy_engine", "copy_engine.py", ["--sizes", "1M,16M,64M", "--repeats", "5"]),
@@ -30,6 +30,7 @@ JOBS = [
     ("embedding", "embedding.py", ["--repeats", "9", "--cache", "1.0", "--warmup", "6"]),
     ("dlrm", "dlrm.py", ["--peer", "torch", "--table-kinds", "simple", "static", "dynamic",
                          "--iterations", "9"]),
+    ("dask_tiers", "dask_tiers.py", ["--repeats", "5"]),
     ("policies", "policies.py", ["--models", "resnet50", "--budgets", "20,25,50",
                                  "--sections", "sweep"]),
 ]

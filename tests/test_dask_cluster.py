@@ -3,7 +3,9 @@ keeping its chunks in its own manager (ManagerPlugin), chunks that together outg
 worker's fast memory, results compared with NumPy, and a worker killed mid-computation."""
 
 import gc
+import json
 import os
+import re
 import sys
 import time
 
@@ -17,11 +19,16 @@ import dask.array as da  # noqa: E402
 from distributed import Client, LocalCluster  # noqa: E402
 
 from cachedarrays.dask import ManagerPlugin  # noqa: E402
+from helpers import load_benchmark  # noqa: E402
 
 # The worker processes cannot import this test module: send its functions (client.run) by
 # value.
 cloudpickle = pytest.importorskip("cloudpickle")
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+# No dashboard, and the scheduler's HTTP routes on a free port (not 8787, which another cluster
+# of this run may hold).
+QUIET = dict(dashboard_address=None, scheduler_kwargs={"dashboard_address": "127.0.0.1:0"})
 
 FAST = 4 << 20                     # each worker's fast memory: 4 MiB; the arrays are 11 MiB
 
@@ -29,7 +36,7 @@ FAST = 4 << 20                     # each worker's fast memory: 4 MiB; the array
 @pytest.fixture(scope="module")
 def client():
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1",
-                      dashboard_address=None) as cluster, Client(cluster) as c:
+                      **QUIET) as cluster, Client(cluster) as c:
         c.register_plugin(ManagerPlugin(fast=FAST, slow="256MiB"))
         yield c
 
@@ -101,7 +108,7 @@ def test_a_worker_killed_mid_computation_is_replaced_and_the_result_is_right(cli
 
 def test_the_plugin_closes_each_workers_manager_at_shutdown(here):
     with LocalCluster(n_workers=1, threads_per_worker=1, processes=False,
-                      dashboard_address=None) as cluster, Client(cluster) as c:  # in this process
+                      **QUIET) as cluster, Client(cluster) as c:  # in this process
         plugin = ManagerPlugin(fast="2MiB", slow="16MiB")
         c.register_plugin(plugin)
         managers = c.run(lambda dask_worker: [
@@ -109,3 +116,34 @@ def test_the_plugin_closes_each_workers_manager_at_shutdown(here):
         (m,) = next(iter(managers.values()))
         assert not m.closed and m.fast.size == 2 << 20 and ca.default_manager() is m
     assert m.closed and ca.default_manager() is here      # the previous default is back
+
+
+def _row(out, name):
+    """The cells of one row of the benchmark's table (split on runs of 2+ spaces)."""
+    line = next(x for x in out.splitlines() if x.startswith(name))
+    return re.split(r"\s{2,}", line[len(name):].strip())
+
+
+def _bytes(cell):
+    number, unit = cell.split()
+    return float(number) * {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}[unit]
+
+
+def test_the_tiers_benchmark_compares_spilling_with_tiers_in_one_run(tmp_path, monkeypatch,
+                                                                     capsys):
+    results = tmp_path / "results.jsonl"
+    monkeypatch.setenv("CA_BENCH_RESULTS", str(results))
+    bench = load_benchmark("dask_tiers")
+    assert bench.main(["--workers", "1", "--limit", "4MiB", "--chunk", "1MiB", "--cols", "64",
+                       "--repeats", "3", "--no-progress", "--plot", str(tmp_path / "t.png")]) == 0
+    out = capsys.readouterr().out
+    spilled, in_place, in_fast = map(_bytes, _row(out, "bytes to the slow tier"))
+    unspilled, fetched_in_place, fetched = map(_bytes, _row(out, "bytes back to memory"))
+    data = 4 * (4 << 20)
+    assert spilled >= data / 2 and unspilled >= data / 2     # distributed pickled chunks out and in
+    assert fetched_in_place == 0 and fetched >= data / 2     # kernels-in-fast brings chunks in
+    assert "pins held by our workers after the runs: [0, 0]" in out
+    heads = [json.loads(x) for x in results.read_text().splitlines()]
+    assert [h["name"] for h in heads] == ["dask speedup vs spilling, CachedArray, in place",
+                                          "dask speedup vs spilling, CachedArray, kernels in fast"]
+    assert all(h["value"] > 0 for h in heads) and (tmp_path / "t.png").stat().st_size > 0

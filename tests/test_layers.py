@@ -152,3 +152,15 @@ def test_the_demo_lives_above_the_core():
     assert not (ROOT / "cachedarrays" / "demo.py").exists()
     assert (ROOT / "models" / "demo.py").exists()
     assert "-m cachedarrays.models.demo" in (ROOT / "Makefile").read_text()
+
+
+def test_importing_the_package_loads_no_jit_compiler():
+    """numba takes seconds to import; the kernels that need it load it on first use (a dask
+    worker, a script or a test that never runs them does not pay for it)."""
+    import subprocess
+    import sys
+    code = ("import sys, cachedarrays, cachedarrays.policies; "
+            "print(sorted(m for m in ('numba', 'llvmlite') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.strip()
+    assert out == "[]"
