@@ -138,7 +138,7 @@ def test_indirect_lookup_reads_cache_copies(rng):
 
 def test_two_pass_cached_lookup_is_bit_identical_to_the_one_pass_kernel(rng, monkeypatch):
     """Indirect lookups translate every index first, then sum: the same sums in the same
-    order, the same hit count and the same missed marks as summing through ``where``."""
+    order, the same hit count and the same missed rows as summing through ``where``."""
     n, fs = 5000, 24
     base = rng.standard_normal((n, fs)).astype(np.float32)
     cache = rng.standard_normal((1500, fs)).astype(np.float32)
@@ -149,14 +149,14 @@ def test_two_pass_cached_lookup_is_bit_identical_to_the_one_pass_kernel(rng, mon
     for kernel in ("bag_sum", "bag_sum_cached"):
         monkeypatch.setattr(K, "_INDIRECT_LOOKUP", kernel)
         out = np.zeros((700, fs), np.float32)
-        missed = np.zeros(indices.shape[0], np.uint8)
+        missed = np.full(indices.shape[0], -7, np.int64)
         _, hits = K.lookup_sum_indirect_hits(base, cache, where, indices, offsets, out, missed)
-        got[kernel] = out, hits, missed
+        got[kernel] = out, hits, missed[:indices.shape[0] - hits]
     (a, ha, ma), (b, hb, mb) = got["bag_sum"], got["bag_sum_cached"]
     np.testing.assert_array_equal(a, b)
     assert ha == hb == int(np.count_nonzero(where[indices] >= 0)) and ha > 0
     np.testing.assert_array_equal(ma, mb)
-    np.testing.assert_array_equal(mb, (where[indices] < 0).astype(np.uint8))
+    np.testing.assert_array_equal(mb, indices[where[indices] < 0])
 
 
 def test_lookup_many_matches_per_table_and_keeps_prepended_columns(rng):
@@ -634,3 +634,57 @@ def test_import_cycle_check_finds_a_private_name_imported_back(tmp_path):
                "pkg.sub.kernels": pkg / "sub" / "kernels.py",
                "pkg.sub._template": pkg / "sub" / "_template.py", "pkg.leaf": pkg / "leaf.py"}
     assert _import_cycles(modules) == [["pkg.sub._template", "pkg.sub.kernels"]]
+
+
+@pytest.mark.parametrize("layout", ["pool after base", "pool before base", "pool misaligned",
+                                    "float64"])
+def test_cached_lookup_reads_the_pool_wherever_it_lies(rng, layout):
+    """The two-pass lookup reads pool rows through the base's buffer, at the pool's distance
+    from it: right whether the pool lies above or below the base; a distance that is not a
+    whole number of elements takes the one-pass kernel. Same sums and missed rows."""
+    n, m, fs = 3000, 800, 16
+    dtype = np.float64 if layout == "float64" else np.float32
+    buf = np.empty((n + m) * fs + 1, dtype=dtype)
+    if layout == "pool misaligned":     # the pool starts 2 bytes into an element
+        raw = np.empty(m * fs * 4 + 4, dtype=np.uint8)
+        cache = np.frombuffer(raw.data, dtype=np.float32, count=m * fs, offset=2).reshape(m, fs)
+        base = buf[:n * fs].reshape(n, fs)
+    elif layout == "pool before base":
+        cache, base = buf[:m * fs].reshape(m, fs), buf[m * fs:(n + m) * fs].reshape(n, fs)
+    else:
+        base, cache = buf[:n * fs].reshape(n, fs), buf[n * fs:(n + m) * fs].reshape(m, fs)
+    base[...] = rng.standard_normal(base.shape)
+    where = np.full(n, -1, dtype=np.int64)
+    rows = rng.choice(n, m, replace=False)
+    where[rows] = rng.permutation(m)
+    cache[where[rows]] = base[rows] + 1.0              # cached copies differ: the sums tell
+    expect = base.copy()
+    expect[rows] = cache[where[rows]]
+    indices, offsets = make_bags(rng, 300, n, 30)
+    out = np.empty((300, fs), dtype=dtype)
+    missed = np.full(indices.shape[0], -7, np.int64)
+    _, hits = K.lookup_sum_indirect_hits(base, cache, where, indices, offsets, out, missed)
+    np.testing.assert_allclose(out, ref_bag_sum(expect, indices, offsets), rtol=1e-5)
+    assert hits == int(np.count_nonzero(where[indices] >= 0))
+    np.testing.assert_array_equal(missed[:indices.shape[0] - hits], indices[where[indices] < 0])
+
+
+def test_indirect_lookup_of_zero_width_rows_still_lists_the_missed_rows():
+    base, cache = np.empty((10, 0), np.float32), np.empty((4, 0), np.float32)
+    where = np.full(10, -1, dtype=np.int64)
+    where[[2, 5]] = [0, 1]
+    idx, off = np.array([1, 2, 5, 7, 2]), np.array([0, 2])
+    missed = np.empty(5, np.int64)
+    out, hits = K.lookup_sum_indirect_hits(base, cache, where, idx, off, None, missed)
+    assert out.shape == (2, 0) and hits == 3
+    assert list(missed[:2]) == [1, 7]
+
+
+def test_the_missed_rows_buffer_must_be_int64_with_one_entry_per_index():
+    base = np.zeros((4, 2), np.float32)
+    where = np.full(4, -1, np.int64)
+    readonly = np.zeros(3, np.int64)
+    readonly.flags.writeable = False
+    for bad in (np.zeros(3, np.uint8), np.zeros(2, np.int64), readonly):
+        with pytest.raises(ValueError, match="missed must be a writable int64 array"):
+            K.lookup_sum_indirect_hits(base, base, where, [0, 1, 2], [0], None, bad)

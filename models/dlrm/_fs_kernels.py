@@ -51,9 +51,6 @@ ROW_PREFETCH = 16
 WHERE_PREFETCH = 32
 #: Indices translated by one parallel work item.
 INDICES_PER_ITEM = 4096
-#: A translated position's flag for a cache row, and the mask of its flat start.
-CACHED = np.uint64(1 << 63)
-OFFSET = np.uint64((1 << 63) - 1)
 WAHEAD = WHERE_PREFETCH
 IPI = INDICES_PER_ITEM
 BPI = BAGS_PER_ITEM
@@ -328,33 +325,54 @@ def sum_bag_indirect(bflat, cflat, where, indices, start, end, acc, missed, fs, 
 
 
 @njit(**INLINE)
-def translate(where, indices, lo, hi, pos, missed, fs):
-    """pos[j] = flat start of row indices[j] where it lives, CACHED set for a cache row, for
-    j in lo..hi; returns how many are cached and marks ``missed[j] = 1`` for the others.
+def translate(where, indices, lo, hi, pos, missed, fs, delta):
+    """pos[j] = flat start, counted from the base, of row indices[j] where it lives, for j in
+    lo..hi; returns how many are cached. The rows of the others go to missed[lo], missed[lo
+    + 1], ... in index order (an empty ``missed``: none listed).
 
-    The first of the lookup's two passes: its iterations are independent, so the core keeps
-    many ``where`` misses in flight (plus a prefetch WAHEAD on); the sums then read ``pos``
-    sequentially instead of waiting on ``where`` for every row."""
+    A cache row's start is its start in the pool plus ``delta``, the pool's distance from
+    the base in elements (modulo 2**64): the sums then read every row from one flat buffer,
+    with no per-row choice between two. The first of the lookup's two passes: its iterations
+    are independent, so the core keeps many ``where`` misses in flight (plus a prefetch
+    WAHEAD on); the sums then read ``pos`` sequentially instead of waiting on ``where``."""
     hits = 0
+    listed = lo
+    record = missed.shape[0] > 0
     for j in range(lo, hi):
         if j + WAHEAD < hi:
             prefetch_read(where, np.uint64(indices[j + WAHEAD]))
         r = indices[j]
         w = where[r]
         if w >= 0:
-            pos[j] = at(w, fs) | CACHED
+            pos[j] = at(w, fs) + delta
             hits += 1
         else:
             pos[j] = at(r, fs)
-            if missed.shape[0]:
-                missed[j] = 1
+            if record:
+                missed[listed] = r
+                listed += 1
     return hits
 
 
+@njit(**SERIAL)
+def pack_missed(missed, nidx, per_item, hits):
+    """Move the items' lists of missed rows (item k's at missed[k * per_item], hits[k] of its
+    indices cached) together at the front of ``missed``; returns how many there are."""
+    n = 0
+    for k in range(hits.shape[0]):
+        lo = k * per_item
+        count = min(per_item, nidx - lo) - hits[k]
+        if lo != n:
+            for q in range(count):
+                missed[n + q] = missed[lo + q]
+        n += count
+    return n
+
+
 @njit(**INLINE)
-def sum_bag_pos(bflat, cflat, pos, start, end, acc, fs, specialised):
-    """sum_bag over translated positions (see ``translate``): 8 rows at a time, each group
-    from the cache, the base or (a mix) each row from its own buffer; same order of additions."""
+def sum_bag_flat(t, pos, start, end, acc, fs, specialised):
+    """sum_bag over translated positions (see ``translate``), 8 rows at a time; the same
+    order of additions."""
     nidx = pos.shape[0]
     zero(acc, fs)
     j = start
@@ -362,41 +380,22 @@ def sum_bag_pos(bflat, cflat, pos, start, end, acc, fs, specialised):
         n = 8 if j + 8 <= end else 1
         if specialised:
             for q in range(j + RAHEAD, min(j + RAHEAD + n, nidx)):
-                pq = pos[q]
-                prefetch_row(cflat if pq & CACHED else bflat, pq & OFFSET, fs)
+                prefetch_row(t, pos[q], fs)
         if n == 8:
-            p0, p1, p2, p3 = pos[j], pos[j + 1], pos[j + 2], pos[j + 3]
-            p4, p5, p6, p7 = pos[j + 4], pos[j + 5], pos[j + 6], pos[j + 7]
-            anded = p0 & p1 & p2 & p3 & p4 & p5 & p6 & p7
-            ored = p0 | p1 | p2 | p3 | p4 | p5 | p6 | p7
-            if anded & CACHED:
-                add8(acc, cflat, p0 & OFFSET, p1 & OFFSET, p2 & OFFSET, p3 & OFFSET,
-                     p4 & OFFSET, p5 & OFFSET, p6 & OFFSET, p7 & OFFSET, fs)
-            elif not (ored & CACHED):
-                add8(acc, bflat, p0, p1, p2, p3, p4, p5, p6, p7, fs)
-            else:
-                add8x(acc, cflat if p0 & CACHED else bflat, cflat if p1 & CACHED else bflat,
-                      cflat if p2 & CACHED else bflat, cflat if p3 & CACHED else bflat,
-                      cflat if p4 & CACHED else bflat, cflat if p5 & CACHED else bflat,
-                      cflat if p6 & CACHED else bflat, cflat if p7 & CACHED else bflat,
-                      p0 & OFFSET, p1 & OFFSET, p2 & OFFSET, p3 & OFFSET, p4 & OFFSET,
-                      p5 & OFFSET, p6 & OFFSET, p7 & OFFSET, fs)
+            add8(acc, t, pos[j], pos[j + 1], pos[j + 2], pos[j + 3], pos[j + 4], pos[j + 5],
+                 pos[j + 6], pos[j + 7], fs)
         else:
-            pj = pos[j]
-            if pj & CACHED:  # two calls rather than one on a selected array: that measured slower
-                add1(acc, cflat, pj & OFFSET, fs)
-            else:
-                add1(acc, bflat, pj, fs)
+            add1(acc, t, pos[j], fs)
         j += n
 
 
 @njit(**INLINE)
-def bag_sums_pos(bflat, cflat, pos, offsets, lo, hi, out, ostride, ocol, acc, fs, specialised):
+def bag_sums_flat(t, pos, offsets, lo, hi, out, ostride, ocol, acc, fs, specialised):
     """bag_sums over translated positions."""
     nidx = pos.shape[0]
     for b in range(lo, hi):
         start, end = bag_bounds(offsets, b, nidx)
-        sum_bag_pos(bflat, cflat, pos, start, end, acc, fs, specialised)
+        sum_bag_flat(t, pos, start, end, acc, fs, specialised)
         store(acc, out, np.uint64(b * ostride + ocol), fs)
 
 
@@ -502,26 +501,28 @@ def make_kernels(FS):
         return served
 
     @njit(**PARALLEL)
-    def bag_sum_cached(base, cache, where, indices, offsets, nbags, out, ostride, ocol, missed):
+    def bag_sum_cached(base, where, indices, offsets, nbags, out, ostride, ocol, missed, delta):
         """``bag_sum`` of an indirect table in two passes: translate every index to where its
         row lives (independent iterations, so many ``where`` misses are in flight at once),
-        then sum over the translated positions.  Same sums, same order of additions."""
+        then sum over the translated positions, reading the pool ``delta`` elements from the
+        base through the base's flat buffer.  Same sums, same order of additions.  Returns
+        (cached indices, missed rows listed at the front of ``missed``)."""
         fs = FS or base.shape[1]
         bflat = base.reshape(-1)
-        cflat = cache.reshape(-1)
         nidx = indices.shape[0]
         pos = np.empty(nidx, dtype=np.uint64)
         nitems = (nidx + IPI - 1) // IPI
         cached = np.empty(nitems, dtype=np.int64)  # per item: no parfor reduction
         for it in prange(nitems):
             lo, hi = span(it, IPI, nidx)
-            cached[it] = translate(where, indices, lo, hi, pos, missed, fs)
+            cached[it] = translate(where, indices, lo, hi, pos, missed, fs, delta)
         for it in prange((nbags + BPI - 1) // BPI):
             acc = np.empty(fs, dtype=base.dtype)
             lo, hi = span(it, BPI, nbags)
-            bag_sums_pos(bflat, cflat, pos, offsets, lo, hi, out, ostride, ocol, acc, fs,
-                         SPECIALISED)
-        return cached.sum()
+            bag_sums_flat(bflat, pos, offsets, lo, hi, out, ostride, ocol, acc, fs,
+                          SPECIALISED)
+        nmissed = pack_missed(missed, nidx, IPI, cached) if missed.shape[0] else 0
+        return cached.sum(), nmissed
 
     @njit(**PARALLEL)
     def bag_sum_many(tables, indices, offsets, nbags, out, ostride, cols, chunk):

@@ -14,7 +14,7 @@ no view outlives its scope.
   pool of fixed-size pages in fast memory.  ``where[row]`` (int64) is the row's slot in the
   pool or -1; ``backedge[slot]`` is the row held by a slot or -1.  numba has no CPU
   compare-and-swap, so rows are cached batch-synchronously: the lookup reads every row where
-  it lives and marks the indices that missed; then the missed rows are listed once each,
+  it lives and lists the rows it found uncached; then those rows are taken once each,
   given bump-allocated slots, copied in and the pointers swapped.  The result is the state the
   dissertation's lock-bit protocol reaches, deterministically.
 
@@ -600,15 +600,16 @@ class CachedEmbeddingTable(EmbeddingTable):
         if not ca.in_fast(self.cache):
             ca.prefetch(self.cache)
         # Look up through the pointers (rows not cached are read from the base, which holds
-        # their value), marking the indices that missed; then cache those rows while there
-        # is room.  The sums are those of caching first: a cached row is a copy of its base row.
+        # their value), listing the rows of the indices that missed; then cache those rows
+        # while there is room.  The sums are those of caching first: a cached row is a copy
+        # of its base row.
         room = cache and (self._insert < self.page_rows or bool(self._free_pages))
-        missed = np.zeros(idx.shape[0], dtype=np.uint8) if room else None
+        missed = np.empty(idx.shape[0], dtype=np.int64) if room else None
         with _kernel("embedding_lookup", (self.base, self.cache), (out,)) as (b, c, o):
             _, hits = kernels.lookup_sum_indirect_hits(b, c, self.where, idx, off, o, missed,
                                                        name=self.name, check=False)
         if missed is not None and hits < idx.shape[0]:
-            self._cache_rows(idx[np.flatnonzero(missed)])
+            self._cache_rows(missed[:idx.shape[0] - hits])
         self._account_lookup(idx.shape[0], hits)
         return out
 

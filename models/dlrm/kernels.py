@@ -347,22 +347,25 @@ def lookup_sum_indirect(base, cache, where, indices, offsets, out=None, *, name=
 
 def lookup_sum_indirect_hits(base, cache, where, indices, offsets, out, missed=None, *,
                              name="table", check=True):
-    """``lookup_sum_indirect`` that also returns how many indices were served from the cache
-    and, given ``missed`` (uint8, one per index, zero on entry), marks the others with 1:
-    ``(out, hits)``."""
+    """``lookup_sum_indirect`` that also returns how many indices were served from the cache:
+    ``(out, hits)``. Given ``missed`` (int64, one entry per index), its first
+    ``len(indices) - hits`` entries get the rows of the other indices, in index order."""
     _check_table(base, name, "base")
     _check_table(cache, name, "cache")
-    if missed is not None and (not isinstance(missed, np.ndarray) or missed.dtype != np.uint8
-                               or missed.shape != (np.shape(indices)[0],)):
-        raise ValueError(f"table {name!r}: missed must be a uint8 array with one entry per index")
+    if missed is not None and (not isinstance(missed, np.ndarray) or missed.dtype != np.int64
+                               or missed.shape != (np.shape(indices)[0],)
+                               or not missed.flags.writeable):
+        raise ValueError(f"table {name!r}: missed must be a writable int64 array with one entry "
+                         "per index")
     return _lookup_bags(base, cache, where, indices, offsets, out, name, check, missed)
 
 
 def _lookup_bags(base, cache, where, indices, offsets, out, name, check, missed=None):
     """The bag sums of ``lookup_sum`` (``where=None``, ``cache=base``) and ``lookup_sum_indirect``.
 
-    ``missed`` (uint8, one per index, zero on entry) gets 1 for each index whose row is not
-    cached.  Returns ``(out, hits)``: hits counts indices served from the cache."""
+    ``missed`` (int64, one per index) gets the rows of the indices not served from the
+    cache at its front, in index order.  Returns ``(out, hits)``: hits counts indices served
+    from the cache."""
     nbags = _nbags_of(out, offsets)
     idx = _indices(indices, base.shape[0], name, check)
     off = _offsets(offsets, idx.shape[0], nbags, name, check)
@@ -371,16 +374,41 @@ def _lookup_bags(base, cache, where, indices, offsets, out, name, check, missed=
     out, flat, stride, scratch = _output(out, nbags, base.shape[1], base.dtype, name)
     hits = 0
     if nbags and base.shape[1]:
-        # read-only views and an empty ``missed`` for none: one compiled signature per dtype
-        # and table kind, whether the caller's arrays are writable or not
+        # read-only views and empty arrays for "none": one compiled signature per dtype and
+        # table kind, whether the caller's arrays are writable or not
         b = _readonly(base)
-        c = b if cache is base else _readonly(cache)
-        kernel = _pick("bag_sum" if where is None else _INDIRECT_LOOKUP, base.shape[1])
-        hits = kernel(b, c, where, idx, off, nbags, flat, stride, 0,
-                      _NO_MISSES if missed is None else missed)
+        if where is None:
+            hits = _pick("bag_sum", base.shape[1])(b, b, None, idx, off, nbags, flat, stride, 0,
+                                                    _NO_MARKS)
+        else:
+            hits = _indirect_bags(b, _readonly(cache), where, idx, off, nbags, flat, stride,
+                                  missed)
+    elif where is not None:
+        served = where[idx] >= 0
+        hits = int(np.count_nonzero(served))
+        if missed is not None:
+            listed = idx[~served]
+            missed[:listed.shape[0]] = listed
     if scratch is not None:
         out[...] = scratch
     return out, int(hits)
+
+
+def _indirect_bags(b, c, where, idx, off, nbags, flat, stride, missed):
+    """The bag sums of an indirect table (read-only views b and c); returns the hits."""
+    fs = b.shape[1]
+    gap = c.ctypes.data - b.ctypes.data
+    if _INDIRECT_LOOKUP == "bag_sum_cached" and gap % b.itemsize == 0:
+        delta = np.uint64((gap // b.itemsize) % (1 << 64))   # the pool, counted from the base
+        hits, _ = _pick("bag_sum_cached", fs)(b, where, idx, off, nbags, flat, stride, 0,
+                                              _NO_ROWS if missed is None else missed, delta)
+        return hits
+    marks = _NO_MARKS if missed is None else np.zeros(idx.shape[0], dtype=np.uint8)
+    hits = _pick("bag_sum", fs)(b, c, where, idx, off, nbags, flat, stride, 0, marks)
+    if missed is not None:
+        listed = idx[np.flatnonzero(marks.view(np.bool_))]
+        missed[:listed.shape[0]] = listed
+    return hits
 
 
 def _prepare_update(nrows, indices, offsets, dout, dtype, fs, name, check=True):
@@ -459,8 +487,11 @@ def accumulate_grad(indices, offsets, dout, nrows, *, name="table"):
     return rows[:nu].copy(), grads
 
 
-_NO_MISSES = np.empty(0, dtype=np.uint8)
-#: The kernel of indirect (cached-table) lookups: "bag_sum_cached" (two passes) or "bag_sum".
+_NO_MARKS = np.empty(0, dtype=np.uint8)
+_NO_ROWS = np.empty(0, dtype=np.int64)
+#: The kernel of indirect (cached-table) lookups: "bag_sum_cached" (two passes, the pool read
+#: through the base's buffer) or "bag_sum" (one pass; also used when the pool's distance from
+#: the base is not a whole number of elements).
 _INDIRECT_LOOKUP = "bag_sum_cached"
 
 
