@@ -688,3 +688,43 @@ def test_the_missed_rows_buffer_must_be_int64_with_one_entry_per_index():
     for bad in (np.zeros(3, np.uint8), np.zeros(2, np.int64), readonly):
         with pytest.raises(ValueError, match="missed must be a writable int64 array"):
             K.lookup_sum_indirect_hits(base, base, where, [0, 1, 2], [0], None, bad)
+
+
+@pytest.mark.parametrize("layout", ["pool after base", "pool before base", "pool misaligned"])
+def test_cached_update_writes_the_pool_wherever_it_lies_and_marks_dirty_slots(rng, layout):
+    """The indirect SGD writes pool rows through the base's buffer at the pool's distance from
+    it (or, misaligned, through two buffers): rows land where they live, the base copies of
+    cached rows stay stale, written slots (and only they) are marked dirty."""
+    n, m, fs = 400, 60, 8
+    buf = np.zeros((n + m) * fs, dtype=np.float32)
+    if layout == "pool misaligned":
+        raw = np.zeros(m * fs * 4 + 4, dtype=np.uint8)
+        cache = np.frombuffer(raw.data, dtype=np.float32, count=m * fs, offset=2).reshape(m, fs)
+        base = buf[:n * fs].reshape(n, fs)
+    elif layout == "pool before base":
+        cache, base = buf[:m * fs].reshape(m, fs), buf[m * fs:].reshape(n, fs)
+    else:
+        base, cache = buf[:n * fs].reshape(n, fs), buf[n * fs:].reshape(m, fs)
+    base[...] = rng.standard_normal(base.shape)
+    where = np.full(n, -1, dtype=np.int64)
+    rows = rng.choice(n, m - 10, replace=False)          # 10 slots stay empty
+    where[rows] = rng.permutation(m)[:m - 10]
+    cache[where[rows]] = base[rows]
+    indices, offsets = make_bags(rng, 50, n, 8)
+    dout = rng.standard_normal((50, fs)).astype(np.float32)
+    expect = base - 0.1 * ref_dense_grad(n, indices, offsets, dout)
+    before = base.copy()
+    dirty = np.zeros(m, np.uint8)
+    got, hits = K.sgd_update_indirect_hits(base, cache, where, indices, offsets, dout, 0.1, dirty)
+    assert sorted(got) == sorted(set(indices.tolist()))
+    written = np.unique(indices)
+    cached = written[where[written] >= 0]
+    assert hits == cached.shape[0] > 0
+    np.testing.assert_array_equal(np.flatnonzero(dirty), np.sort(where[cached]))
+    logical = base.copy()
+    logical[rows] = cache[where[rows]]
+    np.testing.assert_allclose(logical, expect, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(base[cached], before[cached])      # base copies stay stale
+    with pytest.raises(ValueError, match="dirty must be a writable uint8 array"):
+        K.sgd_update_indirect_hits(base, cache, where, indices, offsets, dout, 0.1,
+                                   np.zeros(m + 1, np.uint8))

@@ -455,6 +455,31 @@ def sgd_rows(bflat, cflat, where, rows, bounds, occ, lo, hi, dout, gstride, gcol
         sgd_row(flat, p, lr, dout, gstride, gcol, occ, bounds[u + 1], bounds[u + 2], acc, fs)
 
 
+@njit(**INLINE)
+def sgd_rows_flat(t, where, rows, bounds, occ, lo, hi, dout, gstride, gcol, lr, acc, fs, delta,
+                  dirty):
+    """sgd_rows of an indirect table through one flat buffer: a cached row's start is its
+    start in the pool plus ``delta`` (see ``translate``); marks each written pool slot in
+    ``dirty`` (an empty ``dirty``: none). Returns how many of the rows were cached."""
+    hits = 0
+    for u in range(lo, hi):
+        if u + AHEAD < hi:
+            r = rows[u + AHEAD]
+            w = where[r]
+            prefetch_row_write(t, at(w, fs) + delta if w >= 0 else at(r, fs), fs)
+        r = rows[u]
+        w = where[r]
+        if w >= 0:
+            p = at(w, fs) + delta
+            if dirty.shape[0]:
+                dirty[w] = 1
+            hits += 1
+        else:
+            p = at(r, fs)
+        sgd_row(t, p, lr, dout, gstride, gcol, occ, bounds[u + 1], bounds[u + 2], acc, fs)
+    return hits
+
+
 # ---- the kernels ----------------------------------------------------------------------------
 
 
@@ -552,6 +577,23 @@ def make_kernels(FS):
                      acc, fs)
 
     @njit(**PARALLEL)
+    def apply_sgd_cached(base, where, rows, bounds, occ, nu, dout, gstride, gcol, lr, delta,
+                         dirty):
+        """apply_sgd of an indirect table, the pool read and written ``delta`` elements from
+        the base through the base's flat buffer; marks the written slots in ``dirty`` and
+        returns how many of the rows were cached."""
+        fs = FS or base.shape[1]
+        bflat = base.reshape(-1)
+        nitems = (nu + RPI - 1) // RPI
+        hits = np.empty(nitems, dtype=np.int64)  # per item: no parfor reduction
+        for it in prange(nitems):
+            acc = np.empty(fs, dtype=base.dtype)
+            lo, hi = span(it, RPI, nu)
+            hits[it] = sgd_rows_flat(bflat, where, rows, bounds, occ, lo, hi, dout, gstride,
+                                     gcol, lr, acc, fs, delta, dirty)
+        return hits.sum()
+
+    @njit(**PARALLEL)
     def grad(rows, bounds, occ, nu, dout, gstride, gcol, grads):
         """grads[u] = the summed gradient of unique row u."""
         fs = FS or grads.shape[1]
@@ -598,5 +640,5 @@ def make_kernels(FS):
         return nus, rows
 
     return dict(gather=gather, bag_sum=bag_sum, bag_sum_cached=bag_sum_cached,
-                bag_sum_many=bag_sum_many,
-                apply_sgd=apply_sgd, grad=grad, update_many=update_many)
+                bag_sum_many=bag_sum_many, apply_sgd=apply_sgd,
+                apply_sgd_cached=apply_sgd_cached, grad=grad, update_many=update_many)

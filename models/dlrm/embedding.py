@@ -619,14 +619,13 @@ class CachedEmbeddingTable(EmbeddingTable):
         idx, off = self._prepare(indices, offsets, nbags)
         with _kernel("embedding_update", (dout,), (self.base, self.cache)) as (g, b, c):
             # where is the table's own, always valid: only indices and offsets needed checking
-            rows = kernels.sgd_update_indirect(b, c, self.where, idx, off, g, lr,
-                                               name=self.name, check=False)
-        slots = self.where[rows]
-        slots = slots[slots >= 0]
-        self.dirty_slots[slots] = 1
+            # (the kernel marks the slots it writes dirty)
+            rows, hits = kernels.sgd_update_indirect_hits(b, c, self.where, idx, off, g, lr,
+                                                          self.dirty_slots, name=self.name,
+                                                          check=False)
         self._stats["updates"] += 1
         self._stats["rows_updated"] += rows.shape[0]
-        self._stats["update_hits"] += slots.shape[0]
+        self._stats["update_hits"] += hits
         return rows
 
     # ---- static and dynamic caching, flushing ---------------------------------------------

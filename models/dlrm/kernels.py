@@ -28,6 +28,7 @@ __all__ = [
     "lookup_many",
     "sgd_update",
     "sgd_update_indirect",
+    "sgd_update_indirect_hits",
     "update_many",
     "accumulate_grad",
     "check_indices",
@@ -456,20 +457,46 @@ def sgd_update(table, indices, offsets, dout, lr, *, name="table", check=True):
 
 def sgd_update_indirect(base, cache, where, indices, offsets, dout, lr, *, name="table",
                         check=True):
-    """Fused SGD that writes each row where it lives (``cache[where[r]]`` or ``base[r]``)."""
+    """Fused SGD that writes each row where it lives (``cache[where[r]]`` or ``base[r]``).
+    Returns the unique rows."""
+    return sgd_update_indirect_hits(base, cache, where, indices, offsets, dout, lr, name=name,
+                                    check=check)[0]
+
+
+def sgd_update_indirect_hits(base, cache, where, indices, offsets, dout, lr, dirty=None, *,
+                             name="table", check=True):
+    """``sgd_update_indirect`` that also returns how many of the unique rows were cached:
+    ``(rows, hits)``. Given ``dirty`` (uint8, one per cache row), sets ``dirty[where[r]] = 1``
+    for every cached row it writes."""
     _check_table(base, name, "base")
     _check_table(cache, name, "cache")
     _check_writable(base, name, "base")
     _check_writable(cache, name, "cache")
+    if dirty is not None and (not isinstance(dirty, np.ndarray) or dirty.dtype != np.uint8
+                              or dirty.shape != (cache.shape[0],) or not dirty.flags.writeable):
+        raise ValueError(f"table {name!r}: dirty must be a writable uint8 array with one entry "
+                         "per cache row")
     lr = check_lr(lr, name, base.dtype)
     idx, off, nbags, gflat, gstride = _prepare_update(base.shape[0], indices, offsets, dout,
                                                       base.dtype, base.shape[1], name, check)
     where = _check_where(where, base, cache, idx, name, check)
     rows, bounds, occ, nu = _reindexed(base.shape[0], idx, off, nbags)
-    if nu and base.shape[1]:
-        _pick("apply_sgd", base.shape[1])(base, cache, where, rows, bounds, occ, nu, gflat,
-                                          gstride, 0, base.dtype.type(lr))
-    return rows[:nu]
+    fs = base.shape[1]
+    gap = cache.ctypes.data - base.ctypes.data
+    if nu and fs and gap % base.itemsize == 0:
+        delta = np.uint64((gap // base.itemsize) % (1 << 64))   # the pool, from the base
+        hits = _pick("apply_sgd_cached", fs)(base, where, rows, bounds, occ, nu, gflat, gstride,
+                                             0, base.dtype.type(lr), delta,
+                                             _NO_MARKS if dirty is None else dirty)
+        return rows[:nu], int(hits)
+    if nu and fs:
+        _pick("apply_sgd", fs)(base, cache, where, rows, bounds, occ, nu, gflat, gstride, 0,
+                               base.dtype.type(lr))
+    slots = where[rows[:nu]]
+    slots = slots[slots >= 0]
+    if dirty is not None:
+        dirty[slots] = 1
+    return rows[:nu], int(slots.shape[0])
 
 
 def accumulate_grad(indices, offsets, dout, nrows, *, name="table"):
