@@ -728,3 +728,34 @@ def test_cached_update_writes_the_pool_wherever_it_lies_and_marks_dirty_slots(rn
     with pytest.raises(ValueError, match="dirty must be a writable uint8 array"):
         K.sgd_update_indirect_hits(base, cache, where, indices, offsets, dout, 0.1,
                                    np.zeros(m + 1, np.uint8))
+
+
+@pytest.mark.parametrize("fss", [(16, 16, 16), (8, 16, 5)], ids=["one size", "mixed sizes"])
+@pytest.mark.parametrize("form", ["starts", "starts+end", "misaligned table", "not one each"])
+def test_lookup_many_of_one_index_bags_gathers_every_table(rng, fss, form):
+    """Bags of one index take the gather path (tables read through the first's buffer at
+    their distances from it): the same result as the bag sums, whatever the tables' layout;
+    offsets that only look like one index per bag take the bag sums."""
+    sizes, batch = [300, 7, 1000], 64
+    tables = [rng.standard_normal((n, f)).astype(np.float32) for n, f in zip(sizes, fss)]
+    if form == "misaligned table":      # its distance from the first is not whole elements
+        raw = np.zeros(7 * fss[1] * 4 + 4, dtype=np.uint8)
+        t1 = np.frombuffer(raw.data, np.float32, count=7 * fss[1], offset=2).reshape(7, fss[1])
+        t1[...] = tables[1]
+        tables[1] = t1
+    indices = [rng.integers(0, n, batch) for n in sizes]
+    if form == "not one each":          # as many indices as bags, but bags of 0 and 2
+        offsets = [np.array([0, 0] + list(range(2, batch)))] * 3
+    elif form == "starts+end":
+        offsets = [np.arange(batch + 1)] * 3
+    else:
+        offsets = [np.arange(batch)] * 3
+    assert K._one_per_bag(offsets[0], batch, batch) == (form != "not one each")
+    out = np.full((batch, 3 + sum(fss)), -1.0, dtype=np.float32)
+    cols = [3, 3 + fss[0], 3 + fss[0] + fss[1]]
+    K.lookup_many(tables, indices, offsets, out, cols)
+    assert np.all(out[:, :3] == -1.0)
+    for t in range(3):
+        np.testing.assert_allclose(out[:, cols[t]:cols[t] + fss[t]],
+                                   ref_bag_sum(tables[t], indices[t], offsets[t][:batch]),
+                                   rtol=1e-6)

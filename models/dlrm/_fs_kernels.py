@@ -510,6 +510,31 @@ def make_kernels(FS):
                     out[o + uf] = tflat[p + uf]
 
     @njit(**PARALLEL)
+    def gather_many(base, deltas, widths, indices, nbags, out, ostride, cols, chunk):
+        """Bags of one index in every table: out row b, table t's columns = table t's row
+        ``indices[t * nbags + b]``. Table t starts ``deltas[t]`` elements from ``base``
+        (modulo 2**64), read through base's flat buffer; work items are (table, bag chunk)
+        pairs with a table's chunks in a row, so each item streams through one table."""
+        ntables = deltas.shape[0]
+        bflat = base.reshape(-1)
+        nchunks = (nbags + chunk - 1) // chunk
+        for it in prange(nchunks * ntables):
+            t = it // nchunks
+            lo, hi = span(it - t * nchunks, chunk, nbags)
+            fs = FS or widths[t]
+            d = deltas[t]
+            first = t * nbags
+            col = cols[t]
+            for b in range(lo, hi):
+                if SPECIALISED and b + RAHEAD < hi:
+                    prefetch_row(bflat, d + at(indices[first + b + RAHEAD], fs), fs)
+                p = d + at(indices[first + b], fs)
+                o = np.uint64(b * ostride + col)
+                for f in range(fs):
+                    uf = np.uint64(f)
+                    out[o + uf] = bflat[p + uf]
+
+    @njit(**PARALLEL)
     def bag_sum(base, cache, where, indices, offsets, nbags, out, ostride, ocol, missed):
         """Bag sums into a row-strided flat ``out``; ``(table, table, None)`` for a plain table.
         Returns how many indices were served from the cache; ``missed`` (empty, or one uint8
@@ -639,6 +664,6 @@ def make_kernels(FS):
                          gstride, cols[t], lr, acc, fs)
         return nus, rows
 
-    return dict(gather=gather, bag_sum=bag_sum, bag_sum_cached=bag_sum_cached,
+    return dict(gather=gather, gather_many=gather_many, bag_sum=bag_sum, bag_sum_cached=bag_sum_cached,
                 bag_sum_many=bag_sum_many, apply_sgd=apply_sgd,
                 apply_sgd_cached=apply_sgd_cached, grad=grad, update_many=update_many)

@@ -535,7 +535,9 @@ def _check_writable(table, name, what="table"):
                          f"(e.g. from a writable access scope)")
 
 
-def _ensemble(tables, indices_list, offsets_list, nbags, names, update=False):
+def _ensemble(tables, indices_list, offsets_list, nbags, names, update=False, typed=True):
+    """Validated (tables, indices, offsets) of an ensemble, as numba typed lists (``typed``)
+    or Python lists, with the dtype and the tables' names."""
     ntables = len(tables)
     if ntables == 0:
         raise ValueError("need at least one table")
@@ -544,7 +546,7 @@ def _ensemble(tables, indices_list, offsets_list, nbags, names, update=False):
                          f"{len(offsets_list)} offset arrays")
     if names is None:
         names = [f"table{t}" for t in range(ntables)]
-    tl, il, ol = TypedList(), TypedList(), TypedList()
+    tl, il, ol = (TypedList(), TypedList(), TypedList()) if typed else ([], [], [])
     dtype = None
     for t in range(ntables):
         _check_table(tables[t], names[t])
@@ -601,7 +603,8 @@ def lookup_many(tables, indices_list, offsets_list, out=None, column_offsets=Non
         nbags = np.asarray(offsets_list[0]).shape[0]
     if names is None:
         names = [f"table{t}" for t in range(len(tables))]
-    tl, il, ol, dtype, names = _ensemble(tables, indices_list, offsets_list, nbags, names)
+    tl, il, ol, dtype, names = _ensemble(tables, indices_list, offsets_list, nbags, names,
+                                         typed=False)
     if out is None:
         cols = _columns(tables, column_offsets, None, names)
         width = int(max(int(c) + t.shape[1] for c, t in zip(cols, tables)))
@@ -612,12 +615,43 @@ def lookup_many(tables, indices_list, offsets_list, out=None, column_offsets=Non
     out, flat, stride, scratch = _output(out, nbags, out.shape[1], dtype, names[0])
     if nbags:
         nthreads = numba.get_num_threads()
-        chunk = max(1, min(_BAGS_PER_ITEM, -(-nbags * len(tables) // (8 * nthreads))))
-        # one feature size: the kernels specialised for it (the generic ones otherwise)
-        _pick("bag_sum_many", _common_fs(tables))(tl, il, ol, nbags, flat, stride, cols, chunk)
+        fs = _common_fs(tables)     # one feature size: the kernels specialised for it
+        deltas = _deltas(tl) if all(_one_per_bag(o, i.shape[0], nbags)
+                                    for i, o in zip(il, ol)) else None
+        if deltas is not None:
+            # bags of one index (DLRM's): a gather, each work item streaming through a table
+            chunk = max(1, min(nbags, max(1024, -(-nbags * len(tl) // (4 * nthreads)))))
+            widths = np.array([t.shape[1] for t in tl], dtype=np.int64)
+            _pick("gather_many", fs)(tl[0], deltas, widths, np.concatenate(il), nbags, flat,
+                                     stride, cols, chunk)
+        else:
+            chunk = max(1, min(_BAGS_PER_ITEM, -(-nbags * len(tables) // (8 * nthreads))))
+            _pick("bag_sum_many", fs)(TypedList(tl), TypedList(il), TypedList(ol), nbags, flat,
+                                      stride, cols, chunk)
     if scratch is not None:
         out[...] = scratch
     return out
+
+
+def _one_per_bag(off, nidx, nbags):
+    """True if validated ``offsets`` give every one of nbags bags exactly one index."""
+    if nidx != nbags:
+        return False
+    if nbags <= 1:
+        return True
+    steps = np.diff(off[:nbags])
+    return int(off[nbags - 1]) == nbags - 1 and int(steps.max()) == 1   # all steps 1
+
+
+def _deltas(tables):
+    """Each table's start, in elements from the first's (modulo 2**64), or None when a
+    distance is not a whole number of elements (the kernels then take the tables apart)."""
+    isz = tables[0].itemsize
+    first = tables[0].ctypes.data
+    gaps = [t.ctypes.data - first for t in tables]
+    if any(g % isz for g in gaps):
+        return None
+    return np.array([(g // isz) % (1 << 64) for g in gaps], dtype=np.uint64)
 
 
 def update_many(tables, indices_list, offsets_list, dout, lr, column_offsets=None, *, names=None):
