@@ -29,6 +29,8 @@ from .pinning import (SHORT_BYTES, ObjectView, acquire_grouped, new_object, obje
                       to_views)
 from .viewattrs import FLAGS_FIXED, FlatIter, Flags
 
+_new_object = object.__new__
+
 __all__ = ["CachedArray", "check_dtype", "new_pinned", "from_ndarray", "unpin", "push_scope",
            "pop_scope"]
 
@@ -263,14 +265,20 @@ class CachedArray(ObjectView, NDArrayOperatorsMixin):
 
     def __getitem__(self, key):
         if type(key) is slice and len(self._shape) == 1 and self._obj.primary is not None:
-            # x[a:b:c] of a 1-d array: a view, by NumPy's slicing arithmetic (basic_index)
+            # x[a:b:c] of a 1-d array: a view, by NumPy's slicing arithmetic (basic_index);
+            # ObjectView._make inlined (this is the commonest view of all)
             start, stop, step = key.indices(self._shape[0])
-            n = len(range(start, stop, step))
+            if step == 1:
+                n = stop - start if stop > start else 0
+            else:
+                n = len(range(start, stop, step))
             if n == 0:
                 start, step = 0, 1
             st = self._strides[0]
-            return CachedArray._make(self._obj, self._m, (n,), self._dtype, (st * step,),
-                                     self._offset + start * st)
+            res = _new_object(CachedArray)
+            res._obj, res._m, res._shape, res._dtype = self._obj, self._m, (n,), self._dtype
+            res._strides, res._offset, res._vc = (st * step,), self._offset + start * st, None
+            return res
         if type(key) is slice or type(key) is tuple or type(key) is int:
             # A view by basic indexing: its layout is arithmetic, no byte is touched, so
             # nothing is pinned or used (the view resolves its bytes at its own use).
