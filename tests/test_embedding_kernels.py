@@ -759,3 +759,23 @@ def test_lookup_many_of_one_index_bags_gathers_every_table(rng, fss, form):
         np.testing.assert_allclose(out[:, cols[t]:cols[t] + fss[t]],
                                    ref_bag_sum(tables[t], indices[t], offsets[t][:batch]),
                                    rtol=1e-6)
+
+
+def test_with_numba_checking_bounds_no_kernel_reads_one_array_through_another(rng, monkeypatch):
+    """Reading the pool (or another table) through the base's buffer is an index out of the
+    base's bounds: under NUMBA_BOUNDSCHECK=1 the kernels take the arrays apart instead."""
+    base = rng.standard_normal((50, 4)).astype(np.float32)
+    cache = rng.standard_normal((10, 4)).astype(np.float32)
+    assert K._distance(base, cache) is not None
+    monkeypatch.setattr(K.numba.config, "BOUNDSCHECK", 1)
+    assert K._distance(base, cache) is None and K._deltas([base, cache]) is None
+    where = np.full(50, -1, dtype=np.int64)
+    where[[3, 7]] = [0, 9]
+    missed = np.empty(6, np.int64)
+    idx = np.array([3, 1, 7, 7, 2, 3])
+    out, hits = K.lookup_sum_indirect_hits(base, cache, where, idx, [0, 3], None, missed)
+    expect = base.copy()
+    expect[[3, 7]] = cache[[0, 9]]
+    np.testing.assert_allclose(out, [expect[[3, 1, 7]].sum(0), expect[[7, 2, 3]].sum(0)],
+                               rtol=1e-6)
+    assert hits == 4 and list(missed[:2]) == [1, 2]

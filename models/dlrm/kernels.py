@@ -398,9 +398,8 @@ def _lookup_bags(base, cache, where, indices, offsets, out, name, check, missed=
 def _indirect_bags(b, c, where, idx, off, nbags, flat, stride, missed):
     """The bag sums of an indirect table (read-only views b and c); returns the hits."""
     fs = b.shape[1]
-    gap = c.ctypes.data - b.ctypes.data
-    if _INDIRECT_LOOKUP == "bag_sum_cached" and gap % b.itemsize == 0:
-        delta = np.uint64((gap // b.itemsize) % (1 << 64))   # the pool, counted from the base
+    delta = _distance(b, c) if _INDIRECT_LOOKUP == "bag_sum_cached" else None
+    if delta is not None:
         hits, _ = _pick("bag_sum_cached", fs)(b, where, idx, off, nbags, flat, stride, 0,
                                               _NO_ROWS if missed is None else missed, delta)
         return hits
@@ -482,9 +481,8 @@ def sgd_update_indirect_hits(base, cache, where, indices, offsets, dout, lr, dir
     where = _check_where(where, base, cache, idx, name, check)
     rows, bounds, occ, nu = _reindexed(base.shape[0], idx, off, nbags)
     fs = base.shape[1]
-    gap = cache.ctypes.data - base.ctypes.data
-    if nu and fs and gap % base.itemsize == 0:
-        delta = np.uint64((gap // base.itemsize) % (1 << 64))   # the pool, from the base
+    delta = _distance(base, cache) if nu and fs else None
+    if delta is not None:
         hits = _pick("apply_sgd_cached", fs)(base, where, rows, bounds, occ, nu, gflat, gstride,
                                              0, base.dtype.type(lr), delta,
                                              _NO_MARKS if dirty is None else dirty)
@@ -644,14 +642,29 @@ def _one_per_bag(off, nidx, nbags):
 
 
 def _deltas(tables):
-    """Each table's start, in elements from the first's (modulo 2**64), or None when a
-    distance is not a whole number of elements (the kernels then take the tables apart)."""
-    isz = tables[0].itemsize
-    first = tables[0].ctypes.data
-    gaps = [t.ctypes.data - first for t in tables]
-    if any(g % isz for g in gaps):
+    """Each table's start, in elements from the first's (``_distance``), or None."""
+    out = np.empty(len(tables), dtype=np.uint64)
+    for t, table in enumerate(tables):
+        d = _distance(tables[0], table)
+        if d is None:
+            return None
+        out[t] = d
+    return out
+
+
+def _distance(base, other):
+    """other's start in elements from base's, modulo 2**64, for kernels that read (and write)
+    other through base's flat buffer: one buffer instead of a choice between two per row.
+
+    None (the kernels then take the arrays apart) when the distance is not a whole number of
+    elements, or when numba checks bounds (``NUMBA_BOUNDSCHECK=1``), which such an index
+    would fail."""
+    if numba.config.BOUNDSCHECK:
         return None
-    return np.array([(g // isz) % (1 << 64) for g in gaps], dtype=np.uint64)
+    gap = other.ctypes.data - base.ctypes.data
+    if gap % base.itemsize:
+        return None
+    return np.uint64((gap // base.itemsize) % (1 << 64))
 
 
 def update_many(tables, indices_list, offsets_list, dout, lr, column_offsets=None, *, names=None):
