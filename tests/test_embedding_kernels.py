@@ -272,13 +272,22 @@ def test_indirect_update_writes_rows_where_they_live(rng):
     assert np.array_equal(b2[[2, 11, 17]], base[[2, 11, 17]])  # base copies stay stale
 
 
-def test_update_many_equals_per_table_updates(rng):
+@pytest.mark.parametrize("layout", ["apart", "misaligned table"])
+def test_update_many_equals_per_table_updates(rng, layout):
+    """Equal to one update per table, whether the tables are written through the first's
+    buffer (their distances whole elements) or apart (one 2 bytes off)."""
     sizes, fss, batch = [40, 300, 9], [8, 16, 4], 25
     tables = [rng.standard_normal((n, f)).astype(np.float32) for n, f in zip(sizes, fss)]
     bags = [make_bags(rng, batch, n, 12) for n in sizes]
     dout = rng.standard_normal((batch, 3 + sum(fss))).astype(np.float32)
     cols = [3, 11, 27]
     many = [t.copy() for t in tables]
+    if layout == "misaligned table":
+        raw = np.zeros(tables[1].nbytes + 4, dtype=np.uint8)
+        many[1] = np.frombuffer(raw.data, np.float32, count=tables[1].size,
+                                offset=2).reshape(tables[1].shape)
+        many[1][...] = tables[1]
+    assert (K._deltas(many) is None) == (layout == "misaligned table")
     K.update_many(many, [b[0] for b in bags], [b[1] for b in bags], dout, 0.2, cols)
     for t in range(3):
         single = tables[t].copy()

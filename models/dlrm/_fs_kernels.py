@@ -458,24 +458,33 @@ def sgd_rows(bflat, cflat, where, rows, bounds, occ, lo, hi, dout, gstride, gcol
 @njit(**INLINE)
 def sgd_rows_flat(t, where, rows, bounds, occ, lo, hi, dout, gstride, gcol, lr, acc, fs, delta,
                   dirty):
-    """sgd_rows of an indirect table through one flat buffer: a cached row's start is its
-    start in the pool plus ``delta`` (see ``translate``); marks each written pool slot in
-    ``dirty`` (an empty ``dirty``: none). Returns how many of the rows were cached."""
+    """sgd_rows through one flat buffer ``t``. With ``where``, an indirect table: a cached
+    row's start is its start in the pool plus ``delta`` (see ``translate``), each written
+    pool slot is marked in ``dirty`` (an empty ``dirty``: none), and the result is how many
+    of the rows were cached. With ``where=None``, a plain table ``delta`` elements from t
+    (see ``gather_many``); the result is 0."""
     hits = 0
     for u in range(lo, hi):
         if u + AHEAD < hi:
             r = rows[u + AHEAD]
-            w = where[r]
-            prefetch_row_write(t, at(w, fs) + delta if w >= 0 else at(r, fs), fs)
+            if where is None:
+                q = at(r, fs) + delta
+            else:
+                w = where[r]
+                q = at(w, fs) + delta if w >= 0 else at(r, fs)
+            prefetch_row_write(t, q, fs)
         r = rows[u]
-        w = where[r]
-        if w >= 0:
-            p = at(w, fs) + delta
-            if dirty.shape[0]:
-                dirty[w] = 1
-            hits += 1
+        if where is None:
+            p = at(r, fs) + delta
         else:
-            p = at(r, fs)
+            w = where[r]
+            if w >= 0:
+                p = at(w, fs) + delta
+                if dirty.shape[0]:
+                    dirty[w] = 1
+                hits += 1
+            else:
+                p = at(r, fs)
         sgd_row(t, p, lr, dout, gstride, gcol, occ, bounds[u + 1], bounds[u + 2], acc, fs)
     return hits
 
@@ -664,6 +673,45 @@ def make_kernels(FS):
                          gstride, cols[t], lr, acc, fs)
         return nus, rows
 
-    return dict(gather=gather, gather_many=gather_many, bag_sum=bag_sum, bag_sum_cached=bag_sum_cached,
-                bag_sum_many=bag_sum_many, apply_sgd=apply_sgd,
-                apply_sgd_cached=apply_sgd_cached, grad=grad, update_many=update_many)
+    @njit(**PARALLEL)
+    def update_many_flat(base, deltas, widths, indices, offsets, obase, nbags, dout, gstride,
+                         cols, lr, slots, nworkers, idx_base, dirty):
+        """``update_many`` with table t read and written ``deltas[t]`` elements from ``base``
+        through base's flat buffer (see ``gather_many``) and the tables' indices and offsets
+        concatenated (table t's from ``idx_base[t]`` and ``obase[t]``); ``dirty`` is an
+        empty array."""
+        ntables = deltas.shape[0]
+        total = idx_base[ntables]
+        rows = np.empty(total, dtype=np.int64)
+        occ = np.empty(total, dtype=np.int64)
+        bounds = np.empty(total + 2 * ntables, dtype=np.int64)
+        nus = np.zeros(ntables, dtype=np.int64)
+        for w in prange(nworkers):
+            for t in range(w, ntables, nworkers):
+                lo = idx_base[t]
+                hi = idx_base[t + 1]
+                nus[t] = reindex(indices[lo:hi], offsets[obase[t]:obase[t + 1]], nbags, slots[w],
+                                 rows[lo:hi], bounds[lo + 2 * t:hi + 2 * t + 2], occ[lo:hi])
+        maxitems = 0
+        for t in range(ntables):
+            maxitems = max(maxitems, (nus[t] + RPI - 1) // RPI)
+        bflat = base.reshape(-1)
+        for it in prange(maxitems * ntables):
+            c = it // ntables
+            t = it - c * ntables
+            nu = nus[t]
+            if c * RPI < nu:
+                fs = FS or widths[t]
+                acc = np.empty(fs, dtype=bflat.dtype)
+                lo, hi = span(c, RPI, nu)
+                first = idx_base[t]
+                end = idx_base[t + 1]
+                sgd_rows_flat(bflat, None, rows[first:first + nu],
+                              bounds[first + 2 * t:end + 2 * t + 2], occ[first:end], lo, hi,
+                              dout, gstride, cols[t], lr, acc, fs, deltas[t], dirty)
+        return nus, rows
+
+    return dict(gather=gather, gather_many=gather_many, bag_sum=bag_sum,
+                bag_sum_cached=bag_sum_cached, bag_sum_many=bag_sum_many, apply_sgd=apply_sgd,
+                apply_sgd_cached=apply_sgd_cached, grad=grad, update_many=update_many,
+                update_many_flat=update_many_flat)

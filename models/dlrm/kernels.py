@@ -679,7 +679,7 @@ def update_many(tables, indices_list, offsets_list, dout, lr, column_offsets=Non
     if names is None:
         names = [f"table{t}" for t in range(len(tables))]
     tl, il, ol, dtype, names = _ensemble(tables, indices_list, offsets_list, nbags, names,
-                                         update=True)
+                                         update=True, typed=False)
     lr = check_lr(lr, names[0], dtype)
     cols = _columns(tables, column_offsets, dout.shape[1], names)
     gflat, gstride = _gradient(dout, nbags, dout.shape[1], dtype, names[0])
@@ -690,8 +690,18 @@ def update_many(tables, indices_list, offsets_list, dout, lr, column_offsets=Non
     maxrows = max(t.shape[0] for t in tables)
     nworkers = max(1, min(numba.get_num_threads(), len(tables)))
     slots = _slots.take(nworkers, maxrows)
-    kernel = _pick("update_many", _common_fs(tables))
-    nus, rows = kernel(tl, il, ol, nbags, gflat, gstride, cols, dtype.type(lr), slots, nworkers,
-                       idx_base)
+    fs = _common_fs(tables)
+    deltas = _deltas(tl)
+    if deltas is not None:      # the tables through the first's buffer: no typed lists
+        obase = np.zeros(len(tables) + 1, dtype=np.int64)
+        np.cumsum([a.shape[0] for a in ol], out=obase[1:])
+        widths = np.array([t.shape[1] for t in tl], dtype=np.int64)
+        nus, rows = _pick("update_many_flat", fs)(
+            tl[0], deltas, widths, np.concatenate(il), np.concatenate(ol), obase, nbags, gflat,
+            gstride, cols, dtype.type(lr), slots, nworkers, idx_base, _NO_MARKS)
+    else:
+        nus, rows = _pick("update_many", fs)(TypedList(tl), TypedList(il), TypedList(ol), nbags,
+                                             gflat, gstride, cols, dtype.type(lr), slots,
+                                             nworkers, idx_base)
     _slots.give(slots)
     return [rows[idx_base[t]:idx_base[t] + nus[t]] for t in range(len(tables))]
