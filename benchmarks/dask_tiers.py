@@ -106,13 +106,27 @@ MEMORY = {"distributed.worker.memory.target": 1.0, "distributed.worker.memory.sp
           "distributed.worker.memory.pause": False, "distributed.worker.memory.terminate": False}
 
 
-def start(args, folder, stack):
-    """The clients of the SIDES' clusters, started together (each start spawns processes that
+def fits(policy, in_fast):
+    """True if the policy runs a few kernels over arrays of 3x its fast memory, with every
+    kernel's operands brought to fast memory first (``in_fast``) or not: tried here."""
+    options = {"kernels_in_fast": True} if in_fast else {}
+    with ca.Manager(fast="1MiB", slow="16MiB", policy=policy, policy_options=options) as m:
+        try:
+            xs = [ca.zeros(1 << 16, manager=m) for _ in range(6)]     # 512 KiB each
+            for x in xs + xs:
+                float(x.sum())
+        except ca.errors.OutOfMemoryError:
+            return False
+    return True
+
+
+def start(sides, args, folder, stack):
+    """The clients of the sides' clusters, started together (each start spawns processes that
     spend seconds importing), closed by stack."""
     import dask
     from concurrent.futures import ThreadPoolExecutor
-    with dask.config.set(MEMORY), ThreadPoolExecutor(len(SIDES)) as pool:
-        entered = [pool.submit(_enter, cluster(kind, args, folder)) for kind, _ in SIDES]
+    with dask.config.set(MEMORY), ThreadPoolExecutor(len(sides)) as pool:
+        entered = [pool.submit(_enter, cluster(kind, args, folder)) for kind, _ in sides]
         clients = []
         for f in entered:                  # every started cluster is closed, even on failure
             try:
@@ -122,7 +136,7 @@ def start(args, folder, stack):
                 continue
             stack.push(cm.__exit__)
             clients.append(client)
-        if len(clients) < len(SIDES):
+        if len(clients) < len(sides):
             raise error
     return clients
 
@@ -251,18 +265,26 @@ def main(argv=None):
         cloudpickle.register_pickle_by_value(sys.modules[__name__])   # workers cannot import it
 
     fs = ca.format_size
+    if not fits(args.policy, False):
+        p.error(f"the {args.policy} policy cannot hold data larger than fast memory; choose "
+                "a policy that spills to slow memory (e.g. lru)")
+    sides = SIDES
+    if not fits(args.policy, True):
+        sides = SIDES[:2]
+        print(f"note: the {args.policy} policy cannot bring a kernel's operands to a full fast "
+              "memory (it does not evict), so the kernels-in-fast cluster is left out")
     print(machine())
-    print(f"{len(SIDES)} clusters of {args.workers} worker processes x "
+    print(f"{len(sides)} clusters of {args.workers} worker processes x "
           f"{args.threads_per_worker} thread(s) on 127.0.0.1; x is "
           f"{fs(args.ratio * args.limit * args.workers)} of float64 in {fs(args.chunk)} "
           f"chunks, {args.ratio}x the {fs(args.limit)} limit per worker; policy {args.policy}")
     print("computation: x.T @ x and x.mean(axis=0) on the persisted x")
     with tempfile.TemporaryDirectory(prefix="dask_tiers_") as folder, \
             contextlib.ExitStack() as stack:
-        clients = start(args, folder, stack)
-        for (_, title), c in zip(SIDES, clients):
+        clients = start(sides, args, folder, stack)
+        for (_, title), c in zip(sides, clients):
             print(f"threads ({title}): " + next(iter(c.run(_worker_threads).values())))
-        sides = [Side(kind, title, c, args) for (kind, title), c in zip(SIDES, clients)]
+        sides = [Side(kind, title, c, args) for (kind, title), c in zip(sides, clients)]
         for _ in _common.progress(range(args.repeats), desc="repetitions",
                                   disable=args.no_progress):
             for s in sides:

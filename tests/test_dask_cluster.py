@@ -147,3 +147,16 @@ def test_the_tiers_benchmark_compares_spilling_with_tiers_in_one_run(tmp_path, m
     assert [h["name"] for h in heads] == ["dask speedup vs spilling, CachedArray, in place",
                                           "dask speedup vs spilling, CachedArray, kernels in fast"]
     assert all(h["value"] > 0 for h in heads) and (tmp_path / "t.png").stat().st_size > 0
+
+
+def test_the_tiers_benchmark_asks_each_policy_what_it_can_run(capsys):
+    """A policy that keeps everything in fast memory is refused before any cluster starts; one
+    that never evicts runs without the kernels-in-fast cluster, which it could not serve."""
+    bench = load_benchmark("dask_tiers")
+    assert bench.fits("lru", False) and bench.fits("lru", True)
+    assert bench.fits("first-touch", False) and not bench.fits("first-touch", True)
+    assert not bench.fits("fast-only", False)
+    with pytest.raises(SystemExit) as exit_:
+        bench.main(["--policy", "fast-only"])
+    assert exit_.value.code == 2
+    assert "cannot hold data larger than fast memory" in capsys.readouterr().err
