@@ -3,8 +3,8 @@
     python benchmarks/dask_tiers.py [--workers 2] [--limit 32MiB] [--ratio 4] [--cols 256]
                                     [--chunk 4MiB] [--repeats 5] [--policy lru] [--plot PNG]
 
-Two LocalClusters of the same shape run side by side on loopback. On each, a tall matrix x of
---ratio times the workers' memory (per worker) is generated and persisted, then the same
+Three LocalClusters of the same shape run side by side on loopback. On each, a tall matrix x
+of --ratio times the workers' memory (per worker) is generated and persisted, then the same
 computation runs on it --repeats times, the clusters in turn: the Gram matrix x.T @ x (a
 chunked matmul) and the column means (a reduction).
 
@@ -13,9 +13,12 @@ chunked matmul) and the column means (a reduction).
   (distributed's SpillBuffer, its target fraction set to 1.0 so that both sides keep --limit of
   chunks in memory; the process-memory thresholds are off, as they count the interpreter's own
   memory, which a small limit cannot hold).
-- ours: CachedArray chunks in each worker's Manager (cachedarrays.dask.ManagerPlugin) with
-  fast = --limit and the slow device a temporary file; distributed sets no limit and the
-  manager's policy moves whole chunks between the tiers.
+- ours, in place: CachedArray chunks in each worker's Manager (cachedarrays.dask.ManagerPlugin)
+  with fast = --limit and the slow device a temporary file; distributed sets no limit and the
+  manager's policy moves whole chunks between the tiers; kernels read the slow tier in place.
+- ours, kernels in fast: the same with every kernel's operands brought to fast memory first
+  (kernels_in_fast=True), as a slow device much slower than DRAM demands. Left out for a
+  policy that cannot do that (one that never evicts).
 
 Printed per side: seconds per computation (median of interleaved repetitions with spread),
 bytes written to and read from the spill folder (peer) or moved fast->slow and slow->fast
@@ -152,9 +155,9 @@ def cluster(kind, args, folder):
     from distributed import Client, LocalCluster
     limit = args.limit if kind == "numpy" else 0
     with LocalCluster(n_workers=args.workers, threads_per_worker=args.threads_per_worker,
-                         processes=True, host="127.0.0.1", dashboard_address=None,
-                         scheduler_kwargs={"dashboard_address": "127.0.0.1:0"},
-                         memory_limit=limit, local_directory=folder) as lc, \
+                      processes=True, host="127.0.0.1", dashboard_address=None,
+                      scheduler_kwargs={"dashboard_address": "127.0.0.1:0"},
+                      memory_limit=limit, local_directory=folder) as lc, \
             Client(lc, set_as_default=False) as client:
         if kind != "numpy":
             from cachedarrays.dask import ManagerPlugin
