@@ -489,6 +489,30 @@ def sgd_rows_flat(t, where, rows, bounds, occ, lo, hi, dout, gstride, gcol, lr, 
     return hits
 
 
+@njit(**INLINE)
+def reindex_tables(indices, offsets, obase, nbags, slots, nworkers, idx_base):
+    """Re-index every table of an ensemble (worker w takes tables w, w + nworkers, ...; one
+    scratch row of ``slots`` each). The tables' indices and offsets are concatenated: table
+    t's from ``idx_base[t]`` and ``obase[t]``. Returns (rows, bounds, occ, unique-row counts,
+    the most work items of one table)."""
+    ntables = idx_base.shape[0] - 1
+    total = idx_base[ntables]
+    rows = np.empty(total, dtype=np.int64)
+    occ = np.empty(total, dtype=np.int64)
+    bounds = np.empty(total + 2 * ntables, dtype=np.int64)
+    nus = np.zeros(ntables, dtype=np.int64)
+    for w in prange(nworkers):
+        for t in range(w, ntables, nworkers):
+            lo = idx_base[t]
+            hi = idx_base[t + 1]
+            nus[t] = reindex(indices[lo:hi], offsets[obase[t]:obase[t + 1]], nbags, slots[w],
+                             rows[lo:hi], bounds[lo + 2 * t:hi + 2 * t + 2], occ[lo:hi])
+    maxitems = 0
+    for t in range(ntables):
+        maxitems = max(maxitems, (nus[t] + RPI - 1) // RPI)
+    return rows, bounds, occ, nus, maxitems
+
+
 # ---- the kernels ----------------------------------------------------------------------------
 
 
@@ -637,26 +661,13 @@ def make_kernels(FS):
                 sum_grad(dout, gstride, gcol, occ, bounds[u + 1], bounds[u + 2], grads[u], fs)
 
     @njit(**PARALLEL)
-    def update_many(tables, indices, offsets, nbags, dout, gstride, cols, lr, slots,
+    def update_many(tables, indices, offsets, obase, nbags, dout, gstride, cols, lr, slots,
                     nworkers, idx_base):
-        """Re-index every table (worker w takes tables w, w + nworkers, ...; one scratch row of
-        ``slots`` each), then apply SGD over flattened (row chunk, table) items.
-        Returns the unique-row counts and the concatenated unique rows."""
+        """Re-index every table (``reindex_tables``), then apply SGD over flattened (row chunk,
+        table) items. Returns the unique-row counts and the concatenated unique rows."""
         ntables = len(tables)
-        total = idx_base[ntables]
-        rows = np.empty(total, dtype=np.int64)
-        occ = np.empty(total, dtype=np.int64)
-        bounds = np.empty(total + 2 * ntables, dtype=np.int64)
-        nus = np.zeros(ntables, dtype=np.int64)
-        for w in prange(nworkers):
-            for t in range(w, ntables, nworkers):
-                lo = idx_base[t]
-                hi = idx_base[t + 1]
-                nus[t] = reindex(indices[t], offsets[t], nbags, slots[w], rows[lo:hi],
-                                 bounds[lo + 2 * t:hi + 2 * t + 2], occ[lo:hi])
-        maxitems = 0
-        for t in range(ntables):
-            maxitems = max(maxitems, (nus[t] + RPI - 1) // RPI)
+        rows, bounds, occ, nus, maxitems = reindex_tables(indices, offsets, obase, nbags, slots,
+                                                          nworkers, idx_base)
         for it in prange(maxitems * ntables):
             c = it // ntables
             t = it - c * ntables
@@ -677,24 +688,10 @@ def make_kernels(FS):
     def update_many_flat(base, deltas, widths, indices, offsets, obase, nbags, dout, gstride,
                          cols, lr, slots, nworkers, idx_base, dirty):
         """``update_many`` with table t read and written ``deltas[t]`` elements from ``base``
-        through base's flat buffer (see ``gather_many``) and the tables' indices and offsets
-        concatenated (table t's from ``idx_base[t]`` and ``obase[t]``); ``dirty`` is an
-        empty array."""
+        through base's flat buffer (see ``gather_many``); ``dirty`` is an empty array."""
         ntables = deltas.shape[0]
-        total = idx_base[ntables]
-        rows = np.empty(total, dtype=np.int64)
-        occ = np.empty(total, dtype=np.int64)
-        bounds = np.empty(total + 2 * ntables, dtype=np.int64)
-        nus = np.zeros(ntables, dtype=np.int64)
-        for w in prange(nworkers):
-            for t in range(w, ntables, nworkers):
-                lo = idx_base[t]
-                hi = idx_base[t + 1]
-                nus[t] = reindex(indices[lo:hi], offsets[obase[t]:obase[t + 1]], nbags, slots[w],
-                                 rows[lo:hi], bounds[lo + 2 * t:hi + 2 * t + 2], occ[lo:hi])
-        maxitems = 0
-        for t in range(ntables):
-            maxitems = max(maxitems, (nus[t] + RPI - 1) // RPI)
+        rows, bounds, occ, nus, maxitems = reindex_tables(indices, offsets, obase, nbags, slots,
+                                                          nworkers, idx_base)
         bflat = base.reshape(-1)
         for it in prange(maxitems * ntables):
             c = it // ntables

@@ -692,16 +692,17 @@ def update_many(tables, indices_list, offsets_list, dout, lr, column_offsets=Non
     slots = _slots.take(nworkers, maxrows)
     fs = _common_fs(tables)
     deltas = _deltas(tl)
-    if deltas is not None:      # the tables through the first's buffer: no typed lists
-        obase = np.zeros(len(tables) + 1, dtype=np.int64)
-        np.cumsum([a.shape[0] for a in ol], out=obase[1:])
+    obase = np.zeros(len(tables) + 1, dtype=np.int64)
+    np.cumsum([a.shape[0] for a in ol], out=obase[1:])
+    icat, ocat = np.concatenate(il), np.concatenate(ol)
+    if deltas is not None:      # the tables through the first's buffer: no typed list
         widths = np.array([t.shape[1] for t in tl], dtype=np.int64)
         nus, rows = _pick("update_many_flat", fs)(
-            tl[0], deltas, widths, np.concatenate(il), np.concatenate(ol), obase, nbags, gflat,
-            gstride, cols, dtype.type(lr), slots, nworkers, idx_base, _NO_MARKS)
+            tl[0], deltas, widths, icat, ocat, obase, nbags, gflat, gstride, cols,
+            dtype.type(lr), slots, nworkers, idx_base, _NO_MARKS)
     else:
-        nus, rows = _pick("update_many", fs)(TypedList(tl), TypedList(il), TypedList(ol), nbags,
-                                             gflat, gstride, cols, dtype.type(lr), slots,
-                                             nworkers, idx_base)
+        nus, rows = _pick("update_many", fs)(TypedList(tl), icat, ocat, obase, nbags, gflat,
+                                             gstride, cols, dtype.type(lr), slots, nworkers,
+                                             idx_base)
     _slots.give(slots)
     return [rows[idx_base[t]:idx_base[t] + nus[t]] for t in range(len(tables))]
