@@ -370,6 +370,54 @@ def test_onednn_dense_matches_reference(dnnl, n, i, o, bias):
         close(db, db_ref)
 
 
+@pytest.mark.parametrize("relu", [True, False])
+@pytest.mark.parametrize("n, i, o", [(5, 7, 3), (600, 13, 64), (257, 64, 1), (0, 4, 3), (3, 0, 2),
+                                     (4, 3, 0)])
+def test_onednn_dense_relu_and_bias_gradient_match_reference(dnnl, n, i, o, relu):
+    """The fused forward (ReLU as a post-op), the weight gradient as a matmul with the bias
+    gradient beside it, and the fused ReLU backward + bias gradient, in place and not, at
+    shapes that span several row chunks and at empty ones."""
+    rng = np.random.default_rng(19)
+    x, w, b, dy = rand(rng, n, i), rand(rng, o, i), rand(rng, o), rand(rng, n, o)
+    y, y_ref = np.full((n, o), np.nan, F32), np.full((n, o), np.nan, F32)
+    dnnl.dense_forward(x, w, b, y, relu=relu)
+    ref.dense_forward(x, w, b, y_ref, relu=relu)
+    close(y, y_ref)
+    if relu:
+        assert (y >= 0).all()
+    dw, db = np.full((o, i), np.nan, F32), np.full(o, np.nan, F32)
+    dw_ref, db_ref = np.empty_like(dw), np.empty_like(db)
+    dnnl.dense_backward_weights(x, dy, dw, db)
+    ref.dense_backward_weights(x, dy, dw_ref, db_ref)
+    close(dw, dw_ref)
+    close(db, db_ref)
+    dx_ref, db_ref = np.empty_like(dy), np.empty(o, F32)
+    ref.relu_backward_bias(dy, y_ref, dx_ref, db_ref)
+    np.testing.assert_array_equal(dx_ref, dy * (y_ref > 0))
+    dx = np.full_like(dy, np.nan)
+    assert dnnl.relu_backward_bias(dy, y_ref, dx, db) is dx
+    np.testing.assert_array_equal(dx, dx_ref)
+    close(db, db_ref)
+    inplace = dy.copy()
+    db[:] = np.nan
+    assert dnnl.relu_backward_bias(inplace, y_ref, inplace, db) is inplace
+    np.testing.assert_array_equal(inplace, dx_ref)
+    close(db, db_ref)
+
+
+def test_relu_backward_bias_refuses_bad_arguments(dnnl):
+    rng = np.random.default_rng(20)
+    dy, y = rand(rng, 8, 4), rand(rng, 8, 4)
+    for be in (dnnl, ref):
+        with pytest.raises(ValueError, match="relu_backward_bias.*db"):
+            be.relu_backward_bias(dy, y, np.empty_like(dy), np.empty(3, F32))
+        with pytest.raises(ValueError, match="relu_backward_bias"):
+            be.relu_backward_bias(dy, rand(rng, 8, 5), np.empty_like(dy), np.empty(4, F32))
+    buf = rand(rng, 9, 4)
+    with pytest.raises(ValueError, match="partly overlaps"):
+        dnnl.relu_backward_bias(buf[:8], y, buf[1:], np.empty(4, F32))
+
+
 def test_onednn_plumbing_loss_and_update_match_reference(dnnl):
     rng = np.random.default_rng(16)
     xs = [rand(rng, 2, c, 3, 3) for c in (2, 4, 1)]

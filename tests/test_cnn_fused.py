@@ -94,7 +94,7 @@ def test_onednn_measures_dense_and_convolution_choices_once_per_shape():
             dnnl.dense_forward(x, w, b, out)
             np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
             if impl == "auto":
-                assert dnnl.dense_choices()[("dense_forward", (3, 7), (5, 7), True)] in (
+                assert dnnl.dense_choices()[("dense_forward", (3, 7), (5, 7), True, False)] in (
                     "numpy", "onednn")
         finally:
             dnnl.set_dense_impl(old)

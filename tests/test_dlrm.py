@@ -129,7 +129,7 @@ def test_table_kinds_train_identically(m):
 
 
 MLP_KERNELS = {"load_dense_input", "dense_forward", "copy_bottom_features", "dot_interaction",
-               "bce_with_logits", "relu_backward", "dense_backward_weights",
+               "bce_with_logits", "relu_backward_bias", "dense_backward_weights",
                "dense_backward_data", "dot_interaction_backward", "copy_bottom_gradient",
                "sgd_update"}
 

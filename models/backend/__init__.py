@@ -73,8 +73,11 @@ class Backend(Protocol):
     def relu_backward(self, dy, x, dx) -> np.ndarray:
         """dx = dy * (x > 0)."""
 
-    def dense_forward(self, x, w, b, out) -> np.ndarray:
-        """out (N,O) = x (N,I) @ w.T (O,I) + b (O,) or None."""
+    def dense_forward(self, x, w, b, out, relu=False) -> np.ndarray:
+        """out (N,O) = x (N,I) @ w.T (O,I) + b (O,) or None; with relu, max(out, 0) after."""
+
+    def relu_backward_bias(self, dy, y, dx, db) -> np.ndarray:
+        """dx (N,O) = dy * (y > 0) (dx may be dy) and db (O,) = sum(dx) over the batch."""
 
     def dense_backward_data(self, dy, w, dx) -> np.ndarray:
         """dx (N,I) = dy @ w."""

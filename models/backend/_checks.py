@@ -170,6 +170,13 @@ def check_dense_forward(op, x, w, b, out, **kw):
     same_dtype(op, x=x, w=w, b=b, out=out)
 
 
+def check_relu_backward_bias(op, dy, y, dx, db, **kw):
+    array(op, "dy", dy, ndim=2, **kw)
+    check_same_shape(op, "dy", dy, [("y", y, False), ("dx", dx, True)], **kw)
+    array(op, "db", db, shape=(dy.shape[1],), writable=True, **kw)
+    same_dtype(op, dy=dy, db=db)
+
+
 def check_dense_backward_data(op, dy, w, dx, **kw):
     array(op, "dy", dy, ndim=2, **kw)
     array(op, "w", w, ndim=2, **kw)

@@ -37,6 +37,8 @@ typedef struct dnnl_primitive_desc *dnnl_primitive_desc_t;
 typedef const struct dnnl_primitive_desc *const_dnnl_primitive_desc_t;
 typedef struct dnnl_primitive_attr *dnnl_primitive_attr_t;
 typedef const struct dnnl_primitive_attr *const_dnnl_primitive_attr_t;
+typedef struct dnnl_post_ops *dnnl_post_ops_t;
+typedef const struct dnnl_post_ops *const_dnnl_post_ops_t;
 typedef struct dnnl_primitive *dnnl_primitive_t;
 typedef const struct dnnl_primitive *const_dnnl_primitive_t;
 
@@ -64,6 +66,8 @@ dnnl_status_t dnnl_stream_destroy(dnnl_stream_t stream);
 
 dnnl_status_t dnnl_memory_desc_create_with_tag(dnnl_memory_desc_t *memory_desc, int ndims,
         const dnnl_dims_t dims, dnnl_data_type_t data_type, dnnl_format_tag_t tag);
+dnnl_status_t dnnl_memory_desc_create_with_strides(dnnl_memory_desc_t *memory_desc, int ndims,
+        const dnnl_dims_t dims, dnnl_data_type_t data_type, const dnnl_dims_t strides);
 dnnl_status_t dnnl_memory_desc_destroy(dnnl_memory_desc_t memory_desc);
 size_t dnnl_memory_desc_get_size(const_dnnl_memory_desc_t memory_desc);
 int dnnl_memory_desc_equal(const_dnnl_memory_desc_t lhs, const_dnnl_memory_desc_t rhs);
@@ -79,6 +83,12 @@ dnnl_status_t dnnl_primitive_attr_create(dnnl_primitive_attr_t *attr);
 dnnl_status_t dnnl_primitive_attr_destroy(dnnl_primitive_attr_t attr);
 dnnl_status_t dnnl_primitive_attr_set_scratchpad_mode(dnnl_primitive_attr_t attr,
         dnnl_scratchpad_mode_t mode);
+dnnl_status_t dnnl_primitive_attr_set_post_ops(dnnl_primitive_attr_t attr,
+        const_dnnl_post_ops_t post_ops);
+dnnl_status_t dnnl_post_ops_create(dnnl_post_ops_t *post_ops);
+dnnl_status_t dnnl_post_ops_destroy(dnnl_post_ops_t post_ops);
+dnnl_status_t dnnl_post_ops_append_eltwise(dnnl_post_ops_t post_ops, dnnl_alg_kind_t alg_kind,
+        float alpha, float beta);
 
 dnnl_status_t dnnl_primitive_desc_destroy(dnnl_primitive_desc_t primitive_desc);
 const_dnnl_memory_desc_t dnnl_primitive_desc_query_md(const_dnnl_primitive_desc_t primitive_desc,
@@ -168,6 +178,12 @@ dnnl_status_t dnnl_inner_product_backward_weights_primitive_desc_create(
         const_dnnl_memory_desc_t src_desc, const_dnnl_memory_desc_t diff_weights_desc,
         const_dnnl_memory_desc_t diff_bias_desc, const_dnnl_memory_desc_t diff_dst_desc,
         const_dnnl_primitive_desc_t hint_fwd_pd, const_dnnl_primitive_attr_t attr);
+
+dnnl_status_t dnnl_matmul_primitive_desc_create(
+        dnnl_primitive_desc_t *primitive_desc, dnnl_engine_t engine,
+        const_dnnl_memory_desc_t src_desc, const_dnnl_memory_desc_t weights_desc,
+        const_dnnl_memory_desc_t bias_desc, const_dnnl_memory_desc_t dst_desc,
+        const_dnnl_primitive_attr_t attr);
 
 dnnl_status_t dnnl_binary_primitive_desc_create(
         dnnl_primitive_desc_t *primitive_desc, dnnl_engine_t engine,

@@ -309,13 +309,23 @@ def add(a, b, out):
 
 # --- dense --------------------------------------------------------------------------------
 
-def dense_forward(x, w, b, out):
-    """out = x @ w.T + b with x (N,I), w (O,I)."""
+def dense_forward(x, w, b, out, relu=False):
+    """out = x @ w.T + b with x (N,I), w (O,I); then out = max(out, 0) when relu."""
     ck.check_dense_forward("dense_forward", x, w, b, out)
     np.matmul(x, w.T, out=out)
     if b is not None:
         out += b
+    if relu:
+        np.maximum(out, out.dtype.type(0), out=out)
     return out
+
+
+def relu_backward_bias(dy, y, dx, db):
+    """dx = dy where y > 0, else 0, and db = sum of dx over the batch (dx may be dy)."""
+    ck.check_relu_backward_bias("relu_backward_bias", dy, y, dx, db)
+    np.multiply(dy, y > 0, out=dx)
+    np.sum(dx, axis=0, out=db)
+    return dx
 
 
 def dense_backward_data(dy, w, dx):

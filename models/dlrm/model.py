@@ -251,9 +251,7 @@ class DLRM:
         be = self.backend
         for layer, y in zip(layers, outs):
             with ca.kernel("dense_forward", (x, layer.w, layer.b), (y,)) as (xv, w, bv, yv):
-                be.dense_forward(xv, w, bv, yv)
-                if layer.relu:
-                    be.relu_forward(yv, yv)
+                be.dense_forward(xv, w, bv, yv, relu=layer.relu)
             x = y
         return x
 
@@ -263,12 +261,15 @@ class DLRM:
         for i in range(len(layers) - 1, -1, -1):
             layer, y, dy = layers[i], outs[i], douts[i]
             x = outs[i - 1] if i > 0 else x0
-            if layer.relu:                      # in place on dy
-                with ca.kernel("relu_backward", (y,), (dy,)) as (yv, dyv):
-                    be.relu_backward(dyv, yv, dyv)
-            with ca.kernel("dense_backward_weights", (x, dy), (layer.dw, layer.db)) as \
-                    (xv, dyv, dw, db):
-                be.dense_backward_weights(xv, dyv, dw, db)
+            if layer.relu:      # in place on dy, with the bias gradient from the same pass
+                with ca.kernel("relu_backward_bias", (y,), (dy, layer.db)) as (yv, dyv, db):
+                    be.relu_backward_bias(dyv, yv, dyv, db)
+                with ca.kernel("dense_backward_weights", (x, dy), (layer.dw,)) as (xv, dyv, dw):
+                    be.dense_backward_weights(xv, dyv, dw, None)
+            else:
+                with ca.kernel("dense_backward_weights", (x, dy), (layer.dw, layer.db)) as \
+                        (xv, dyv, dw, db):
+                    be.dense_backward_weights(xv, dyv, dw, db)
             dx = douts[i - 1] if i > 0 else dx0
             if dx is not None:
                 with ca.kernel("dense_backward_data", (dy, layer.w), (dx,)) as (dyv, w, dxv):
