@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 CHUNK_ROWS = 256               # rows per work item (a float64 partial row each)
+PARALLEL_MIN = 1 << 16         # elements; below this NumPy's serial passes are faster than a launch
 
 try:
     import numba
@@ -76,22 +77,20 @@ if numba is not None:
 
 def relu_backward_bias(dy: np.ndarray, y: np.ndarray, dx: np.ndarray, db: np.ndarray) -> None:
     """dx = dy where y > 0 else 0, and db = the column sums of dx (float32 (N,O) arrays,
-    C-contiguous, checked by the caller; dx may be dy)."""
-    if numba is None or dy.shape[0] == 0:
-        np.multiply(dy, y > 0, out=dx)
+    C-contiguous, checked by the caller; dx may be dy, or overlap it)."""
+    inplace = dx is dy or dx.ctypes.data == dy.ctypes.data
+    if numba is None or dy.size < PARALLEL_MIN or (not inplace and np.may_share_memory(dx, dy)):
+        np.multiply(dy, y > 0, out=dx)         # NumPy buffers a partly overlapping dx itself
         np.sum(dx, axis=0, out=db)
-        return
-    if dx is dy or dx.ctypes.data == dy.ctypes.data:
+    elif inplace:
         _masked_sums_inplace(dx, y, db)
-    elif np.may_share_memory(dx, dy):      # contiguous: bounds overlap is real overlap
-        raise ValueError("relu_backward_bias: dx partly overlaps dy; pass dx=dy or separate arrays")
     else:
         _masked_sums(dy, y, dx, db)
 
 
 def bias_grad(dy: np.ndarray, db: np.ndarray) -> None:
     """db = the column sums of dy (float32 (N,O), C-contiguous, checked by the caller)."""
-    if numba is None or dy.shape[0] == 0:
+    if numba is None or dy.size < PARALLEL_MIN:
         np.sum(dy, axis=0, out=db)
         return
     _sums(dy, db)
