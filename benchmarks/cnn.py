@@ -479,7 +479,7 @@ def peer_torch(args):
                       channels=args.channels, classes=args.classes, width=args.width)
     x, y = cnn.synthetic_batch(model)
     m, s = cnn.make_session("fast-only", int(model.footprint_estimate() * 1.5) + (16 << 20),
-                            1 << 20, args.backend)
+                            1 << 20, args.backend, stable_ids=False)     # never traced
     peer = TorchPeer(args)
     ours_t, theirs_t = [], []
     try:

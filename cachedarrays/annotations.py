@@ -189,9 +189,14 @@ def _walk(xs, found, containers=None):
                     stack.append(d)
             for descr in _slots(t):
                 try:
-                    stack.append(descr.__get__(x, t))
+                    y = descr.__get__(x, t)
                 except AttributeError:      # an unset slot
-                    pass
+                    continue
+                ky = kinds.get(type(y))
+                if ky is None:
+                    ky = _kind(type(y))
+                if ky != _LEAF:             # a name, a number, None: nothing to walk
+                    stack.append(y)
     for key in bare:
         del containers[key]
 

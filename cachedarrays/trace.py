@@ -49,13 +49,27 @@ def _core_module(name):
                                       not name.startswith("cachedarrays.models"))
 
 
+_SITE_NAMES = {}            # code object -> its file's base name, or "" for the library's own
+_SITE_NAMES_MAX = 1 << 14   # code objects remembered (exec'd code may make new ones forever)
+
+
 def _site():
+    """``file:line`` of the nearest caller outside the library (every new object asks)."""
     f = sys._getframe(2)
-    while f is not None and _core_module(f.f_globals.get("__name__", "")):
+    names = _SITE_NAMES
+    while f is not None:
+        code = f.f_code
+        name = names.get(code)
+        if name is None:
+            name = "" if _core_module(f.f_globals.get("__name__", "")) else \
+                os.path.basename(code.co_filename)
+            if len(names) >= _SITE_NAMES_MAX:
+                names.clear()
+            names[code] = name
+        if name:
+            return f"{name}:{f.f_lineno}"
         f = f.f_back
-    if f is None:
-        return "?"
-    return f"{os.path.basename(f.f_code.co_filename)}:{f.f_lineno}"
+    return "?"
 
 
 def _first_observer(cls, manager):

@@ -227,6 +227,25 @@ def test_onednn_fused_sgd_is_bitwise_the_unfused_step():
         assert np.array_equal(w0[k], w1[k]), k
 
 
+def test_a_session_without_stable_ids_trains_to_the_same_weights():
+    """stable_ids=False (an untraced run: no allocation-site lookup per new array) attaches no
+    StableIds observer and changes nothing else."""
+    from cachedarrays.trace import StableIds
+    weights = []
+    for stable in (True, False):
+        model = cnn.build("resnet", 18, **TINY)
+        m, s = cnn.make_session("fast-only", "64MiB", "1MiB", "numpy", stable_ids=stable)
+        with m:
+            assert any(isinstance(o, StableIds) for o in m._observers) is stable
+            model.init(s)
+            x, y = cnn.synthetic_batch(model)
+            for _ in range(2):
+                cnn.train_step(s, model, x, y, cnn.SGD(0.01))
+            weights.append([np.array(p.value) for p in model.params()])
+    for a, b in zip(*weights):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_fused_sgd_frees_each_gradient_inside_its_pullback():
     model = cnn.build("resnet", 18, **TINY)
     m, s = cnn.make_session("fast-only", "64MiB", "1MiB", "numpy")

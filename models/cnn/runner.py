@@ -135,12 +135,14 @@ def make_policy(setup, dram_cache=None, line_size=64):
 
 
 def make_session(setup, fast, slow, backend="numpy", line_size=64, event_log=None,
-                 annotations=True, dram_cache=None):
+                 annotations=True, dram_cache=None, stable_ids=True):
     """(manager, session) for setup with ``fast`` bytes of fast memory and ``slow`` of slow.
 
     dram_cache: the simulated DRAM cache's size, required by (and only by) the 2LM setups
-    (``m.policy.cache``). The manager gives objects stable ids from the start (so the weights
-    have allocation-site ids in traces, like every other array).
+    (``m.policy.cache``). With stable_ids (the default) the manager gives objects stable ids
+    from the start, so the weights have allocation-site ids in traces like every other array;
+    a run that is never traced can do without them (each new array then skips looking up its
+    allocation site).
     """
     setup = check_setup(setup)
     fast = ca.parse_size(fast, "fast memory size")
@@ -151,7 +153,8 @@ def make_session(setup, fast, slow, backend="numpy", line_size=64, event_log=Non
         raise _no_dram_cache(setup, dram_cache)
     m = ca.Manager(fast=fast, slow=slow, policy=make_policy(setup, dram_cache, line_size),
                    event_log=event_log)
-    StableIds.of(m)
+    if stable_ids:
+        StableIds.of(m)
     s = Session(m, backend, annotations=annotations)
     return m, s
 
