@@ -11,6 +11,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from cachedarrays.models.dlrm import kernels as K
 
@@ -788,3 +790,63 @@ def test_with_numba_checking_bounds_no_kernel_reads_one_array_through_another(rn
     np.testing.assert_allclose(out, [expect[[3, 1, 7]].sum(0), expect[[7, 2, 3]].sum(0)],
                                rtol=1e-6)
     assert hits == 4 and list(missed[:2]) == [1, 2]
+
+
+def _reference_inputs_ok(idx, off, nrows, nbags):
+    try:
+        i = K.check_indices(idx, nrows)
+        o = K.check_offsets(off, i.shape[0], nbags)
+    except (IndexError, ValueError):
+        return False, None
+    return True, K._one_per_bag(o, i.shape[0], nbags)
+
+
+@settings(max_examples=300, deadline=None)
+@given(nrows=st.integers(1, 6), nbags=st.integers(0, 5), data=st.data())
+def test_the_compiled_ensemble_check_agrees_with_the_numpy_checks(nrows, nbags, data):
+    """_inputs_ok (one pass per table, for int64 arrays) accepts exactly what check_indices
+    and check_offsets accept, and finds bags of one index exactly as _one_per_bag does."""
+    idx = np.array(data.draw(st.lists(st.integers(-1, nrows), max_size=6)), dtype=np.int64)
+    n_off = data.draw(st.sampled_from([nbags, nbags + 1, max(0, nbags - 1), nbags + 2]))
+    off = np.array(data.draw(st.lists(st.integers(-1, len(idx) + 1), min_size=n_off,
+                                      max_size=n_off)), dtype=np.int64)
+    if data.draw(st.booleans()):        # often valid: sorted starts from 0
+        off = np.sort(np.clip(off, 0, len(idx)))
+        if off.size:
+            off[0] = 0
+    ok, one = K._inputs_ok(idx, off, nrows, nbags)
+    want_ok, want_one = _reference_inputs_ok(idx, off, nrows, nbags)
+    assert ok == want_ok
+    if ok:
+        assert one == want_one
+
+
+@pytest.mark.parametrize("offsets, pattern", [
+    (np.array([0, 3, 2]), "non-decreasing"),
+    (np.array([1, 2, 3]), r"offsets\[0\] must be 0"),
+    (np.array([0, 2, 9]), "exceeds len"),
+    (np.array([0, 2]), "2 offsets for 3 bags"),
+    (np.array([0, 1, 2, 4]), "must equal len"),
+])
+@pytest.mark.parametrize("op", ["lookup_many", "update_many"])
+def test_ensemble_errors_name_the_table_and_the_problem(offsets, pattern, op):
+    tables = [np.zeros((10, 4), np.float32), np.zeros((10, 4), np.float32)]
+    good = np.arange(3, dtype=np.int64)
+
+    def call(indices, offs):
+        if op == "lookup_many":
+            K.lookup_many(tables, indices, offs, np.empty((3, 8), np.float32),
+                          names=["users", "items"])
+        else:
+            K.update_many(tables, indices, offs, np.zeros((3, 8), np.float32), 0.1,
+                          names=["users", "items"])
+    with pytest.raises(ValueError, match=f"'items'.*{pattern}"):
+        call([good, np.arange(5, dtype=np.int64)], [good, offsets.astype(np.int64)])
+    for bad in (-1, 10):
+        with pytest.raises(IndexError, match=f"'items': index {bad} at position 1"):
+            call([good, np.array([0, bad, 2], dtype=np.int64)], [good, good])
+    before = [t.copy() for t in tables]
+    with pytest.raises(IndexError):
+        call([good, np.array([0, 10, 2], dtype=np.int64)], [good, good])
+    for t, b in zip(tables, before):
+        np.testing.assert_array_equal(t, b)         # nothing written before the check

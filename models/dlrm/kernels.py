@@ -533,9 +533,49 @@ def _check_writable(table, name, what="table"):
                          f"(e.g. from a writable access scope)")
 
 
-def _ensemble(tables, indices_list, offsets_list, nbags, names, update=False, typed=True):
-    """Validated (tables, indices, offsets) of an ensemble, as numba typed lists (``typed``)
-    or Python lists, with the dtype and the tables' names."""
+@numba.njit(cache=True, nogil=True)
+def _inputs_ok(idx, off, nrows, nbags):
+    """One pass over a table's int64 indices and offsets: (valid, every bag has exactly one
+    index). Valid means what ``check_indices`` and ``check_offsets`` accept; when it is
+    False those checks run and name the problem."""
+    nidx = idx.shape[0]
+    for j in range(nidx):
+        r = idx[j]
+        if r < 0 or r >= nrows:
+            return False, False
+    n = off.shape[0]
+    if n != nbags and n != nbags + 1:
+        return False, False
+    if n == 0:
+        return nidx == 0, nidx == 0
+    if off[0] != 0:
+        return False, False
+    one = nidx == nbags
+    for b in range(1, n):
+        step = off[b] - off[b - 1]
+        if step < 0:
+            return False, False
+        if b < nbags and step != 1:
+            one = False
+    last = off[n - 1]
+    if last > nidx or (n == nbags + 1 and last != nidx):
+        return False, False
+    return True, one
+
+
+def _plain_index_array(a):
+    return type(a) is np.ndarray and a.dtype == np.int64 and a.ndim == 1 and \
+        a.flags.c_contiguous
+
+
+def _ensemble(tables, indices_list, offsets_list, nbags, names, update=False):
+    """Validated (tables, indices, offsets, one) of an ensemble as Python lists, with the
+    dtype and the tables' names; ``one[t]``: every bag of table t has exactly one index.
+
+    Indices and offsets that are already int64 1-D arrays are checked in one compiled pass
+    per table (``_inputs_ok``); anything else, and anything that pass refuses, goes through
+    ``check_indices`` and ``check_offsets``, which convert it or name the problem. Tables
+    are the caller's arrays (writable ones checked for an update)."""
     ntables = len(tables)
     if ntables == 0:
         raise ValueError("need at least one table")
@@ -544,25 +584,30 @@ def _ensemble(tables, indices_list, offsets_list, nbags, names, update=False, ty
                          f"{len(offsets_list)} offset arrays")
     if names is None:
         names = [f"table{t}" for t in range(ntables)]
-    tl, il, ol = (TypedList(), TypedList(), TypedList()) if typed else ([], [], [])
+    il, ol, ones = [], [], []
     dtype = None
     for t in range(ntables):
-        _check_table(tables[t], names[t])
+        table = tables[t]
+        _check_table(table, names[t])
         if dtype is None:
-            dtype = tables[t].dtype
-        elif tables[t].dtype != dtype:
-            raise TypeError(f"table {names[t]!r}: dtype {tables[t].dtype} differs from "
+            dtype = table.dtype
+        elif table.dtype != dtype:
+            raise TypeError(f"table {names[t]!r}: dtype {table.dtype} differs from "
                             f"{names[0]!r}'s {dtype}; an ensemble needs one dtype")
-        idx = check_indices(indices_list[t], tables[t].shape[0], names[t])
-        off = check_offsets(offsets_list[t], idx.shape[0], nbags, names[t])
         if update:
-            _check_writable(tables[t], names[t])
-            tl.append(tables[t])
-        else:
-            tl.append(_readonly(tables[t]))
-        il.append(_readonly(idx))
-        ol.append(_readonly(off))
-    return tl, il, ol, dtype, names
+            _check_writable(table, names[t])
+        idx, off = indices_list[t], offsets_list[t]
+        ok = False
+        if _plain_index_array(idx) and _plain_index_array(off):
+            ok, one = _inputs_ok(idx, off, table.shape[0], nbags)
+        if not ok:
+            idx = check_indices(idx, table.shape[0], names[t])
+            off = check_offsets(off, idx.shape[0], nbags, names[t])
+            one = _one_per_bag(off, idx.shape[0], nbags)
+        il.append(idx)
+        ol.append(off)
+        ones.append(bool(one))
+    return list(tables), il, ol, ones, dtype, names
 
 
 def _common_fs(tables):
@@ -601,8 +646,8 @@ def lookup_many(tables, indices_list, offsets_list, out=None, column_offsets=Non
         nbags = np.asarray(offsets_list[0]).shape[0]
     if names is None:
         names = [f"table{t}" for t in range(len(tables))]
-    tl, il, ol, dtype, names = _ensemble(tables, indices_list, offsets_list, nbags, names,
-                                         typed=False)
+    tl, il, ol, ones, dtype, names = _ensemble(tables, indices_list, offsets_list, nbags,
+                                               names)
     if out is None:
         cols = _columns(tables, column_offsets, None, names)
         width = int(max(int(c) + t.shape[1] for c, t in zip(cols, tables)))
@@ -614,17 +659,19 @@ def lookup_many(tables, indices_list, offsets_list, out=None, column_offsets=Non
     if nbags:
         nthreads = numba.get_num_threads()
         fs = _common_fs(tables)     # one feature size: the kernels specialised for it
-        deltas = _deltas(tl) if all(_one_per_bag(o, i.shape[0], nbags)
-                                    for i, o in zip(il, ol)) else None
+        deltas = _deltas(tl) if all(ones) else None
         if deltas is not None:
             # bags of one index (DLRM's): a gather, each work item streaming through a table
             chunk = max(1, min(nbags, max(1024, -(-nbags * len(tl) // (4 * nthreads)))))
             widths = np.array([t.shape[1] for t in tl], dtype=np.int64)
-            _pick("gather_many", fs)(tl[0], deltas, widths, np.concatenate(il), nbags, flat,
-                                     stride, cols, chunk)
+            _pick("gather_many", fs)(_readonly(tl[0]), deltas, widths, np.concatenate(il),
+                                     nbags, flat, stride, cols, chunk)
         else:
+            # read-only views: every array in a typed list then has one numba type
             chunk = max(1, min(_BAGS_PER_ITEM, -(-nbags * len(tables) // (8 * nthreads))))
-            _pick("bag_sum_many", fs)(TypedList(tl), TypedList(il), TypedList(ol), nbags, flat,
+            _pick("bag_sum_many", fs)(TypedList([_readonly(t) for t in tl]),
+                                      TypedList([_readonly(i) for i in il]),
+                                      TypedList([_readonly(o) for o in ol]), nbags, flat,
                                       stride, cols, chunk)
     if scratch is not None:
         out[...] = scratch
@@ -678,8 +725,8 @@ def update_many(tables, indices_list, offsets_list, dout, lr, column_offsets=Non
     nbags = dout.shape[0]
     if names is None:
         names = [f"table{t}" for t in range(len(tables))]
-    tl, il, ol, dtype, names = _ensemble(tables, indices_list, offsets_list, nbags, names,
-                                         update=True, typed=False)
+    tl, il, ol, _, dtype, names = _ensemble(tables, indices_list, offsets_list, nbags, names,
+                                            update=True)
     lr = check_lr(lr, names[0], dtype)
     cols = _columns(tables, column_offsets, dout.shape[1], names)
     gflat, gstride = _gradient(dout, nbags, dout.shape[1], dtype, names[0])
