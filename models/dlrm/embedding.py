@@ -845,8 +845,11 @@ def update_tables(tables, indices_list, offsets_list, dout, lr, column_offsets=N
     if len(indices_list) != len(tables) or len(offsets_list) != len(tables):
         raise ValueError(f"{len(tables)} tables but {len(indices_list)} index arrays and "
                          f"{len(offsets_list)} offset arrays")
-    for t in tables:
-        kernels.check_lr(lr, t.name, t.dtype)
+    checked = set()
+    for t in tables:                    # once per dtype: the first table of each is named
+        if t.dtype not in checked:
+            kernels.check_lr(lr, t.name, t.dtype)
+            checked.add(t.dtype)
     cols = _columns(tables, column_offsets)
     offsets_list = _bag_offsets(indices_list, offsets_list)
     simple = [k for k, t in enumerate(tables) if isinstance(t, SimpleTable)]
