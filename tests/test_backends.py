@@ -405,6 +405,30 @@ def test_onednn_dense_relu_and_bias_gradient_match_reference(dnnl, n, i, o, relu
     close(db, db_ref)
 
 
+@pytest.mark.parametrize("relu", [True, False])
+def test_onednn_dense_falls_back_to_the_inner_product_where_matmul_is_reference_code(
+        dnnl, monkeypatch, relu):
+    """Where oneDNN offers only reference code for the transposed-operand matmul (another CPU),
+    the forward and the weight gradient run its inner product instead, with the same results."""
+    rng = np.random.default_rng(22)
+    x, w, b, dy = rand(rng, 40, 9), rand(rng, 6, 9), rand(rng, 6), rand(rng, 40, 6)
+    dnnl.clear_cache()
+    monkeypatch.setattr(dnnl, "_optimized", lambda pd: False)
+    try:
+        y, y_ref = np.empty((40, 6), F32), np.empty((40, 6), F32)
+        dnnl.dense_forward(x, w, b, y, relu=relu)
+        ref.dense_forward(x, w, b, y_ref, relu=relu)
+        close(y, y_ref)
+        assert dnnl._mm_fwd(x.shape, w.shape, True, relu)[1] is False
+        dw, db, dw_ref, db_ref = np.empty_like(w), np.empty(6, F32), np.empty_like(w), np.empty(6, F32)
+        dnnl.dense_backward_weights(x, dy, dw, db)
+        ref.dense_backward_weights(x, dy, dw_ref, db_ref)
+        close(dw, dw_ref)
+        close(db, db_ref)
+    finally:
+        dnnl.clear_cache()
+
+
 def test_relu_backward_bias_refuses_bad_arguments(dnnl):
     rng = np.random.default_rng(20)
     dy, y = rand(rng, 8, 4), rand(rng, 8, 4)

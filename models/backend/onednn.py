@@ -894,18 +894,28 @@ def _create_relu_attr():
 _relu_attr = _create_relu_attr()
 
 
+def _optimized(pd) -> bool:
+    """False when oneDNN could only offer its reference code (``ref:``) for a primitive: a
+    layout its optimized kernels do not take, on this CPU; the caller then uses another."""
+    return not impl_info_of(pd).startswith("ref")
+
+
 def _mm_fwd(xs, ws, has_bias, relu):
-    """out (N,O) = x (N,I) @ w.T (+ b) (then ReLU) as a matmul reading w (O,I) transposed in
-    place: measured faster than the inner product at DLRM's and the CNNs' dense shapes, and the
-    ReLU rides along as a post-op instead of a second pass over out."""
+    """(primitive, fused): out (N,O) = x (N,I) @ w.T (+ b) (then ReLU, when fused) as a matmul
+    reading w (O,I) transposed in place: measured faster than the inner product at DLRM's and
+    the CNNs' dense shapes, with the ReLU riding along as a post-op instead of a second pass
+    over out. Where the matmul would run oneDNN's reference code, the inner product instead
+    (fused False: the caller applies the ReLU)."""
     def build():
         (n, i), (o, _) = xs, ws
         bias = _smd((1, o), (o, 1)) if has_bias else _NULL
         desc = _create_pd("dnnl_matmul_primitive_desc_create", _engine, _smd((n, i), (i, 1)),
                           _smd((i, o), (1, i)), bias, _smd((n, o), (o, 1)),
                           _relu_attr if relu else _attr, detail=f"dense x {xs} w {ws}")
+        if not _optimized(desc):
+            return _ip_fwd(xs, ws, has_bias), False
         args = [api.ARG_SRC, api.ARG_WEIGHTS] + ([api.ARG_BIAS] if has_bias else []) + [api.ARG_DST]
-        return _Primitive(f"dense_forward x {xs} w {ws}{' relu' if relu else ''}", desc, args)
+        return _Primitive(f"dense_forward x {xs} w {ws}{' relu' if relu else ''}", desc, args), True
 
     return _cached(("mm_fwd", xs, ws, has_bias, relu), build)
 
@@ -916,11 +926,16 @@ def dense_forward(x, w, b, out, relu=False):
     relu = bool(relu)
     if x.size == 0 or out.size == 0:           # nothing to multiply: oneDNN needs every dim
         return _ref.dense_forward(x, w, b, out, relu)
-    prim = _mm_fwd(x.shape, w.shape, b is not None, relu)
-    if b is None:
-        run = lambda: prim.run(x, w, out)  # noqa: E731
-    else:
-        run = lambda: prim.run(x, w, b, out)  # noqa: E731
+    prim, fused = _mm_fwd(x.shape, w.shape, b is not None, relu)
+
+    def run():
+        if b is None:
+            prim.run(x, w, out)
+        else:
+            prim.run(x, w, b, out)
+        if relu and not fused:
+            relu_forward(out, out)
+
     _dense_run(("dense_forward", x.shape, w.shape, b is not None, relu), run,
                lambda: _ref.dense_forward(x, w, b, out, relu))
     return out
@@ -958,11 +973,23 @@ def dense_backward_weights(x, dy, dw, db):
         desc = _create_pd("dnnl_matmul_primitive_desc_create", _engine, _smd((o, n), (1, o)),
                           _smd((n, i), (i, 1)), _NULL, _smd((o, i), (i, 1)), _attr,
                           detail=f"dense bwd weights x {x.shape} dw {dw.shape}")
+        if _optimized(desc):
+            return _Primitive(f"{op} x {x.shape} dw {dw.shape}", desc,
+                              [api.ARG_SRC, api.ARG_WEIGHTS, api.ARG_DST]), True
+        # the matmul would run reference code: the inner product's weight gradient instead
+        desc = _create_pd("dnnl_inner_product_backward_weights_primitive_desc_create", _engine,
+                          _md(x.shape), _md(dw.shape), _NULL, _md(dy.shape),
+                          _ip_fwd(x.shape, dw.shape, False).pd, _attr,
+                          detail=f"dense bwd weights x {x.shape} dw {dw.shape}")
         return _Primitive(f"{op} x {x.shape} dw {dw.shape}", desc,
-                          [api.ARG_SRC, api.ARG_WEIGHTS, api.ARG_DST])
+                          [api.ARG_SRC, api.ARG_DIFF_DST, api.ARG_DIFF_WEIGHTS]), False
 
     def run():
-        _cached(("mm_bwd_weights", x.shape, o), build).run(dy, x, dw)
+        prim, matmul = _cached(("mm_bwd_weights", x.shape, o), build)
+        if matmul:
+            prim.run(dy, x, dw)
+        else:
+            prim.run(x, dy, dw)
         if db is not None:
             _bias.bias_grad(dy, db)
 
