@@ -185,20 +185,35 @@ class Session:
 
         def pullback_wrapper(dy):
             # The unit's parameters (every array a Unit holds) are part of the result so that
-            # their new gradients are not temporaries; for a Unit the list of its Params is
-            # walked instead of its whole object tree (any other object is walked whole).
-            params = unit.params() if isinstance(unit, Unit) else unit
-            dx, _ = ca.noescape(lambda d: (captured[1](d), params))(dy)
+            # their new gradients are not temporaries: for a Unit, the arrays of its Params,
+            # listed (a list of arrays is not walked further); any other object is walked whole.
+            params = unit.params() if isinstance(unit, Unit) else [unit]
+            dx, _ = ca.noescape(lambda d: (captured[1](d), _arrays_of(params)))(dy)
             captured.append(dy)
             del dy
             try:
-                ca.cleanup(captured, keep=ca.preserve(params, x, dx))
+                ca.cleanup(captured, keep=ca.preserve(*_arrays_of(params, x, dx)))
             finally:
                 del captured[2:]
             ca.mark_layer(m)
             return dx
 
         return captured[0], pullback_wrapper
+
+
+def _arrays_of(params, *more):
+    """The CachedArrays of params (each Param's value and gradient; any other object as it is,
+    for the walkers to search) and more, None left out."""
+    out = []
+    for p in params:
+        if type(p) is Param:
+            out.append(p.value)
+            if p.grad is not None:
+                out.append(p.grad)
+        else:
+            out.append(p)
+    out.extend(a for a in more if a is not None)
+    return out
 
 
 class Unit:
