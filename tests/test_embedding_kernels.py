@@ -323,13 +323,17 @@ def test_lookup_many_error_names_the_failing_table():
                       names=["users", "items"])
 
 
-@pytest.mark.parametrize("offsets, pattern", [
+#: Offsets for 3 bags over 5 indices that check_offsets refuses, and what its message says.
+BAD_OFFSETS = [
     (np.array([0, 3, 2]), "non-decreasing"),
     (np.array([1, 2, 3]), r"offsets\[0\] must be 0"),
     (np.array([0, 2, 9]), "exceeds len"),
     (np.array([0, 2]), "2 offsets for 3 bags"),
     (np.array([0, 1, 2, 4]), "must equal len"),
-])
+]
+
+
+@pytest.mark.parametrize("offsets, pattern", BAD_OFFSETS)
 def test_invalid_offsets_raise_value_error(offsets, pattern):
     table = np.zeros((10, 4), dtype=np.float32)
     out = np.empty((3, 4), dtype=np.float32)
@@ -821,13 +825,7 @@ def test_the_compiled_ensemble_check_agrees_with_the_numpy_checks(nrows, nbags, 
         assert one == want_one
 
 
-@pytest.mark.parametrize("offsets, pattern", [
-    (np.array([0, 3, 2]), "non-decreasing"),
-    (np.array([1, 2, 3]), r"offsets\[0\] must be 0"),
-    (np.array([0, 2, 9]), "exceeds len"),
-    (np.array([0, 2]), "2 offsets for 3 bags"),
-    (np.array([0, 1, 2, 4]), "must equal len"),
-])
+@pytest.mark.parametrize("offsets, pattern", BAD_OFFSETS)
 @pytest.mark.parametrize("op", ["lookup_many", "update_many"])
 def test_ensemble_errors_name_the_table_and_the_problem(offsets, pattern, op):
     tables = [np.zeros((10, 4), np.float32), np.zeros((10, 4), np.float32)]

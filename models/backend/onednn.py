@@ -72,12 +72,17 @@ def _create_engine_and_stream():
     api.check(_lib, "dnnl_engine_create", engine_p, api.ENGINE_CPU, 0)
     stream_p = ffi.new("dnnl_stream_t *")
     api.check(_lib, "dnnl_stream_create", stream_p, engine_p[0], api.STREAM_DEFAULT_FLAGS)
+    # engine, stream and attr live for the whole process: never destroyed, so no primitive
+    # or memory object can outlive them during interpreter shutdown.
+    return engine_p[0], stream_p[0], _new_attr()
+
+
+def _new_attr():
+    """Primitive attributes with the user scratchpad (``_scratchpad``), kept for the process."""
     attr_p = ffi.new("dnnl_primitive_attr_t *")
     api.check(_lib, "dnnl_primitive_attr_create", attr_p)
     api.check(_lib, "dnnl_primitive_attr_set_scratchpad_mode", attr_p[0], api.SCRATCHPAD_USER)
-    # engine, stream and attr live for the whole process: never destroyed, so no primitive
-    # or memory object can outlive them during interpreter shutdown.
-    return engine_p[0], stream_p[0], attr_p[0]
+    return attr_p[0]
 
 
 _engine, _stream, _attr = _create_engine_and_stream()
@@ -878,17 +883,15 @@ def _smd(dims, strides):
 
 def _create_relu_attr():
     """Primitive attributes with a ReLU post-op (and the user scratchpad), for the process."""
-    attr_p = ffi.new("dnnl_primitive_attr_t *")
-    api.check(_lib, "dnnl_primitive_attr_create", attr_p)
-    api.check(_lib, "dnnl_primitive_attr_set_scratchpad_mode", attr_p[0], api.SCRATCHPAD_USER)
+    attr = _new_attr()
     ops_p = ffi.new("dnnl_post_ops_t *")
     api.check(_lib, "dnnl_post_ops_create", ops_p)
     try:
         api.check(_lib, "dnnl_post_ops_append_eltwise", ops_p[0], api.ELTWISE_RELU, 0.0, 0.0)
-        api.check(_lib, "dnnl_primitive_attr_set_post_ops", attr_p[0], ops_p[0])
+        api.check(_lib, "dnnl_primitive_attr_set_post_ops", attr, ops_p[0])
     finally:
         _lib.dnnl_post_ops_destroy(ops_p[0])      # the attributes keep their own copy
-    return attr_p[0]
+    return attr
 
 
 _relu_attr = _create_relu_attr()
