@@ -520,6 +520,22 @@ def test_onednn_blocked_layouts_use_library_buffers_that_clear_cache_releases(dn
     assert dnnl.buffer_bytes() == 0
 
 
+def test_onednn_impl_info_names_every_kind_of_cached_primitive(dnnl):
+    # dense kernels cache (primitive, flag) pairs; impl_info must name those too
+    rng = np.random.default_rng(23)
+    x, w = rng.standard_normal((64, 24), dtype=F32), rng.standard_normal((8, 24), dtype=F32)
+    b, dy = rng.standard_normal(8, dtype=F32), rng.standard_normal((64, 8), dtype=F32)
+    dnnl.clear_cache()
+    dnnl.dense_forward(x, w, b, np.empty((64, 8), F32), relu=True)
+    dnnl.dense_backward_weights(x, dy, np.empty((8, 24), F32), np.empty(8, F32))
+    dnnl.dense_backward_data(dy, w, np.empty((64, 24), F32))
+    dnnl.relu_forward(dy, np.empty_like(dy))
+    info = dnnl.impl_info()
+    assert {key[0] for key in info} >= {"mm_fwd", "mm_bwd_weights", "ip_bwd_data"}
+    assert all(isinstance(name, str) and name and name != "?" for name in info.values())
+    dnnl.clear_cache()
+
+
 def test_onednn_thread_count_can_be_set(dnnl):
     before = dnnl.get_threads()
     try:

@@ -340,7 +340,9 @@ def cache_size() -> int:
 def impl_info() -> dict:
     """Implementation names of all cached primitives, keyed by their cache key."""
     with _dnnl_lock:
-        return {key: impl_info_of(p.pd) for key, p in _cache.items()}
+        # an entry is a primitive, or (primitive, flag) where the builder chose between two
+        return {key: impl_info_of((p[0] if isinstance(p, tuple) else p).pd)
+                for key, p in _cache.items()}
 
 
 # --- convolution --------------------------------------------------------------------------
