@@ -38,4 +38,4 @@ bench: install
 	$(PY) benchmarks/run_all.py --out bench_results
 
 clean:
-	rm -rf build *.egg-info cachedarrays/_native*.so native/_native.c
+	rm -rf build *.egg-info cachedarrays/_native*.so cachedarrays/_records*.so native/_native.c

@@ -1,4 +1,10 @@
-"""Build hook: compiles the native heap and copy engine (native/) with cffi."""
-from setuptools import setup
+"""Build hook: compiles the native heap and copy engine (native/) with cffi, and the manager's
+per-array records (native/records.c) as a CPython extension."""
+from setuptools import Extension, setup
 
-setup(cffi_modules=["native/build.py:ffibuilder"])
+setup(
+    cffi_modules=["native/build.py:ffibuilder"],
+    ext_modules=[Extension("cachedarrays._records", ["native/records.c"],
+                           extra_compile_args=["-O2", "-Wall", "-Wextra", "-Wno-unused-parameter",
+                                               "-Wno-missing-field-initializers"])],
+)

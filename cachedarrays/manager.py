@@ -19,6 +19,9 @@ from collections import deque
 import numpy as np
 
 from . import copyengine
+from ._records import ObjectRecord, RegionRecord
+from ._records import object as _new_object
+from ._records import region as _new_region
 from .devices import DRAM, Device, SlowDevice, VirtualDevice
 from .errors import (CachedArraysError, DeviceError, OutOfMemoryError, PinnedError,
                      RecomputeError, UseAfterFreeError)
@@ -32,21 +35,16 @@ from .sizes import format_size, parse_size
 from .telemetry import Telemetry
 
 
-class Region:
-    """A contiguous block on one device, owned by one object."""
+class Region(RegionRecord):
+    """A contiguous block on one device, owned by one object.
 
-    __slots__ = ("device", "offset", "nbytes", "owner", "_dirty", "freed", "_buffer",
-                 "__weakref__")
+    ``Region(device, offset, nbytes, owner, buffer=None)``: offset is the heap block's (-1 for a
+    zero-byte region), owner the parent object's id. The fields (``device``, ``offset``,
+    ``nbytes``, ``owner``, ``freed``, the dirty bit and the device's mapping, which
+    Manager.ndarray reads on the hot path) live in the C record (``_records``).
+    """
 
-    def __init__(self, device, offset, nbytes, owner, buffer=None):
-        self.device = device
-        self.offset = offset          # heap block offset; -1 for a zero-byte region
-        self.nbytes = nbytes
-        self.owner = owner            # id of the parent object
-        self._dirty = False
-        self.freed = False
-        # The device's mapping, for Manager.ndarray (the hot path); None once freed or if empty.
-        self._buffer = (buffer if buffer is not None else device.buffer) if nbytes else None
+    __slots__ = ()
 
     @property
     def data_offset(self):
@@ -66,29 +64,18 @@ class Region:
                 f"object={self.owner}{state}>")
 
 
-class Object:
+class Object(ObjectRecord):
     """What the program holds: one primary region (newest data) and linked regions elsewhere.
 
-    ``version`` counts the kernels that wrote it; ``dropped``: its data was let go
+    ``Object(manager_ref, obj_id, nbytes, primary=None, device_name=None)``; manager_ref is a
+    weak reference (objects never keep a manager alive). ``regions`` maps device names to
+    regions; ``version`` counts the kernels that wrote it; ``dropped``: its data was let go
     (``Manager.drop``) and is rebuilt from its ``chain`` (see ``cachedarrays.lineage``) at its
-    next use.
+    next use. The fields and the finalizer live in the C record (``_records``): the finalizer
+    only queues the regions (``_deferred``), and the manager frees them at its next call.
     """
 
-    __slots__ = ("id", "nbytes", "primary", "regions", "_pins", "freed", "_manager",
-                 "version", "dropped", "chain", "__weakref__")
-
-    def __init__(self, manager_ref, obj_id, nbytes, primary=None, device_name=None):
-        self.id = obj_id
-        self.nbytes = nbytes
-        self.primary = primary
-        # device name -> Region (primary and linked regions)
-        self.regions = {} if primary is None else {device_name: primary}
-        self._pins = 0
-        self.freed = False
-        self._manager = manager_ref   # a weak reference: objects never keep a manager alive
-        self.version = 0
-        self.dropped = False
-        self.chain = None             # lineage: the recipes that made its data (lineage.py)
+    __slots__ = ()
 
     @property
     def manager(self):
@@ -110,15 +97,6 @@ class Object:
             raise CachedArraysError(f"object {self.id} ({format_size(self.nbytes)}) has no "
                                     "primary region yet; allocate one and set_primary")
         return primary.device.name
-
-    def __del__(self):
-        # Finalizers only queue: the manager frees the regions at its next call.
-        if self.freed:
-            return
-        m = self._manager()
-        if m is not None and not m.closed:
-            # the regions dict itself: nothing changes it once its object is gone
-            m._deferred.append((self.id, self.regions, self.primary))
 
     def __repr__(self):
         m = self._manager()
@@ -574,7 +552,7 @@ class Manager:
 
     def _register(self, nbytes):
         oid = self._last_id = next(self._ids)
-        obj = Object(self._ref, oid, nbytes)
+        obj = _new_object(Object, self._ref, oid, nbytes, None, None)
         self._objects[oid] = weakref.ref(obj)
         for o in self._observers:
             o.on_object(obj)
@@ -603,13 +581,13 @@ class Manager:
             else:
                 offset = -1
             oid = self._last_id = next(self._ids)             # _register, inlined
-            obj = Object(self._ref, oid, nbytes)
+            obj = _new_object(Object, self._ref, oid, nbytes, None, None)
             self._objects[oid] = weakref.ref(obj)
             if self._observers:
                 for o in self._observers:
                     o.on_object(obj)
             name = dev.name
-            region = Region(dev, offset, nbytes, obj.id, dev._mm)
+            region = _new_region(Region, dev, offset, nbytes, oid, dev._mm)
             if nbytes:
                 self._by_offset[name][offset] = region
             obj.primary = region
@@ -635,9 +613,9 @@ class Manager:
             return None
         oid = self._last_id = next(self._ids)
         name = dev.name
-        region = Region(dev, offset, nbytes, oid, dev._mm)
+        region = _new_region(Region, dev, offset, nbytes, oid, dev._mm)
         region._dirty = True
-        obj = Object(self._ref, oid, nbytes, region, name)
+        obj = _new_object(Object, self._ref, oid, nbytes, region, name)
         self._objects[oid] = weakref.ref(obj)
         self._by_offset[name][offset] = region
         tel = self.telemetry
