@@ -142,6 +142,7 @@ class Heap:
                              f"granularity {g}: it needs at least one granule ({g} bytes) and at "
                              f"most 2**62 bytes")
         self._h = h
+        self._addr = int(ffi.cast("uintptr_t", h))     # the handle for callers in C; 0 once closed
         self._base = addr
         self._in_call = 0
         st = self.stats()
@@ -204,6 +205,13 @@ class Heap:
         heap: no argument checks on the common path."""
         if self._lib_free(self._h, offset, owner):
             self.free(offset, owner)                     # raises the reason
+
+    @staticmethod
+    def entry_points():
+        """Addresses of the native ca_heap_alloc and ca_heap_free, for C callers that hold a
+        heap's ``_addr`` (the manager's records module)."""
+        return tuple(int(ffi.cast("uintptr_t", ffi.addressof(lib, f)))
+                     for f in ("ca_heap_alloc", "ca_heap_free"))
 
     _lib_alloc = staticmethod(lib.ca_heap_alloc)
     _lib_free = staticmethod(lib.ca_heap_free)
@@ -380,6 +388,7 @@ class Heap:
         if self._in_call:
             raise CachedArraysError(f"heap {self.name!r}: cannot close from inside an evictfrom or "
                                     f"defrag callback")
+        self._addr = 0
         lib.ca_heap_destroy(self._h)
         self._h = None
         self._keepalive = None

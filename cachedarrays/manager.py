@@ -20,12 +20,15 @@ import numpy as np
 
 from . import copyengine
 from ._records import ObjectRecord, RegionRecord
+from ._records import bind as _bind_records
+from ._records import create_fast as _create_fast
+from ._records import drain as _drain
 from ._records import object as _new_object
 from ._records import region as _new_region
 from .devices import DRAM, Device, SlowDevice, VirtualDevice
 from .errors import (CachedArraysError, DeviceError, OutOfMemoryError, PinnedError,
                      RecomputeError, UseAfterFreeError)
-from .heap import HEADER
+from .heap import HEADER, Heap
 from .lineage import scratch as _scratch
 from .lineage import why_not as _why_not
 from .poison import Poison
@@ -117,6 +120,9 @@ class _Copy:
 
     def __init__(self, job, src, dst):
         self.job, self.src, self.dst = job, src, dst
+
+
+_bind_records(*Heap.entry_points(), Region, Object)
 
 
 def _closed_error(objs=()):
@@ -604,29 +610,7 @@ class Manager:
         does so); None if it does not fit without evictions. The caller holds the lock, has
         drained the queue and checked that no observer, debug poisoning or in-flight read of
         a freed block needs the general path."""
-        dev = self.fast
-        heap = dev.heap
-        if heap is None:
-            return None
-        offset = heap.quick_alloc(nbytes, self._last_id + 1)
-        if offset is None:
-            return None
-        oid = self._last_id = next(self._ids)
-        name = dev.name
-        region = _new_region(Region, dev, offset, nbytes, oid, dev._mm)
-        region._dirty = True
-        obj = _new_object(Object, self._ref, oid, nbytes, region, name)
-        self._objects[oid] = weakref.ref(obj)
-        self._by_offset[name][offset] = region
-        tel = self.telemetry
-        if tel._log is None:                      # Telemetry.on_alloc, inlined
-            tel.allocs[name] += 1
-            cur = tel.current[name] = tel.current[name] + nbytes
-            if cur > tel.peak[name]:
-                tel.peak[name] = cur
-        else:
-            tel.on_alloc(name, nbytes, oid)
-        return obj
+        return _create_fast(self, nbytes)        # the body in C (native/records.c)
 
     def object(self, obj_id):
         """The live object with this id, or None."""
@@ -707,31 +691,12 @@ class Manager:
                     o.on_free(obj_id)
 
     def _drain(self):
-        """Free the regions of objects whose finalizers ran since the last call."""
-        deferred = self._deferred
-        while deferred:
-            obj_id, regions, primary = deferred.popleft()
-            if len(regions) == 1 and primary is not None and not primary.freed and \
-                    primary.nbytes and not (self._copies or self._observers or self._dropped or
-                                            self._dependents or self.closed) and \
-                    self._debug is None and primary.device.heap is not None and \
-                    regions.get(primary.device.name) is primary:
-                # the common case (one region, nothing else under way): _release, inlined
-                dev = primary.device
-                dev.heap.quick_free(primary.offset, obj_id)
-                self._by_offset[dev.name].pop(primary.offset, None)
-                primary.freed = True
-                primary._buffer = None
-                tel = self.telemetry
-                if tel._log is None:              # Telemetry.on_free, inlined
-                    tel.frees[dev.name] += 1
-                    tel.current[dev.name] -= primary.nbytes
-                else:
-                    tel.on_free(dev.name, primary.nbytes, obj_id)
-                self._objects.pop(obj_id, None)
-                self.policy.forget(obj_id)
-            else:
-                self._release(obj_id, list(regions.values()), primary)
+        """Free the regions of objects whose finalizers ran since the last call.
+
+        The common entry (one region, its primary, on a heap, nothing else under way) is freed
+        in C (native/records.c: heap block, offset index, telemetry, the object's entry, the
+        policy's forget); any other goes to ``_release``."""
+        _drain(self)
 
     def drain(self):
         """Process queued frees now."""

@@ -59,8 +59,8 @@ class Telemetry:
 
     # Updates -------------------------------------------------------------------------------
 
-    # The manager's common allocation and free paths inline on_alloc and on_free (when no
-    # event log is open): keep those copies in step with these.
+    # The manager's common allocation and free paths (native/records.c: create_fast, drain)
+    # inline on_alloc and on_free when no event log is open: keep those copies in step.
     def on_alloc(self, device, nbytes, obj_id):
         self.allocs[device] += 1
         cur = self.current[device] = self.current[device] + nbytes

@@ -8,6 +8,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <stdint.h>
 #include <structmember.h>
 
 /* ---- Region -------------------------------------------------------------------------------- */
@@ -373,7 +374,369 @@ make_object(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     return self;
 }
 
+/* ---- the manager's commonest steps --------------------------------------------------------- */
+
+typedef int64_t (*heap_alloc_fn)(void *, uint64_t, uint64_t);
+typedef int (*heap_free_fn)(void *, int64_t, uint64_t);
+static heap_alloc_fn heap_alloc;
+static heap_free_fn heap_free;
+static PyObject *region_cls, *object_cls;        /* cachedarrays.manager.Region and Object */
+
+static PyObject *s_fast, *s_heap, *s_addr, *s_last_id, *s_ids, *s_name, *s_mm, *s_ref,
+                *s_objects, *s_by_offset, *s_telemetry, *s_log, *s_allocs, *s_frees, *s_current,
+                *s_peak, *s_on_alloc, *s_on_free, *s_try_alloc, *s_free, *s_quick_free,
+                *s_popleft, *s_copies, *s_observers, *s_dropped, *s_dependents, *s_debug,
+                *s_policy, *s_forget, *s_release, *one;
+
+static int
+intern_names(void)
+{
+#define NAME(var, text) if ((var = PyUnicode_InternFromString(text)) == NULL) return -1
+    NAME(s_fast, "fast"); NAME(s_heap, "heap"); NAME(s_addr, "_addr");
+    NAME(s_last_id, "_last_id"); NAME(s_ids, "_ids"); NAME(s_name, "name"); NAME(s_mm, "_mm");
+    NAME(s_ref, "_ref"); NAME(s_objects, "_objects"); NAME(s_by_offset, "_by_offset");
+    NAME(s_telemetry, "telemetry"); NAME(s_log, "_log"); NAME(s_allocs, "allocs");
+    NAME(s_frees, "frees"); NAME(s_current, "current"); NAME(s_peak, "peak");
+    NAME(s_on_alloc, "on_alloc"); NAME(s_on_free, "on_free"); NAME(s_try_alloc, "try_alloc");
+    NAME(s_free, "free"); NAME(s_quick_free, "quick_free"); NAME(s_popleft, "popleft");
+    NAME(s_copies, "_copies"); NAME(s_observers, "_observers"); NAME(s_dropped, "_dropped");
+    NAME(s_dependents, "_dependents"); NAME(s_debug, "_debug"); NAME(s_policy, "policy");
+    NAME(s_forget, "forget"); NAME(s_release, "_release");
+#undef NAME
+    return (one = PyLong_FromLong(1)) == NULL ? -1 : 0;
+}
+
+/* bind(alloc_address, free_address, Region, Object): the native heap's ca_heap_alloc and
+ * ca_heap_free, and the manager's record classes. */
+static PyObject *
+bind(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "bind(alloc_address, free_address, Region, Object)");
+        return NULL;
+    }
+    void *a = PyLong_AsVoidPtr(args[0]), *f = PyLong_AsVoidPtr(args[1]);
+    if (PyErr_Occurred())
+        return NULL;
+    if (!PyType_Check(args[2]) || !PyType_IsSubtype((PyTypeObject *)args[2], &RegionRecordType) ||
+            !PyType_Check(args[3]) ||
+            !PyType_IsSubtype((PyTypeObject *)args[3], &ObjectRecordType)) {
+        PyErr_SetString(PyExc_TypeError, "bind: Region and Object must subclass the records");
+        return NULL;
+    }
+    heap_alloc = (heap_alloc_fn)a;
+    heap_free = (heap_free_fn)f;
+    Py_XSETREF(region_cls, Py_NewRef(args[2]));
+    Py_XSETREF(object_cls, Py_NewRef(args[3]));
+    Py_RETURN_NONE;
+}
+
+/* d[key] += delta (delta may be negative); returns the new value (a new reference). */
+static PyObject *
+add_to_item(PyObject *d, PyObject *key, PyObject *delta, int subtract)
+{
+    PyObject *old = PyObject_GetItem(d, key);
+    if (old == NULL)
+        return NULL;
+    PyObject *now = subtract ? PyNumber_Subtract(old, delta) : PyNumber_Add(old, delta);
+    Py_DECREF(old);
+    if (now == NULL || PyObject_SetItem(d, key, now) < 0) {
+        Py_XDECREF(now);
+        return NULL;
+    }
+    return now;
+}
+
+/* Telemetry.on_alloc / on_free, inlined when no event log is open. */
+static int
+count(PyObject *m, PyObject *name, PyObject *nbytes, PyObject *oid, int alloc)
+{
+    int rc = -1;
+    PyObject *tel = PyObject_GetAttr(m, s_telemetry), *log = NULL, *d = NULL, *v = NULL,
+             *cur = NULL, *peak = NULL, *top = NULL;
+    if (tel == NULL || (log = PyObject_GetAttr(tel, s_log)) == NULL)
+        goto out;
+    if (log != Py_None) {
+        v = PyObject_CallMethodObjArgs(tel, alloc ? s_on_alloc : s_on_free, name, nbytes, oid,
+                                       NULL);
+        rc = v == NULL ? -1 : 0;
+        goto out;
+    }
+    if ((d = PyObject_GetAttr(tel, alloc ? s_allocs : s_frees)) == NULL ||
+            (v = add_to_item(d, name, one, 0)) == NULL)
+        goto out;
+    Py_CLEAR(d);
+    if ((d = PyObject_GetAttr(tel, s_current)) == NULL ||
+            (cur = add_to_item(d, name, nbytes, !alloc)) == NULL)
+        goto out;
+    if (alloc) {
+        if ((peak = PyObject_GetAttr(tel, s_peak)) == NULL ||
+                (top = PyObject_GetItem(peak, name)) == NULL)
+            goto out;
+        int above = PyObject_RichCompareBool(cur, top, Py_GT);
+        if (above < 0 || (above && PyObject_SetItem(peak, name, cur) < 0))
+            goto out;
+    }
+    rc = 0;
+out:
+    Py_XDECREF(tel); Py_XDECREF(log); Py_XDECREF(d); Py_XDECREF(v); Py_XDECREF(cur);
+    Py_XDECREF(peak); Py_XDECREF(top);
+    return rc;
+}
+
+static void *
+heap_handle(PyObject *heap)
+{
+    PyObject *addr = PyObject_GetAttr(heap, s_addr);
+    if (addr == NULL)
+        return NULL;
+    void *h = PyLong_AsVoidPtr(addr);
+    Py_DECREF(addr);
+    return h;
+}
+
+/* create_fast(m, nbytes): Manager._create_fast. */
+static PyObject *
+create_fast(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "create_fast(manager, nbytes)");
+        return NULL;
+    }
+    if (region_cls == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "create_fast: bind() was not called");
+        return NULL;
+    }
+    PyObject *m = args[0], *nbytes = args[1], *result = NULL;
+    PyObject *dev = NULL, *heap = NULL, *last = NULL, *owner = NULL, *offset = NULL,
+             *ids = NULL, *oid = NULL, *name = NULL, *mm = NULL, *region = NULL, *ref = NULL,
+             *obj = NULL, *objects = NULL, *wr = NULL, *by_offset = NULL;
+    if ((dev = PyObject_GetAttr(m, s_fast)) == NULL || (heap = PyObject_GetAttr(dev, s_heap)) == NULL)
+        goto out;
+    if (heap == Py_None) {
+        result = Py_NewRef(Py_None);
+        goto out;
+    }
+    if ((last = PyObject_GetAttr(m, s_last_id)) == NULL || (owner = PyNumber_Add(last, one)) == NULL)
+        goto out;
+    void *h = heap_handle(heap);
+    if (h == NULL && PyErr_Occurred())
+        goto out;
+    uint64_t nb = PyLong_AsUnsignedLongLong(nbytes), own = PyLong_AsUnsignedLongLong(owner);
+    if (PyErr_Occurred())
+        goto out;
+    int64_t r = h != NULL ? heap_alloc(h, nb, own) : -1;
+    offset = r >= 0 ? PyLong_FromLongLong(r)
+                    : PyObject_CallMethodObjArgs(heap, s_try_alloc, nbytes, owner, NULL);
+    if (offset == NULL)
+        goto out;
+    if (offset == Py_None) {
+        result = Py_NewRef(Py_None);
+        goto out;
+    }
+    if ((ids = PyObject_GetAttr(m, s_ids)) == NULL || (oid = PyIter_Next(ids)) == NULL) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_RuntimeError, "the manager's id counter ran out");
+        goto out;
+    }
+    if (PyObject_SetAttr(m, s_last_id, oid) < 0 || (name = PyObject_GetAttr(dev, s_name)) == NULL ||
+            (mm = PyObject_GetAttr(dev, s_mm)) == NULL)
+        goto out;
+    if ((region = ((PyTypeObject *)region_cls)->tp_alloc((PyTypeObject *)region_cls, 0)) == NULL ||
+            region_fill((RegionRecord *)region, dev, offset, nbytes, oid, mm) < 0)
+        goto out;
+    set_field(&((RegionRecord *)region)->dirty, Py_True);
+    if ((ref = PyObject_GetAttr(m, s_ref)) == NULL ||
+            (obj = ((PyTypeObject *)object_cls)->tp_alloc((PyTypeObject *)object_cls, 0)) == NULL ||
+            object_fill((ObjectRecord *)obj, ref, oid, nbytes, region, name) < 0)
+        goto out;
+    if ((objects = PyObject_GetAttr(m, s_objects)) == NULL || (wr = PyWeakref_NewRef(obj, NULL)) == NULL ||
+            PyObject_SetItem(objects, oid, wr) < 0)
+        goto out;
+    if ((by_offset = PyObject_GetAttr(m, s_by_offset)) == NULL)
+        goto out;
+    PyObject *blocks = PyObject_GetItem(by_offset, name);
+    if (blocks == NULL)
+        goto out;
+    int bad = PyObject_SetItem(blocks, offset, region);
+    Py_DECREF(blocks);
+    if (bad < 0 || count(m, name, nbytes, oid, 1) < 0)
+        goto out;
+    result = Py_NewRef(obj);
+out:
+    Py_XDECREF(dev); Py_XDECREF(heap); Py_XDECREF(last); Py_XDECREF(owner); Py_XDECREF(offset);
+    Py_XDECREF(ids); Py_XDECREF(oid); Py_XDECREF(name); Py_XDECREF(mm); Py_XDECREF(region);
+    Py_XDECREF(ref); Py_XDECREF(obj); Py_XDECREF(objects); Py_XDECREF(wr); Py_XDECREF(by_offset);
+    return result;
+}
+
+/* 1 when attribute attr of o is truthy, 0 when not, -1 on error. */
+static int
+attr_true(PyObject *o, PyObject *attr)
+{
+    PyObject *v = PyObject_GetAttr(o, attr);
+    if (v == NULL)
+        return -1;
+    int t = PyObject_IsTrue(v);
+    Py_DECREF(v);
+    return t;
+}
+
+/* Whether a queued entry takes the common path: one region, its primary, live and not empty,
+ * on a heap, and nothing else under way (no copy, observer, dropped object, dependents, debug
+ * poisoning; the manager open). Returns the heap (a new reference), Py_None (borrowed: take
+ * the general path) or NULL on error. */
+static PyObject *
+common_heap(PyObject *m, PyObject *regions, PyObject *primary, PyObject **dev_name)
+{
+    if (!PyDict_Check(regions) || PyDict_GET_SIZE(regions) != 1 ||
+            !PyObject_TypeCheck(primary, &RegionRecordType))
+        return Py_None;
+    RegionRecord *r = (RegionRecord *)primary;
+    if (r->freed == NULL || r->nbytes == NULL || r->device == NULL)
+        return Py_None;
+    int t = PyObject_IsTrue(r->freed);
+    if (t != 0)
+        return t < 0 ? NULL : Py_None;
+    if ((t = PyObject_IsTrue(r->nbytes)) <= 0)
+        return t < 0 ? NULL : Py_None;
+    PyObject *busy[] = {s_copies, s_observers, s_dropped, s_dependents, str_closed};
+    for (size_t i = 0; i < sizeof busy / sizeof *busy; i++)
+        if ((t = attr_true(m, busy[i])) != 0)
+            return t < 0 ? NULL : Py_None;
+    PyObject *debug = PyObject_GetAttr(m, s_debug);
+    if (debug == NULL)
+        return NULL;
+    Py_DECREF(debug);
+    if (debug != Py_None)
+        return Py_None;
+    PyObject *heap = PyObject_GetAttr(r->device, s_heap);
+    if (heap == NULL)
+        return NULL;
+    PyObject *name = PyObject_GetAttr(r->device, s_name);
+    if (name == NULL) {
+        Py_DECREF(heap);
+        return NULL;
+    }
+    PyObject *only = PyDict_GetItemWithError(regions, name);
+    if (heap == Py_None || only != primary) {
+        Py_DECREF(heap);
+        Py_DECREF(name);
+        return PyErr_Occurred() ? NULL : Py_None;
+    }
+    *dev_name = name;
+    return heap;
+}
+
+/* Free the primary region of a queued entry (the common path of Manager._drain). */
+static int
+free_common(PyObject *m, PyObject *obj_id, RegionRecord *r, PyObject *heap, PyObject *name)
+{
+    int rc = -1;
+    PyObject *res = NULL, *by_offset = NULL, *blocks = NULL, *objects = NULL, *policy = NULL;
+    void *h = heap_handle(heap);
+    if (h == NULL && PyErr_Occurred())
+        return -1;
+    int64_t off = PyLong_AsLongLong(r->offset);
+    uint64_t owner = PyLong_AsUnsignedLongLong(obj_id);
+    if (PyErr_Occurred())
+        return -1;
+    if (h == NULL)                                   /* a closed heap: its own error */
+        res = PyObject_CallMethodObjArgs(heap, s_quick_free, r->offset, obj_id, NULL);
+    else if (heap_free(h, off, owner) != 0)          /* refused: free() raises the reason */
+        res = PyObject_CallMethodObjArgs(heap, s_free, r->offset, obj_id, NULL);
+    else
+        res = Py_NewRef(Py_None);
+    if (res == NULL)
+        goto out;
+    if ((by_offset = PyObject_GetAttr(m, s_by_offset)) == NULL ||
+            (blocks = PyObject_GetItem(by_offset, name)) == NULL)
+        goto out;
+    if (PyDict_Check(blocks)) {
+        if (PyDict_DelItem(blocks, r->offset) < 0) {
+            if (!PyErr_ExceptionMatches(PyExc_KeyError))
+                goto out;
+            PyErr_Clear();
+        }
+    }
+    set_field(&r->freed, Py_True);
+    set_field(&r->buffer, Py_None);
+    if (count(m, name, r->nbytes, obj_id, 0) < 0)
+        goto out;
+    if ((objects = PyObject_GetAttr(m, s_objects)) == NULL)
+        goto out;
+    if (PyDict_Check(objects) && PyDict_DelItem(objects, obj_id) < 0) {
+        if (!PyErr_ExceptionMatches(PyExc_KeyError))
+            goto out;
+        PyErr_Clear();
+    }
+    Py_CLEAR(res);
+    if ((policy = PyObject_GetAttr(m, s_policy)) == NULL ||
+            (res = PyObject_CallMethodOneArg(policy, s_forget, obj_id)) == NULL)
+        goto out;
+    rc = 0;
+out:
+    Py_XDECREF(res); Py_XDECREF(by_offset); Py_XDECREF(blocks); Py_XDECREF(objects);
+    Py_XDECREF(policy);
+    return rc;
+}
+
+/* drain(m): Manager._drain. Entries that do not take the common path go to m._release. */
+static PyObject *
+drain(PyObject *module, PyObject *m)
+{
+    PyObject *deferred = PyObject_GetAttr(m, str_deferred);
+    if (deferred == NULL)
+        return NULL;
+    for (;;) {
+        Py_ssize_t n = PyObject_Length(deferred);
+        if (n <= 0) {
+            Py_DECREF(deferred);
+            if (n < 0)
+                return NULL;
+            Py_RETURN_NONE;
+        }
+        PyObject *entry = PyObject_CallMethodNoArgs(deferred, s_popleft);
+        if (entry == NULL)
+            break;
+        if (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 3) {
+            PyErr_SetString(PyExc_TypeError, "a queued free must be (id, regions, primary)");
+            Py_DECREF(entry);
+            break;
+        }
+        PyObject *obj_id = PyTuple_GET_ITEM(entry, 0), *regions = PyTuple_GET_ITEM(entry, 1),
+                 *primary = PyTuple_GET_ITEM(entry, 2), *name = NULL;
+        PyObject *heap = common_heap(m, regions, primary, &name);
+        int rc;
+        if (heap == NULL) {
+            rc = -1;
+        } else if (heap == Py_None) {
+            PyObject *values = PyMapping_Values(regions), *res = NULL;
+            if (values != NULL)
+                res = PyObject_CallMethodObjArgs(m, s_release, obj_id, values, primary, NULL);
+            rc = res == NULL ? -1 : 0;
+            Py_XDECREF(values);
+            Py_XDECREF(res);
+        } else {
+            rc = free_common(m, obj_id, (RegionRecord *)primary, heap, name);
+            Py_DECREF(heap);
+            Py_DECREF(name);
+        }
+        Py_DECREF(entry);
+        if (rc < 0)
+            break;
+    }
+    Py_DECREF(deferred);
+    return NULL;
+}
+
 static PyMethodDef records_methods[] = {
+    {"bind", (PyCFunction)(void (*)(void))bind, METH_FASTCALL,
+     "bind(alloc_address, free_address, Region, Object): the native heap's alloc and free "
+     "functions and the manager's record classes, for create_fast and drain."},
+    {"create_fast", (PyCFunction)(void (*)(void))create_fast, METH_FASTCALL,
+     "create_fast(manager, nbytes): Manager._create_fast."},
+    {"drain", (PyCFunction)drain, METH_O, "drain(manager): Manager._drain."},
     {"region", (PyCFunction)(void (*)(void))make_region, METH_FASTCALL,
      "region(cls, device, offset, nbytes, owner, buffer): cls(device, offset, nbytes, owner, "
      "buffer), made without the generic call machinery (the manager's hot path)."},
@@ -400,7 +763,7 @@ PyInit__records(void)
     str_deferred = PyUnicode_InternFromString("_deferred");
     str_append = PyUnicode_InternFromString("append");
     zero = PyLong_FromLong(0);
-    if (!str_closed || !str_deferred || !str_append || !zero)
+    if (!str_closed || !str_deferred || !str_append || !zero || intern_names() < 0)
         return NULL;
     if (PyType_Ready(&RegionRecordType) < 0 || PyType_Ready(&ObjectRecordType) < 0)
         return NULL;
