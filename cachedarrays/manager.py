@@ -575,6 +575,12 @@ class Manager:
             if self._deferred:
                 self._drain()
             dev = device if isinstance(device, Device) else self._device(device)
+            if dev is self.fast and type(nbytes) is int and nbytes > 0 and not self._reading \
+                    and self._debug is None and not self._observers:
+                obj = _create_fast(self, nbytes)    # the same steps, in C
+                if obj is not None:
+                    obj.primary._dirty = False      # create leaves marking to the policy
+                return obj
             if nbytes > 0:
                 if self._reading:
                     self._await_readers(dev)

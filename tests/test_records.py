@@ -286,3 +286,27 @@ def test_bind_and_create_fast_refuse_bad_arguments():
         _records.create_fast()
     with pytest.raises(TypeError):
         _records.drain()
+
+
+@pytest.mark.parametrize("nbytes", [1, 100, np.int64(100), 0])
+def test_create_in_fast_memory_leaves_the_region_clean(nbytes):
+    with ca.Manager(fast=1 << 20, slow=1 << 20) as m:
+        before = _snapshot(m)
+        obj = m.create(m.fast, nbytes)             # ints > 0 take the C steps, others Python's
+        r = obj.primary
+        assert r._dirty is False and r.freed is False and r.device is m.fast
+        assert obj.regions == {"fast": r} and m.object(obj.id) is obj
+        assert m.telemetry.allocs["fast"] == before["allocs"]["fast"] + 1
+        assert m.telemetry.current["fast"] == before["current"]["fast"] + int(nbytes)
+        if nbytes:
+            assert m._by_offset["fast"][r.offset] is r
+        m.free_object(obj)
+        assert _snapshot(m)["current"] == before["current"]
+        m.check()
+
+
+def test_create_returns_none_when_fast_memory_is_full():
+    with ca.Manager(fast=1 << 16, slow=1 << 20) as m:
+        assert m.create(m.fast, 1 << 20) is None
+        obj = m.create(m.fast, 1 << 10)
+        assert obj is not None and obj.primary.device is m.fast
