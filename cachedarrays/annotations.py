@@ -152,9 +152,14 @@ def _walk(xs, found, containers=None):
                     continue
                 seen.add(key)
                 try:
-                    stack.append(cell.cell_contents)
+                    y = cell.cell_contents
                 except ValueError:      # empty cell
-                    pass
+                    continue
+                ky = kinds.get(type(y))
+                if ky is None:
+                    ky = _kind(type(y))
+                if ky != _LEAF:         # a captured session, module or flag: nothing to walk
+                    stack.append(y)
         elif k == _SEQ or k == _DICT:
             n = len(stack)
             for y in reversed(x.values() if k == _DICT else x):
