@@ -11,6 +11,48 @@
 #include <stdint.h>
 #include <structmember.h>
 
+/* ---- garbage collection, shared by both records ---------------------------------------------- */
+
+/* A record is PyObject_HEAD, then PyObject * fields only, then the weak-reference list: its
+ * fields are the pointers between the head and the type's tp_weaklistoffset. */
+static PyObject **
+record_fields(PyObject *self, Py_ssize_t *n)
+{
+    *n = (Py_TYPE(self)->tp_weaklistoffset - (Py_ssize_t)sizeof(PyObject)) /
+         (Py_ssize_t)sizeof(PyObject *);
+    return (PyObject **)((char *)self + sizeof(PyObject));
+}
+
+static int
+record_traverse(PyObject *self, visitproc visit, void *arg)
+{
+    Py_ssize_t n;
+    PyObject **f = record_fields(self, &n);
+    for (Py_ssize_t i = 0; i < n; i++)
+        Py_VISIT(f[i]);
+    return 0;
+}
+
+static int
+record_clear(PyObject *self)
+{
+    Py_ssize_t n;
+    PyObject **f = record_fields(self, &n);
+    for (Py_ssize_t i = 0; i < n; i++)
+        Py_CLEAR(f[i]);
+    return 0;
+}
+
+static void
+record_dealloc(PyObject *self)
+{
+    PyObject_GC_UnTrack(self);
+    if (*(PyObject **)((char *)self + Py_TYPE(self)->tp_weaklistoffset) != NULL)
+        PyObject_ClearWeakRefs(self);
+    record_clear(self);
+    Py_TYPE(self)->tp_free(self);
+}
+
 /* ---- Region -------------------------------------------------------------------------------- */
 
 typedef struct {
@@ -24,42 +66,6 @@ typedef struct {
     PyObject *buffer;
     PyObject *weakrefs;
 } RegionRecord;
-
-static int
-region_traverse(RegionRecord *self, visitproc visit, void *arg)
-{
-    Py_VISIT(self->device);
-    Py_VISIT(self->offset);
-    Py_VISIT(self->nbytes);
-    Py_VISIT(self->owner);
-    Py_VISIT(self->dirty);
-    Py_VISIT(self->freed);
-    Py_VISIT(self->buffer);
-    return 0;
-}
-
-static int
-region_clear(RegionRecord *self)
-{
-    Py_CLEAR(self->device);
-    Py_CLEAR(self->offset);
-    Py_CLEAR(self->nbytes);
-    Py_CLEAR(self->owner);
-    Py_CLEAR(self->dirty);
-    Py_CLEAR(self->freed);
-    Py_CLEAR(self->buffer);
-    return 0;
-}
-
-static void
-region_dealloc(RegionRecord *self)
-{
-    PyObject_GC_UnTrack(self);
-    if (self->weakrefs != NULL)
-        PyObject_ClearWeakRefs((PyObject *)self);
-    region_clear(self);
-    Py_TYPE(self)->tp_free((PyObject *)self);
-}
 
 static inline void
 set_field(PyObject **slot, PyObject *value)
@@ -133,9 +139,9 @@ static PyTypeObject RegionRecordType = {
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)region_init,
-    .tp_dealloc = (destructor)region_dealloc,
-    .tp_traverse = (traverseproc)region_traverse,
-    .tp_clear = (inquiry)region_clear,
+    .tp_dealloc = record_dealloc,
+    .tp_traverse = record_traverse,
+    .tp_clear = record_clear,
     .tp_members = region_members,
     .tp_weaklistoffset = offsetof(RegionRecord, weakrefs),
 };
@@ -158,48 +164,6 @@ typedef struct {
 } ObjectRecord;
 
 static PyObject *str_closed, *str_deferred, *str_append, *zero;
-
-static int
-object_traverse(ObjectRecord *self, visitproc visit, void *arg)
-{
-    Py_VISIT(self->id);
-    Py_VISIT(self->nbytes);
-    Py_VISIT(self->primary);
-    Py_VISIT(self->regions);
-    Py_VISIT(self->pins);
-    Py_VISIT(self->freed);
-    Py_VISIT(self->manager);
-    Py_VISIT(self->version);
-    Py_VISIT(self->dropped);
-    Py_VISIT(self->chain);
-    return 0;
-}
-
-static int
-object_clear(ObjectRecord *self)
-{
-    Py_CLEAR(self->id);
-    Py_CLEAR(self->nbytes);
-    Py_CLEAR(self->primary);
-    Py_CLEAR(self->regions);
-    Py_CLEAR(self->pins);
-    Py_CLEAR(self->freed);
-    Py_CLEAR(self->manager);
-    Py_CLEAR(self->version);
-    Py_CLEAR(self->dropped);
-    Py_CLEAR(self->chain);
-    return 0;
-}
-
-static void
-object_dealloc(ObjectRecord *self)
-{
-    PyObject_GC_UnTrack(self);
-    if (self->weakrefs != NULL)
-        PyObject_ClearWeakRefs((PyObject *)self);
-    object_clear(self);
-    Py_TYPE(self)->tp_free((PyObject *)self);
-}
 
 static int
 object_fill(ObjectRecord *self, PyObject *manager, PyObject *id, PyObject *nbytes,
@@ -316,9 +280,9 @@ static PyTypeObject ObjectRecordType = {
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)object_init,
-    .tp_dealloc = (destructor)object_dealloc,
-    .tp_traverse = (traverseproc)object_traverse,
-    .tp_clear = (inquiry)object_clear,
+    .tp_dealloc = record_dealloc,
+    .tp_traverse = record_traverse,
+    .tp_clear = record_clear,
     .tp_finalize = (destructor)object_finalize,
     .tp_members = object_members,
     .tp_weaklistoffset = offsetof(ObjectRecord, weakrefs),

@@ -310,3 +310,14 @@ def test_create_returns_none_when_fast_memory_is_full():
         assert m.create(m.fast, 1 << 20) is None
         obj = m.create(m.fast, 1 << 10)
         assert obj is not None and obj.primary.device is m.fast
+
+
+def test_records_in_reference_cycles_are_collected():
+    r = Region(_Dev(), 0, 8, 1)
+    r.owner = r                                    # a cycle through the last field but one
+    o = Object(weakref.ref(_Dev()), 1, 8)
+    o.chain = [o, r]                               # and through the Object's last field
+    refs = (weakref.ref(r), weakref.ref(o))
+    del r, o
+    gc.collect()
+    assert all(ref() is None for ref in refs)
