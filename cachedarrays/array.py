@@ -21,6 +21,7 @@ import sys
 import numpy as np
 from numpy.lib.mixins import NDArrayOperatorsMixin
 
+from ._records import fast_ufunc as _c_ufunc   # the commonest calls, all in C (None: not one)
 from .defaults import default_manager
 from .layout import (basic_index, c_strides, check_dtype, contiguous_strides, is_fortran,
                      shape_tuple)
@@ -602,6 +603,9 @@ def _binary(ufunc, name):
     """A Python operator that skips NumPy's dispatch in the common case (same cost otherwise)."""
     def forward(self, other):
         if type(other) is CachedArray or type(other) in _PY_SCALARS:
+            res = _c_ufunc(ufunc, (self, other))
+            if res is not None:
+                return res
             res = _fast_ufunc(ufunc, (self, other))
             if res is not _SLOW:
                 return res
@@ -611,6 +615,9 @@ def _binary(ufunc, name):
 
     def reflected(self, other):
         if type(other) in _PY_SCALARS:
+            res = _c_ufunc(ufunc, (other, self))
+            if res is not None:
+                return res
             res = _fast_ufunc(ufunc, (other, self))
             if res is not _SLOW:
                 return res
@@ -636,6 +643,9 @@ def _inplace(ufunc, name):
 def _unary(ufunc, name):
     """-x, +x, abs(x), ~x: the shortcut, else NumPy's ``ufunc(x)``."""
     def op(self):
+        res = _c_ufunc(ufunc, (self,))
+        if res is not None:
+            return res
         res = _fast_ufunc(ufunc, (self,))
         return ufunc(self) if res is _SLOW else res
     op.__name__ = f"__{name}__"

@@ -15,6 +15,7 @@ import tempfile
 import weakref
 
 from . import copyengine
+from ._records import DeviceRecord
 from .errors import DeviceError, OutOfMemoryError
 from .heap import Heap
 from .sizes import format_size, parse_size
@@ -95,7 +96,7 @@ def _devdax_size(st):
         return None
 
 
-class Device:
+class Device(DeviceRecord):
     """A source of memory with its own heap. Subclasses create the mapping."""
 
     kind = "device"

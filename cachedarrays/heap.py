@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
 from cachedarrays._native import ffi, lib
+from cachedarrays._records import HeapRecord
 from cachedarrays.errors import (
     CachedArraysError,
     HeapCorruptionError,
@@ -112,7 +113,7 @@ def _as_pointer(base):
     return ffi.cast("void *", buf), (base, buf)
 
 
-class Heap:
+class Heap(HeapRecord):
     """A heap over [base, base+size): allocation by owner id, evictfrom, defrag and check.
 
     base is an int address, a cffi pointer or a writable buffer (kept alive by the heap); it

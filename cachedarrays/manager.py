@@ -19,7 +19,7 @@ from collections import deque
 import numpy as np
 
 from . import copyengine
-from ._records import ObjectRecord, RegionRecord
+from ._records import ManagerRecord, ObjectRecord, RegionRecord
 from ._records import bind as _bind_records
 from ._records import create_fast as _create_fast
 from ._records import drain as _drain
@@ -277,7 +277,7 @@ class Observer:
         (kernels-in-fast mode: ``Policy.stage``)."""
 
 
-class Manager:
+class Manager(ManagerRecord):
     """Owns the devices (fast and slow heaps), every object and region, the policy and telemetry.
 
     ``Manager(fast="256MiB", slow="4GiB", slow_path=None, policy="lru")``; usable as a context
@@ -1005,6 +1005,9 @@ class Manager:
         fewer steps. short: fn is brief (a kernel on small arrays): when nothing else is under
         way (no close, observer, background copy, dropped object or kernels-in-fast staging) it
         runs under the manager's lock, so the call takes the lock once.
+
+        ``run_ufunc`` (native/records.c) repeats this common path for the ufunc results that
+        cachedarrays.ufuncs makes: keep the two in step.
         """
         lock = self._lock
         lock.acquire()

@@ -8,6 +8,8 @@ import threading
 import time
 from collections import defaultdict
 
+from ._records import TelemetryRecord
+
 # Every named event the library counts, so stats()["events"] holds each one (zero until it
 # happens). A test checks that every count("name", ...) call in the source tree is listed here.
 EVENTS = (
@@ -32,8 +34,11 @@ EVENTS = (
 )
 
 
-class Telemetry:
-    """Counters kept by the manager. All updates happen under the manager's lock."""
+class Telemetry(TelemetryRecord):
+    """Counters kept by the manager. All updates happen under the manager's lock.
+
+    The allocation counters and the event log live in a C record (``_records``), which the
+    manager's common paths update directly."""
 
     def __init__(self, devices, event_log=None):
         self._devices = list(devices)

@@ -10,6 +10,9 @@ import numbers
 
 import numpy as np
 
+from ._records import bind_views as _bind_views
+from ._records import fast_ufunc as _fast_ufunc
+from ._records import run_ufunc as _run_ufunc
 from .array import _PY_SCALARS, _SLOW, CachedArray, new_pinned, set_ufunc_handlers
 from .heap import HEADER
 from .layout import c_strides
@@ -73,14 +76,19 @@ def _fast_call(ufunc, inputs, out=None):
 
 
 def _new_result(ufunc, inputs, m, shape, plan, objs):
-    """Run ufunc(*inputs) into a new, policy-placed CachedArray (Manager.run)."""
+    """Run ufunc(*inputs) into a new, policy-placed CachedArray (Manager.run): in C
+    (``run_ufunc``) unless the manager is busy, else through Manager.run with the same kernel."""
     dt, itemsize, name, layouts = plan
     lay = layouts.get(shape)
     if lay is None:
         lay = _layout(layouts, shape, itemsize)
     strides, n = lay
+    short = n <= SHORT_BYTES
+    res = _run_ufunc(m, ufunc, inputs, objs, shape, dt, strides, n, short)   # in C
+    if res is not None:
+        return res
 
-    def kernel(obj):
+    def kernel(obj):                               # the same, while the manager is busy
         if OPEN_SCOPES[0]:
             record_new(obj)
         res = _new(CachedArray)                    # CachedArray._make, inlined
@@ -108,7 +116,7 @@ def _new_result(ufunc, inputs, m, shape, plan, objs):
         else:
             ufunc(*[x._kview() if type(x) is CachedArray else x for x in inputs], out=view)
         return res
-    return m.run(kernel, objs, (), n, name, n <= SHORT_BYTES)
+    return m.run(kernel, objs, (), n, name, short)
 
 
 # (ufunc, operand dtypes or scalar types) -> (result dtype, itemsize, name, {shape: (strides,
@@ -179,13 +187,16 @@ def _fast_general(ufunc, inputs, out=None):
         dt = _resolve(ufunc, inputs, "same_kind")
         if dt is None or dt.hasobject:
             return _SLOW
-    return _new_result(ufunc, inputs, m, shape, (dt, dt.itemsize, ufunc.__name__, {}), objs)
+    return _new_result(ufunc, inputs, m, shape, (dt, dt.itemsize, ufunc.__name__, {}), tuple(objs))
 
 
 def _array_ufunc(self, ufunc, method, *inputs, **kwargs):
     """CachedArray.__array_ufunc__ (NEP 13)."""
     if method == "__call__" and ufunc.nout == 1 and ufunc.signature is None:
         if not kwargs:
+            res = _fast_ufunc(ufunc, inputs)       # the commonest calls, in C
+            if res is not None:
+                return res
             res = _fast_call(ufunc, inputs)
             if res is not _SLOW:
                 return res
@@ -284,3 +295,4 @@ def _resolve(ufunc, args, casting):
 
 
 set_ufunc_handlers(_array_ufunc, _fast_call)
+_bind_views(CachedArray, np.ndarray, HEADER, OPEN_SCOPES, record_new, _PLANS, SHORT_BYTES)

@@ -53,6 +53,164 @@ record_dealloc(PyObject *self)
     Py_TYPE(self)->tp_free(self);
 }
 
+
+/* ---- state records: the attributes C reads on every call, as fields --------------------------
+ *
+ * Manager, Telemetry, Device and Heap subclass these, so the attributes the hot path reads
+ * (the manager's flags and tables, the telemetry counters, a device's heap, a heap's handle)
+ * live in C fields. Python reads and writes them as before (they are member slots); C reads
+ * them without an attribute lookup once it has checked that the instance's type resolves each
+ * name to the record's own slot (no subclass shadows it with a property). */
+
+#define MAX_STATE 24
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *f[MAX_STATE];                          /* only the first n of a kind are used */
+} StateRecord;
+
+typedef struct {
+    PyTypeObject *type;
+    const char *const *names;
+    int n;
+    PyObject *interned[MAX_STATE];
+    PyMemberDef members[MAX_STATE + 1];
+    PyTypeObject *checked;                           /* the last subtype found to be plain */
+} StateKind;
+
+static const char *const manager_names[] = {
+    "closed", "_gate", "_closing", "_lock", "_cond", "_dropped", "_dependents", "_debug",
+    "_deferred", "_copies", "_reading", "_ids", "_last_id", "_objects", "_ref", "_observers",
+    "fast", "_by_offset", "telemetry", "policy"};
+static const char *const telemetry_names[] = {"allocs", "frees", "current", "peak", "_log"};
+static const char *const device_names[] = {"name", "heap", "_mm"};
+static const char *const heap_names[] = {"_addr"};
+
+#define STATE_TYPE(var, pyname, doc, count)                                                     \
+    static PyTypeObject var = {                                                                 \
+        PyVarObject_HEAD_INIT(NULL, 0)                                                          \
+        .tp_name = "cachedarrays._records." pyname,                                             \
+        .tp_doc = doc,                                                                          \
+        .tp_basicsize = sizeof(PyObject) + (count + 1) * sizeof(PyObject *),                   \
+        .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,               \
+        .tp_new = PyType_GenericNew,                                                            \
+        .tp_dealloc = record_dealloc,                                                           \
+        .tp_traverse = record_traverse,                                                         \
+        .tp_clear = record_clear,                                                               \
+        .tp_weaklistoffset = sizeof(PyObject) + count * sizeof(PyObject *),                    \
+    }
+#define COUNT(a) ((int)(sizeof a / sizeof *a))
+STATE_TYPE(ManagerRecordType, "ManagerRecord", "The manager's state the hot path reads.",
+           COUNT(manager_names));
+STATE_TYPE(TelemetryRecordType, "TelemetryRecord", "The telemetry counters of allocations.",
+           COUNT(telemetry_names));
+STATE_TYPE(DeviceRecordType, "DeviceRecord", "A device's name, heap and mapping.",
+           COUNT(device_names));
+STATE_TYPE(HeapRecordType, "HeapRecord", "A native heap's handle.", COUNT(heap_names));
+
+enum { K_MANAGER, K_TELEMETRY, K_DEVICE, K_HEAP };             /* kinds[] order */
+enum { M_CLOSED, M_GATE, M_CLOSING, M_LOCK, M_COND, M_DROPPED, M_DEPENDENTS, M_DEBUG, M_DEFERRED,
+       M_COPIES, M_READING, M_IDS, M_LAST_ID, M_OBJECTS, M_REF, M_OBSERVERS, M_FAST, M_BY_OFFSET,
+       M_TELEMETRY, M_POLICY };                  /* manager_names order */
+enum { TEL_ALLOCS, TEL_FREES, TEL_CURRENT, TEL_PEAK, TEL_LOG };
+enum { D_NAME, D_HEAP, D_MM };
+enum { H_ADDR };
+
+_Static_assert(M_POLICY + 1 == COUNT(manager_names) && TEL_LOG + 1 == COUNT(telemetry_names) &&
+               D_MM + 1 == COUNT(device_names) && H_ADDR + 1 == COUNT(heap_names),
+               "the field enums follow the name tables");
+
+static StateKind kinds[] = {
+    {&ManagerRecordType, manager_names, COUNT(manager_names)},
+    {&TelemetryRecordType, telemetry_names, COUNT(telemetry_names)},
+    {&DeviceRecordType, device_names, COUNT(device_names)},
+    {&HeapRecordType, heap_names, COUNT(heap_names)},
+};
+
+static int
+state_types_ready(void)
+{
+    for (size_t k = 0; k < sizeof kinds / sizeof *kinds; k++) {
+        StateKind *sk = &kinds[k];
+        for (int i = 0; i < sk->n; i++) {
+            if ((sk->interned[i] = PyUnicode_InternFromString(sk->names[i])) == NULL)
+                return -1;
+            sk->members[i] = (PyMemberDef){(char *)sk->names[i], T_OBJECT_EX,
+                                           (Py_ssize_t)(sizeof(PyObject) + i * sizeof(PyObject *)),
+                                           0, NULL};
+        }
+        sk->type->tp_members = sk->members;
+        if (PyType_Ready(sk->type) < 0)
+            return -1;
+    }
+    return 0;
+}
+
+/* The kind of o's type when every field name resolves to the record's own slot, else NULL. */
+static StateKind *
+state_kind(PyObject *o)
+{
+    PyTypeObject *t = Py_TYPE(o);
+    for (size_t k = 0; k < sizeof kinds / sizeof *kinds; k++) {
+        StateKind *sk = &kinds[k];
+        if (t == sk->checked)
+            return sk;
+        if (!PyType_IsSubtype(t, sk->type))
+            continue;
+        for (int i = 0; i < sk->n; i++) {
+            PyObject *d = _PyType_Lookup(t, sk->interned[i]);
+            if (d == NULL || !Py_IS_TYPE(d, &PyMemberDescr_Type) ||
+                    ((PyMemberDescrObject *)d)->d_member != &sk->members[i])
+                return NULL;
+        }
+        sk->checked = t;
+        return sk;
+    }
+    return NULL;
+}
+
+/* getattr(o, name), reading a state record's field directly. A new reference. */
+static PyObject *
+get(PyObject *o, PyObject *name)
+{
+    StateKind *sk = state_kind(o);
+    if (sk != NULL)
+        for (int i = 0; i < sk->n; i++)
+            if (sk->interned[i] == name) {
+                PyObject *v = ((StateRecord *)o)->f[i];
+                if (v != NULL)
+                    return Py_NewRef(v);
+                break;                               /* unset: the usual AttributeError */
+            }
+    return PyObject_GetAttr(o, name);
+}
+
+/* get(o, name) for field i of kind k (the kinds table's order). A new reference. */
+static inline PyObject *
+getf(PyObject *o, int k, int i, PyObject *name)
+{
+    if (Py_TYPE(o) == kinds[k].checked || state_kind(o) == &kinds[k]) {
+        PyObject *v = ((StateRecord *)o)->f[i];
+        if (v != NULL)
+            return Py_NewRef(v);
+    }
+    return PyObject_GetAttr(o, name);
+}
+
+/* setattr(o, name, v), writing a state record's field directly. */
+static int
+set(PyObject *o, PyObject *name, PyObject *v)
+{
+    StateKind *sk = state_kind(o);
+    if (sk != NULL)
+        for (int i = 0; i < sk->n; i++)
+            if (sk->interned[i] == name) {
+                Py_XSETREF(((StateRecord *)o)->f[i], Py_NewRef(v));
+                return 0;
+            }
+    return PyObject_SetAttr(o, name, v);
+}
+
 /* ---- Region -------------------------------------------------------------------------------- */
 
 typedef struct {
@@ -220,13 +378,13 @@ object_finalize(ObjectRecord *self)
         goto fail;
     if (m == Py_None)
         goto done;
-    closed = PyObject_GetAttr(m, str_closed);
+    closed = getf(m, K_MANAGER, M_CLOSED, str_closed);
     if (closed == NULL)
         goto fail;
     int is_closed = PyObject_IsTrue(closed);
     if (is_closed != 0)
         goto fail_or_done;
-    deferred = PyObject_GetAttr(m, str_deferred);
+    deferred = getf(m, K_MANAGER, M_DEFERRED, str_deferred);
     if (deferred == NULL)
         goto fail;
     entry = PyTuple_Pack(3, self->id, self->regions ? self->regions : Py_None,
@@ -350,7 +508,10 @@ static PyObject *s_fast, *s_heap, *s_addr, *s_last_id, *s_ids, *s_name, *s_mm, *
                 *s_objects, *s_by_offset, *s_telemetry, *s_log, *s_allocs, *s_frees, *s_current,
                 *s_peak, *s_on_alloc, *s_on_free, *s_try_alloc, *s_free, *s_quick_free,
                 *s_popleft, *s_copies, *s_observers, *s_dropped, *s_dependents, *s_debug,
-                *s_policy, *s_forget, *s_release, *one;
+                *s_policy, *s_forget, *s_release, *one, *s_lock, *s_acquire, *s_release_lock,
+                *s_gate, *s_kernels_in_fast, *s_reading, *s_read_use, *s_write_use,
+                *s_new_in_fast, *s_fast_first, *s_allocate, *s_live, *s_kview, *s_closing,
+                *s_cond, *s_notify_all, *out_kw;               /* out_kw: ("out",) */
 
 static int
 intern_names(void)
@@ -366,7 +527,15 @@ intern_names(void)
     NAME(s_copies, "_copies"); NAME(s_observers, "_observers"); NAME(s_dropped, "_dropped");
     NAME(s_dependents, "_dependents"); NAME(s_debug, "_debug"); NAME(s_policy, "policy");
     NAME(s_forget, "forget"); NAME(s_release, "_release");
+    NAME(s_lock, "_lock"); NAME(s_acquire, "acquire"); NAME(s_release_lock, "release");
+    NAME(s_gate, "_gate"); NAME(s_kernels_in_fast, "kernels_in_fast");
+    NAME(s_reading, "_reading"); NAME(s_read_use, "read_use"); NAME(s_write_use, "write_use");
+    NAME(s_new_in_fast, "new_in_fast"); NAME(s_fast_first, "fast_first");
+    NAME(s_allocate, "allocate"); NAME(s_live, "_live"); NAME(s_kview, "_kview");
+    NAME(s_closing, "_closing"); NAME(s_cond, "_cond"); NAME(s_notify_all, "notify_all");
 #undef NAME
+    if ((out_kw = Py_BuildValue("(s)", "out")) == NULL)
+        return -1;
     return (one = PyLong_FromLong(1)) == NULL ? -1 : 0;
 }
 
@@ -399,12 +568,16 @@ bind(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 static PyObject *
 add_to_item(PyObject *d, PyObject *key, PyObject *delta, int subtract)
 {
-    PyObject *old = PyObject_GetItem(d, key);
-    if (old == NULL)
+    int exact = PyDict_CheckExact(d);
+    PyObject *old = exact ? Py_XNewRef(PyDict_GetItemWithError(d, key)) : PyObject_GetItem(d, key);
+    if (old == NULL) {
+        if (exact && !PyErr_Occurred())
+            PyErr_SetObject(PyExc_KeyError, key);
         return NULL;
+    }
     PyObject *now = subtract ? PyNumber_Subtract(old, delta) : PyNumber_Add(old, delta);
     Py_DECREF(old);
-    if (now == NULL || PyObject_SetItem(d, key, now) < 0) {
+    if (now == NULL || (exact ? PyDict_SetItem(d, key, now) : PyObject_SetItem(d, key, now)) < 0) {
         Py_XDECREF(now);
         return NULL;
     }
@@ -416,9 +589,9 @@ static int
 count(PyObject *m, PyObject *name, PyObject *nbytes, PyObject *oid, int alloc)
 {
     int rc = -1;
-    PyObject *tel = PyObject_GetAttr(m, s_telemetry), *log = NULL, *d = NULL, *v = NULL,
+    PyObject *tel = getf(m, K_MANAGER, M_TELEMETRY, s_telemetry), *log = NULL, *d = NULL, *v = NULL,
              *cur = NULL, *peak = NULL, *top = NULL;
-    if (tel == NULL || (log = PyObject_GetAttr(tel, s_log)) == NULL)
+    if (tel == NULL || (log = getf(tel, K_TELEMETRY, TEL_LOG, s_log)) == NULL)
         goto out;
     if (log != Py_None) {
         v = PyObject_CallMethodObjArgs(tel, alloc ? s_on_alloc : s_on_free, name, nbytes, oid,
@@ -426,15 +599,15 @@ count(PyObject *m, PyObject *name, PyObject *nbytes, PyObject *oid, int alloc)
         rc = v == NULL ? -1 : 0;
         goto out;
     }
-    if ((d = PyObject_GetAttr(tel, alloc ? s_allocs : s_frees)) == NULL ||
+    if ((d = (alloc ? getf(tel, K_TELEMETRY, TEL_ALLOCS, s_allocs) : getf(tel, K_TELEMETRY, TEL_FREES, s_frees))) == NULL ||
             (v = add_to_item(d, name, one, 0)) == NULL)
         goto out;
     Py_CLEAR(d);
-    if ((d = PyObject_GetAttr(tel, s_current)) == NULL ||
+    if ((d = getf(tel, K_TELEMETRY, TEL_CURRENT, s_current)) == NULL ||
             (cur = add_to_item(d, name, nbytes, !alloc)) == NULL)
         goto out;
     if (alloc) {
-        if ((peak = PyObject_GetAttr(tel, s_peak)) == NULL ||
+        if ((peak = getf(tel, K_TELEMETRY, TEL_PEAK, s_peak)) == NULL ||
                 (top = PyObject_GetItem(peak, name)) == NULL)
             goto out;
         int above = PyObject_RichCompareBool(cur, top, Py_GT);
@@ -451,7 +624,7 @@ out:
 static void *
 heap_handle(PyObject *heap)
 {
-    PyObject *addr = PyObject_GetAttr(heap, s_addr);
+    PyObject *addr = getf(heap, K_HEAP, H_ADDR, s_addr);
     if (addr == NULL)
         return NULL;
     void *h = PyLong_AsVoidPtr(addr);
@@ -475,13 +648,13 @@ create_fast(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     PyObject *dev = NULL, *heap = NULL, *last = NULL, *owner = NULL, *offset = NULL,
              *ids = NULL, *oid = NULL, *name = NULL, *mm = NULL, *region = NULL, *ref = NULL,
              *obj = NULL, *objects = NULL, *wr = NULL, *by_offset = NULL;
-    if ((dev = PyObject_GetAttr(m, s_fast)) == NULL || (heap = PyObject_GetAttr(dev, s_heap)) == NULL)
+    if ((dev = getf(m, K_MANAGER, M_FAST, s_fast)) == NULL || (heap = getf(dev, K_DEVICE, D_HEAP, s_heap)) == NULL)
         goto out;
     if (heap == Py_None) {
         result = Py_NewRef(Py_None);
         goto out;
     }
-    if ((last = PyObject_GetAttr(m, s_last_id)) == NULL || (owner = PyNumber_Add(last, one)) == NULL)
+    if ((last = getf(m, K_MANAGER, M_LAST_ID, s_last_id)) == NULL || (owner = PyNumber_Add(last, one)) == NULL)
         goto out;
     void *h = heap_handle(heap);
     if (h == NULL && PyErr_Occurred())
@@ -498,26 +671,26 @@ create_fast(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         result = Py_NewRef(Py_None);
         goto out;
     }
-    if ((ids = PyObject_GetAttr(m, s_ids)) == NULL || (oid = PyIter_Next(ids)) == NULL) {
+    if ((ids = getf(m, K_MANAGER, M_IDS, s_ids)) == NULL || (oid = PyIter_Next(ids)) == NULL) {
         if (!PyErr_Occurred())
             PyErr_SetString(PyExc_RuntimeError, "the manager's id counter ran out");
         goto out;
     }
-    if (PyObject_SetAttr(m, s_last_id, oid) < 0 || (name = PyObject_GetAttr(dev, s_name)) == NULL ||
-            (mm = PyObject_GetAttr(dev, s_mm)) == NULL)
+    if (set(m, s_last_id, oid) < 0 || (name = getf(dev, K_DEVICE, D_NAME, s_name)) == NULL ||
+            (mm = getf(dev, K_DEVICE, D_MM, s_mm)) == NULL)
         goto out;
     if ((region = ((PyTypeObject *)region_cls)->tp_alloc((PyTypeObject *)region_cls, 0)) == NULL ||
             region_fill((RegionRecord *)region, dev, offset, nbytes, oid, mm) < 0)
         goto out;
     set_field(&((RegionRecord *)region)->dirty, Py_True);
-    if ((ref = PyObject_GetAttr(m, s_ref)) == NULL ||
+    if ((ref = getf(m, K_MANAGER, M_REF, s_ref)) == NULL ||
             (obj = ((PyTypeObject *)object_cls)->tp_alloc((PyTypeObject *)object_cls, 0)) == NULL ||
             object_fill((ObjectRecord *)obj, ref, oid, nbytes, region, name) < 0)
         goto out;
-    if ((objects = PyObject_GetAttr(m, s_objects)) == NULL || (wr = PyWeakref_NewRef(obj, NULL)) == NULL ||
+    if ((objects = getf(m, K_MANAGER, M_OBJECTS, s_objects)) == NULL || (wr = PyWeakref_NewRef(obj, NULL)) == NULL ||
             PyObject_SetItem(objects, oid, wr) < 0)
         goto out;
-    if ((by_offset = PyObject_GetAttr(m, s_by_offset)) == NULL)
+    if ((by_offset = getf(m, K_MANAGER, M_BY_OFFSET, s_by_offset)) == NULL)
         goto out;
     PyObject *blocks = PyObject_GetItem(by_offset, name);
     if (blocks == NULL)
@@ -538,7 +711,19 @@ out:
 static int
 attr_true(PyObject *o, PyObject *attr)
 {
-    PyObject *v = PyObject_GetAttr(o, attr);
+    PyObject *v = get(o, attr);
+    if (v == NULL)
+        return -1;
+    int t = PyObject_IsTrue(v);
+    Py_DECREF(v);
+    return t;
+}
+
+/* attr_true for the manager's field i (manager_names order). */
+static int
+manager_true(PyObject *m, int i)
+{
+    PyObject *v = getf(m, K_MANAGER, i, kinds[K_MANAGER].interned[i]);
     if (v == NULL)
         return -1;
     int t = PyObject_IsTrue(v);
@@ -564,20 +749,20 @@ common_heap(PyObject *m, PyObject *regions, PyObject *primary, PyObject **dev_na
         return t < 0 ? NULL : Py_None;
     if ((t = PyObject_IsTrue(r->nbytes)) <= 0)
         return t < 0 ? NULL : Py_None;
-    PyObject *busy[] = {s_copies, s_observers, s_dropped, s_dependents, str_closed};
+    static const int busy[] = {M_COPIES, M_OBSERVERS, M_DROPPED, M_DEPENDENTS, M_CLOSED};
     for (size_t i = 0; i < sizeof busy / sizeof *busy; i++)
-        if ((t = attr_true(m, busy[i])) != 0)
+        if ((t = manager_true(m, busy[i])) != 0)
             return t < 0 ? NULL : Py_None;
-    PyObject *debug = PyObject_GetAttr(m, s_debug);
+    PyObject *debug = getf(m, K_MANAGER, M_DEBUG, s_debug);
     if (debug == NULL)
         return NULL;
     Py_DECREF(debug);
     if (debug != Py_None)
         return Py_None;
-    PyObject *heap = PyObject_GetAttr(r->device, s_heap);
+    PyObject *heap = getf(r->device, K_DEVICE, D_HEAP, s_heap);
     if (heap == NULL)
         return NULL;
-    PyObject *name = PyObject_GetAttr(r->device, s_name);
+    PyObject *name = getf(r->device, K_DEVICE, D_NAME, s_name);
     if (name == NULL) {
         Py_DECREF(heap);
         return NULL;
@@ -613,7 +798,7 @@ free_common(PyObject *m, PyObject *obj_id, RegionRecord *r, PyObject *heap, PyOb
         res = Py_NewRef(Py_None);
     if (res == NULL)
         goto out;
-    if ((by_offset = PyObject_GetAttr(m, s_by_offset)) == NULL ||
+    if ((by_offset = getf(m, K_MANAGER, M_BY_OFFSET, s_by_offset)) == NULL ||
             (blocks = PyObject_GetItem(by_offset, name)) == NULL)
         goto out;
     if (PyDict_Check(blocks)) {
@@ -627,7 +812,7 @@ free_common(PyObject *m, PyObject *obj_id, RegionRecord *r, PyObject *heap, PyOb
     set_field(&r->buffer, Py_None);
     if (count(m, name, r->nbytes, obj_id, 0) < 0)
         goto out;
-    if ((objects = PyObject_GetAttr(m, s_objects)) == NULL)
+    if ((objects = getf(m, K_MANAGER, M_OBJECTS, s_objects)) == NULL)
         goto out;
     if (PyDict_Check(objects) && PyDict_DelItem(objects, obj_id) < 0) {
         if (!PyErr_ExceptionMatches(PyExc_KeyError))
@@ -635,7 +820,7 @@ free_common(PyObject *m, PyObject *obj_id, RegionRecord *r, PyObject *heap, PyOb
         PyErr_Clear();
     }
     Py_CLEAR(res);
-    if ((policy = PyObject_GetAttr(m, s_policy)) == NULL ||
+    if ((policy = getf(m, K_MANAGER, M_POLICY, s_policy)) == NULL ||
             (res = PyObject_CallMethodOneArg(policy, s_forget, obj_id)) == NULL)
         goto out;
     rc = 0;
@@ -649,7 +834,7 @@ out:
 static PyObject *
 drain(PyObject *module, PyObject *m)
 {
-    PyObject *deferred = PyObject_GetAttr(m, str_deferred);
+    PyObject *deferred = getf(m, K_MANAGER, M_DEFERRED, str_deferred);
     if (deferred == NULL)
         return NULL;
     for (;;) {
@@ -694,6 +879,520 @@ drain(PyObject *module, PyObject *m)
     return NULL;
 }
 
+
+/* ---- a ufunc into a new array: Manager.run's common path and the result's CachedArray ------- */
+
+static PyTypeObject *view_cls;                     /* cachedarrays.array.CachedArray */
+static PyObject *ndarray_cls, *header, *open_scopes, *record_new_fn, *plans;
+static long long short_bytes;                   /* cachedarrays.pinning.SHORT_BYTES */
+static Py_ssize_t off_obj, off_m, off_shape, off_dtype, off_strides, off_offset, off_vc;
+
+/* The offset of the slot `name` of type t (a T_OBJECT_EX member descriptor), or -1. */
+static Py_ssize_t
+slot_offset(PyTypeObject *t, const char *name)
+{
+    PyObject *d = PyObject_GetAttrString((PyObject *)t, name);
+    if (d == NULL)
+        return -1;
+    Py_ssize_t off = -1;
+    if (Py_IS_TYPE(d, &PyMemberDescr_Type)) {
+        PyMemberDef *def = ((PyMemberDescrObject *)d)->d_member;
+        if (def->type == T_OBJECT_EX && !(def->flags & READONLY))
+            off = def->offset;
+    }
+    Py_DECREF(d);
+    if (off < 0)
+        PyErr_Format(PyExc_TypeError, "bind_views: %s.%s is not a writable slot", t->tp_name,
+                     name);
+    return off;
+}
+
+/* bind_views(CachedArray, ndarray, HEADER, OPEN_SCOPES, record_new, PLANS, SHORT_BYTES): what run_ufunc
+ * needs to make a result: the array type (its slots), numpy's ndarray, the heap's block header
+ * size, the open-scope counter and the hook that records a new object in open scopes; and for
+ * fast_ufunc, cachedarrays.ufuncs' plans ((ufunc, operand kinds) -> (dtype, itemsize, name,
+ * {shape: (strides, nbytes)}), or False) and the largest kernel it runs under the lock. */
+static PyObject *
+bind_views(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "bind_views(CachedArray, ndarray, HEADER, OPEN_SCOPES, "
+                        "record_new, PLANS, SHORT_BYTES)");
+        return NULL;
+    }
+    if (!PyType_Check(args[0]) || !PyType_Check(args[1]) || !PyLong_Check(args[2]) ||
+            !PyList_Check(args[3]) || !PyCallable_Check(args[4]) || !PyDict_Check(args[5]) ||
+            !PyLong_Check(args[6])) {
+        PyErr_SetString(PyExc_TypeError, "bind_views: expected two types, an int, a list, a "
+                        "callable, a dict and an int");
+        return NULL;
+    }
+    long long sb = PyLong_AsLongLong(args[6]);
+    if (sb == -1 && PyErr_Occurred())
+        return NULL;
+    PyTypeObject *t = (PyTypeObject *)args[0];
+    Py_ssize_t o[7];
+    const char *names[7] = {"_obj", "_m", "_shape", "_dtype", "_strides", "_offset", "_vc"};
+    for (int i = 0; i < 7; i++)
+        if ((o[i] = slot_offset(t, names[i])) < 0)
+            return NULL;
+    off_obj = o[0]; off_m = o[1]; off_shape = o[2]; off_dtype = o[3]; off_strides = o[4];
+    off_offset = o[5]; off_vc = o[6];
+    Py_XSETREF(view_cls, (PyTypeObject *)Py_NewRef(args[0]));
+    Py_XSETREF(ndarray_cls, Py_NewRef(args[1]));
+    Py_XSETREF(header, Py_NewRef(args[2]));
+    Py_XSETREF(open_scopes, Py_NewRef(args[3]));
+    Py_XSETREF(record_new_fn, Py_NewRef(args[4]));
+    Py_XSETREF(plans, Py_NewRef(args[5]));
+    short_bytes = sb;
+    Py_RETURN_NONE;
+}
+
+#if PY_VERSION_HEX >= 0x030D0000
+#define lookup_attr PyObject_GetOptionalAttr
+#else
+#define lookup_attr _PyObject_LookupAttr
+#endif
+
+#define SLOT(o, off) (*(PyObject **)((char *)(o) + (off)))
+
+/* o._pins += delta (an ObjectRecord). */
+static int
+add_pins(PyObject *o, long delta)
+{
+    ObjectRecord *r = (ObjectRecord *)o;
+    PyObject *d = PyLong_FromLong(delta);
+    if (d == NULL)
+        return -1;
+    PyObject *now = PyNumber_Add(r->pins ? r->pins : zero, d);
+    Py_DECREF(d);
+    if (now == NULL)
+        return -1;
+    Py_XSETREF(r->pins, now);
+    return 0;
+}
+
+/* Unpin held[0:n], keeping any pending exception. */
+static void
+unpin_all(PyObject **held, Py_ssize_t n)
+{
+    PyObject *t, *v, *tb;
+    PyErr_Fetch(&t, &v, &tb);
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (add_pins(held[i], -1) < 0)
+            PyErr_WriteUnraisable(held[i]);
+    PyErr_Restore(t, v, tb);
+}
+
+/* The view a kernel uses for operand x: x._kview(), with its cached view taken in C when the
+ * primary region is still where the cache says. A new reference. */
+static PyObject *
+kernel_view(PyObject *x)
+{
+    PyObject *obj = SLOT(x, off_obj), *c = SLOT(x, off_vc);
+    if (obj != NULL && PyObject_TypeCheck(obj, &ObjectRecordType) && c != NULL &&
+            PyTuple_CheckExact(c) && PyTuple_GET_SIZE(c) == 3) {
+        PyObject *r = ((ObjectRecord *)obj)->primary;
+        if (r != NULL && PyTuple_GET_ITEM(c, 0) == r &&
+                PyObject_TypeCheck(r, &RegionRecordType)) {
+            PyObject *off = ((RegionRecord *)r)->offset, *cached = PyTuple_GET_ITEM(c, 1);
+            int same = off == cached ? 1 : off == NULL ? 0 :
+                       PyObject_RichCompareBool(cached, off, Py_EQ);
+            if (same < 0)
+                return NULL;
+            if (same)
+                return Py_NewRef(PyTuple_GET_ITEM(c, 2));
+        }
+    }
+    return PyObject_CallMethodNoArgs(x, s_kview);
+}
+
+/* The new CachedArray over obj (shape, dtype, C strides, offset 0) and its kernel view. */
+static PyObject *
+new_view(PyObject *m, PyObject *obj, PyObject *shape, PyObject *dtype, PyObject *strides,
+         PyObject **view)
+{
+    PyObject *res = view_cls->tp_alloc(view_cls, 0);
+    if (res == NULL)
+        return NULL;
+    SLOT(res, off_obj) = Py_NewRef(obj);
+    SLOT(res, off_m) = Py_NewRef(m);
+    SLOT(res, off_shape) = Py_NewRef(shape);
+    SLOT(res, off_dtype) = Py_NewRef(dtype);
+    SLOT(res, off_strides) = Py_NewRef(strides);
+    SLOT(res, off_offset) = Py_NewRef(zero);
+    SLOT(res, off_vc) = Py_NewRef(Py_None);
+    PyObject *r = ((ObjectRecord *)obj)->primary;
+    if (r != NULL && PyObject_TypeCheck(r, &RegionRecordType) &&
+            ((RegionRecord *)r)->buffer != NULL && ((RegionRecord *)r)->buffer != Py_None &&
+            ((RegionRecord *)r)->offset != NULL) {
+        RegionRecord *rr = (RegionRecord *)r;
+        PyObject *start = PyNumber_Add(rr->offset, header);
+        if (start == NULL)
+            goto fail;
+        PyObject *a[5] = {shape, dtype, rr->buffer, start, strides};
+        *view = PyObject_Vectorcall(ndarray_cls, a, 5, NULL);
+        Py_DECREF(start);
+        if (*view == NULL)
+            goto fail;
+        PyObject *c = PyTuple_Pack(3, r, rr->offset, *view);
+        if (c == NULL) {
+            Py_CLEAR(*view);
+            goto fail;
+        }
+        Py_SETREF(SLOT(res, off_vc), c);
+    } else if ((*view = PyObject_CallMethodNoArgs(res, s_kview)) == NULL) {
+        goto fail;
+    }
+    return res;
+fail:
+    Py_DECREF(res);
+    return NULL;
+}
+
+/* 1 when the manager has something under way that Manager.run's general path handles (closing,
+ * observers, background copies, dropped objects or their dependents, a policy that stages
+ * kernels in fast memory), 0 when not, -1 on error. */
+static int
+run_busy(PyObject *m, PyObject *policy)
+{
+    static const int busy[] = {M_GATE, M_OBSERVERS, M_COPIES, M_DROPPED, M_DEPENDENTS};
+    for (size_t i = 0; i < sizeof busy / sizeof *busy; i++) {
+        int t = manager_true(m, busy[i]);
+        if (t != 0)
+            return t;
+    }
+    PyObject *k;
+    if (lookup_attr(policy, s_kernels_in_fast, &k) < 0)
+        return -1;
+    if (k == NULL)
+        return 0;
+    int t = PyObject_IsTrue(k);
+    Py_DECREF(k);
+    return t;
+}
+
+/* run_ufunc(m, ufunc, inputs, objs, shape, dtype, strides, nbytes, short): ufunc(*inputs) into a
+ * new array of nbytes the policy places, as Manager.run(kernel, objs, (), nbytes, name, short)
+ * with the kernel of cachedarrays.ufuncs._new_result: the operands pinned and reported read, the
+ * new object pinned and reported written, the result a CachedArray (shape, dtype, C strides)
+ * whose view the ufunc writes through (out=). Everything is unpinned when the ufunc returns or
+ * raises. short: the ufunc runs under the manager's lock; otherwise the lock is let go while
+ * it runs. Returns None, having done nothing, when the manager has something under way that
+ * Manager.run's general path handles. */
+static PyObject *
+run_ufunc_core(PyObject *module, PyObject *m, PyObject *ufunc, PyObject *inputs, PyObject *objs,
+               PyObject *shape, PyObject *dtype, PyObject *strides, PyObject *nbytes,
+               int is_short)
+{
+    if (!PyTuple_Check(inputs) || !PyTuple_Check(objs) || PyTuple_GET_SIZE(objs) > 8 ||
+            PyTuple_GET_SIZE(inputs) > 8) {
+        PyErr_SetString(PyExc_TypeError, "run_ufunc: inputs and objs must be tuples of at "
+                        "most 8 items");
+        return NULL;
+    }
+    Py_ssize_t n_objs = PyTuple_GET_SIZE(objs), n_in = PyTuple_GET_SIZE(inputs);
+    for (Py_ssize_t i = 0; i < n_objs; i++)
+        if (!PyObject_TypeCheck(PyTuple_GET_ITEM(objs, i), &ObjectRecordType))
+            Py_RETURN_NONE;
+
+    PyObject *lock = getf(m, K_MANAGER, M_LOCK, s_lock), *policy = NULL, *new = NULL, *res = NULL,
+             *views[9] = {NULL}, *held[9];
+    Py_ssize_t n_held = 0;
+    int locked = 0;
+    if (lock == NULL)
+        return NULL;
+    PyObject *t = PyObject_CallMethodNoArgs(lock, s_acquire);
+    if (t == NULL)
+        goto out;
+    Py_DECREF(t);
+    locked = 1;
+    if ((policy = getf(m, K_MANAGER, M_POLICY, s_policy)) == NULL)
+        goto out;
+    int busy = run_busy(m, policy);
+    if (busy != 0) {
+        if (busy > 0)
+            res = Py_NewRef(Py_None);
+        goto out;
+    }
+    int pending = manager_true(m, M_DEFERRED);
+    if (pending < 0)
+        goto out;
+    if (pending) {
+        if ((t = drain(module, m)) == NULL)
+            goto out;
+        Py_DECREF(t);
+        Py_SETREF(policy, getf(m, K_MANAGER, M_POLICY, s_policy));
+        if (policy == NULL)
+            goto out;
+    }
+
+    /* pin the operands and report them read */
+    for (Py_ssize_t i = 0; i < n_objs; i++) {
+        PyObject *o = PyTuple_GET_ITEM(objs, i);
+        ObjectRecord *r = (ObjectRecord *)o;
+        int freed = r->freed == NULL ? 0 : PyObject_IsTrue(r->freed);
+        if (freed < 0)
+            goto unpin;
+        if (freed && (t = PyObject_CallMethodOneArg(m, s_live, o)) == NULL)
+            goto unpin;
+        if (freed)
+            Py_DECREF(t);
+        if (add_pins(o, 1) < 0)
+            goto unpin;
+        held[n_held++] = o;
+        if ((t = PyObject_CallMethodOneArg(policy, s_read_use, o)) == NULL)
+            goto unpin;
+        Py_DECREF(t);
+    }
+
+    /* the new object: in fast memory when the policy puts new objects there and it fits */
+    int fits = PyObject_IsTrue(nbytes);
+    if (fits > 0)
+        fits = attr_true(policy, s_fast_first);
+    if (fits > 0 && (fits = manager_true(m, M_READING)) >= 0)
+        fits = !fits;
+    if (fits > 0) {
+        PyObject *debug = getf(m, K_MANAGER, M_DEBUG, s_debug);
+        if (debug == NULL)
+            goto unpin;
+        fits = debug == Py_None;
+        Py_DECREF(debug);
+    }
+    if (fits < 0)
+        goto unpin;
+    if (fits) {
+        PyObject *a[2] = {m, nbytes};
+        if ((new = create_fast(module, a, 2)) == NULL)
+            goto unpin;
+        if (new == Py_None)
+            Py_CLEAR(new);
+    }
+    PyObject *report = s_new_in_fast;
+    if (new == NULL) {
+        if ((new = PyObject_CallMethodOneArg(policy, s_allocate, nbytes)) == NULL)
+            goto unpin;
+        report = s_write_use;
+    }
+    if (!PyObject_TypeCheck(new, &ObjectRecordType)) {
+        PyErr_Format(PyExc_TypeError, "the policy's allocate returned %.100s, not an Object",
+                     Py_TYPE(new)->tp_name);
+        goto unpin;
+    }
+    if (add_pins(new, 1) < 0)
+        goto unpin;
+    held[n_held++] = new;
+    if ((t = PyObject_CallMethodOneArg(policy, report, new)) == NULL)
+        goto unpin;
+    Py_DECREF(t);
+
+    /* the kernel */
+    if (!is_short) {
+        if ((t = PyObject_CallMethodNoArgs(lock, s_release_lock)) == NULL)
+            goto unpin;
+        Py_DECREF(t);
+        locked = 0;
+    }
+    PyObject *scopes = PyList_GET_SIZE(open_scopes) ? PyList_GET_ITEM(open_scopes, 0) : NULL;
+    int scoped = scopes == NULL ? 0 : PyObject_IsTrue(scopes);
+    if (scoped < 0)
+        goto kernel_done;
+    if (scoped) {
+        if ((t = PyObject_CallOneArg(record_new_fn, new)) == NULL)
+            goto kernel_done;
+        Py_DECREF(t);
+    }
+    PyObject *out_view = NULL;
+    PyObject *made = new_view(m, new, shape, dtype, strides, &out_view);
+    if (made == NULL)
+        goto kernel_done;
+    for (Py_ssize_t i = 0; i < n_in; i++) {
+        PyObject *x = PyTuple_GET_ITEM(inputs, i);
+        views[i] = Py_IS_TYPE(x, view_cls) ? kernel_view(x) : Py_NewRef(x);
+        if (views[i] == NULL) {
+            Py_DECREF(made);
+            Py_DECREF(out_view);
+            goto kernel_done;
+        }
+    }
+    views[n_in] = out_view;
+    if ((t = PyObject_Vectorcall(ufunc, views, n_in, out_kw)) == NULL) {    /* out=view */
+        Py_DECREF(made);
+        goto kernel_done;
+    }
+    Py_DECREF(t);
+    res = made;
+kernel_done:
+    if (!locked) {
+        PyObject *et, *ev, *etb;
+        PyErr_Fetch(&et, &ev, &etb);
+        t = PyObject_CallMethodNoArgs(lock, s_acquire);
+        if (t == NULL) {                              /* cannot unpin without the lock */
+            Py_XDECREF(et); Py_XDECREF(ev); Py_XDECREF(etb);
+            Py_CLEAR(res);
+            goto out;
+        }
+        Py_DECREF(t);
+        locked = 1;
+        PyErr_Restore(et, ev, etb);
+        unpin_all(held, n_held);
+        n_held = 0;
+        PyErr_Fetch(&et, &ev, &etb);
+        int closing = manager_true(m, M_CLOSING);
+        if (closing > 0) {
+            PyObject *cond = getf(m, K_MANAGER, M_COND, s_cond);
+            t = cond == NULL ? NULL : PyObject_CallMethodNoArgs(cond, s_notify_all);
+            Py_XDECREF(cond);
+            if (t == NULL)
+                closing = -1;
+            Py_XDECREF(t);
+        }
+        if (closing < 0) {
+            if (et != NULL)
+                PyErr_WriteUnraisable(m);
+            else
+                Py_CLEAR(res);
+        }
+        if (et != NULL)
+            PyErr_Restore(et, ev, etb);
+    }
+unpin:
+    unpin_all(held, n_held);
+out:
+    for (Py_ssize_t i = 0; i <= n_in && i < 9; i++)
+        Py_XDECREF(views[i]);
+    Py_XDECREF(new);
+    Py_XDECREF(policy);
+    if (locked) {
+        PyObject *et, *ev, *etb;
+        PyErr_Fetch(&et, &ev, &etb);
+        t = PyObject_CallMethodNoArgs(lock, s_release_lock);
+        if (t == NULL) {
+            if (et != NULL)
+                PyErr_WriteUnraisable(lock);
+            else
+                Py_CLEAR(res);
+        }
+        Py_XDECREF(t);
+        if (et != NULL)
+            PyErr_Restore(et, ev, etb);
+    }
+    Py_DECREF(lock);
+    return res;
+}
+static PyObject *
+run_ufunc(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 9) {
+        PyErr_SetString(PyExc_TypeError, "run_ufunc(manager, ufunc, inputs, objs, shape, dtype, "
+                        "strides, nbytes, short)");
+        return NULL;
+    }
+    if (view_cls == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "run_ufunc: bind_views() was not called");
+        return NULL;
+    }
+    int is_short = PyObject_IsTrue(args[8]);
+    if (is_short < 0)
+        return NULL;
+    return run_ufunc_core(module, args[0], args[1], args[2], args[3], args[4], args[5], args[6],
+                          args[7], is_short);
+}
+
+static int
+is_py_scalar(PyObject *x)
+{
+    PyTypeObject *t = Py_TYPE(x);
+    return t == &PyLong_Type || t == &PyFloat_Type || t == &PyComplex_Type || t == &PyBool_Type;
+}
+
+/* fast_ufunc(ufunc, inputs): ufunc(*inputs) into a new array, all in C, for the commonest
+ * calls: one CachedArray, or two of one manager and one shape, or one and a Python scalar,
+ * whose plan and result layout cachedarrays.ufuncs has cached. None when the call is not one
+ * of those or the manager is busy: the caller takes cachedarrays.ufuncs._fast_call. */
+static PyObject *
+fast_ufunc(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2 || !PyTuple_CheckExact(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "fast_ufunc(ufunc, inputs: tuple)");
+        return NULL;
+    }
+    if (view_cls == NULL || plans == NULL)
+        Py_RETURN_NONE;
+    PyObject *ufunc = args[0], *inputs = args[1], *m, *shape, *key, *objs;
+    Py_ssize_t n = PyTuple_GET_SIZE(inputs);
+    if (n == 2) {
+        PyObject *a = PyTuple_GET_ITEM(inputs, 0), *b = PyTuple_GET_ITEM(inputs, 1);
+        int ca = Py_IS_TYPE(a, view_cls), cb = Py_IS_TYPE(b, view_cls);
+        PyObject *x = ca ? a : b;                        /* the (first) array */
+        if (!(ca || cb) || (!(ca && cb) && !is_py_scalar(ca ? b : a)))
+            Py_RETURN_NONE;
+        m = SLOT(x, off_m);
+        shape = SLOT(x, off_shape);
+        if (m == NULL || shape == NULL)
+            Py_RETURN_NONE;
+        if (ca && cb) {
+            PyObject *bs = SLOT(b, off_shape);
+            if (SLOT(b, off_m) != m || bs == NULL)
+                Py_RETURN_NONE;
+            int same = bs == shape ? 1 : PyObject_RichCompareBool(bs, shape, Py_EQ);
+            if (same <= 0)
+                return same < 0 ? NULL : Py_NewRef(Py_None);
+        }
+        PyObject *ka = ca ? SLOT(a, off_dtype) : (PyObject *)Py_TYPE(a),
+                 *kb = cb ? SLOT(b, off_dtype) : (PyObject *)Py_TYPE(b);
+        if (ka == NULL || kb == NULL || (ca && SLOT(a, off_obj) == NULL) ||
+                (cb && SLOT(b, off_obj) == NULL))
+            Py_RETURN_NONE;                              /* an array made without its fields */
+        key = PyTuple_Pack(3, ufunc, ka, kb);
+        objs = ca && cb ? PyTuple_Pack(2, SLOT(a, off_obj), SLOT(b, off_obj))
+                        : PyTuple_Pack(1, SLOT(x, off_obj));
+    } else if (n == 1 && Py_IS_TYPE(PyTuple_GET_ITEM(inputs, 0), view_cls)) {
+        PyObject *a = PyTuple_GET_ITEM(inputs, 0);
+        m = SLOT(a, off_m);
+        shape = SLOT(a, off_shape);
+        if (m == NULL || shape == NULL || SLOT(a, off_dtype) == NULL || SLOT(a, off_obj) == NULL)
+            Py_RETURN_NONE;
+        key = PyTuple_Pack(2, ufunc, SLOT(a, off_dtype));
+        objs = PyTuple_Pack(1, SLOT(a, off_obj));
+    } else {
+        Py_RETURN_NONE;
+    }
+    PyObject *res = NULL;
+    if (key == NULL || objs == NULL)
+        goto out;
+    PyObject *plan = PyDict_GetItemWithError(plans, key);         /* borrowed */
+    if (plan == NULL) {
+        res = PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
+        goto out;
+    }
+    if (!PyTuple_CheckExact(plan) || PyTuple_GET_SIZE(plan) != 4 || !PyTuple_CheckExact(shape) ||
+            PyTuple_GET_SIZE(shape) == 0 || !PyDict_CheckExact(PyTuple_GET_ITEM(plan, 3))) {
+        res = Py_NewRef(Py_None);
+        goto out;
+    }
+    PyObject *lay = PyDict_GetItemWithError(PyTuple_GET_ITEM(plan, 3), shape);
+    if (lay == NULL || !PyTuple_CheckExact(lay) || PyTuple_GET_SIZE(lay) != 2 ||
+            !PyLong_CheckExact(PyTuple_GET_ITEM(lay, 1))) {
+        res = PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
+        goto out;
+    }
+    PyObject *nbytes = PyTuple_GET_ITEM(lay, 1);
+    long long nb = PyLong_AsLongLong(nbytes);
+    if (nb == -1 && PyErr_Occurred())
+        goto out;
+    Py_INCREF(plan);                              /* the call may run Python that edits PLANS */
+    Py_INCREF(lay);
+    res = run_ufunc_core(module, m, ufunc, inputs, objs, shape, PyTuple_GET_ITEM(plan, 0),
+                         PyTuple_GET_ITEM(lay, 0), nbytes, nb <= short_bytes);
+    Py_DECREF(lay);
+    Py_DECREF(plan);
+out:
+    Py_XDECREF(key);
+    Py_XDECREF(objs);
+    return res;
+}
+
 static PyMethodDef records_methods[] = {
     {"bind", (PyCFunction)(void (*)(void))bind, METH_FASTCALL,
      "bind(alloc_address, free_address, Region, Object): the native heap's alloc and free "
@@ -701,6 +1400,16 @@ static PyMethodDef records_methods[] = {
     {"create_fast", (PyCFunction)(void (*)(void))create_fast, METH_FASTCALL,
      "create_fast(manager, nbytes): Manager._create_fast."},
     {"drain", (PyCFunction)drain, METH_O, "drain(manager): Manager._drain."},
+    {"bind_views", (PyCFunction)(void (*)(void))bind_views, METH_FASTCALL,
+     "bind_views(CachedArray, ndarray, HEADER, OPEN_SCOPES, record_new, PLANS, SHORT_BYTES): "
+     "what run_ufunc and fast_ufunc need."},
+    {"fast_ufunc", (PyCFunction)(void (*)(void))fast_ufunc, METH_FASTCALL,
+     "fast_ufunc(ufunc, inputs): the commonest ufunc calls on CachedArrays, all in C; None when "
+     "the call is not one of them."},
+    {"run_ufunc", (PyCFunction)(void (*)(void))run_ufunc, METH_FASTCALL,
+     "run_ufunc(manager, ufunc, inputs, objs, shape, dtype, strides, nbytes, short): a ufunc "
+     "into a new, policy-placed CachedArray (Manager.run's common path); None when the "
+     "manager's general path must run it."},
     {"region", (PyCFunction)(void (*)(void))make_region, METH_FASTCALL,
      "region(cls, device, offset, nbytes, owner, buffer): cls(device, offset, nbytes, owner, "
      "buffer), made without the generic call machinery (the manager's hot path)."},
@@ -729,13 +1438,18 @@ PyInit__records(void)
     zero = PyLong_FromLong(0);
     if (!str_closed || !str_deferred || !str_append || !zero || intern_names() < 0)
         return NULL;
-    if (PyType_Ready(&RegionRecordType) < 0 || PyType_Ready(&ObjectRecordType) < 0)
+    if (PyType_Ready(&RegionRecordType) < 0 || PyType_Ready(&ObjectRecordType) < 0 ||
+            state_types_ready() < 0)
         return NULL;
     PyObject *m = PyModule_Create(&records_module);
     if (m == NULL)
         return NULL;
     if (PyModule_AddObjectRef(m, "RegionRecord", (PyObject *)&RegionRecordType) < 0 ||
-            PyModule_AddObjectRef(m, "ObjectRecord", (PyObject *)&ObjectRecordType) < 0) {
+            PyModule_AddObjectRef(m, "ObjectRecord", (PyObject *)&ObjectRecordType) < 0 ||
+            PyModule_AddObjectRef(m, "ManagerRecord", (PyObject *)&ManagerRecordType) < 0 ||
+            PyModule_AddObjectRef(m, "TelemetryRecord", (PyObject *)&TelemetryRecordType) < 0 ||
+            PyModule_AddObjectRef(m, "DeviceRecord", (PyObject *)&DeviceRecordType) < 0 ||
+            PyModule_AddObjectRef(m, "HeapRecord", (PyObject *)&HeapRecordType) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -1,0 +1,278 @@
+"""The commonest NumPy calls on CachedArrays, run in C (native/records.c: fast_ufunc, run_ufunc),
+and the state records (Manager, Telemetry, Device, Heap) whose fields C reads directly.
+
+The C path must keep every rule of Manager.run: pins, use reports, dirty marking, telemetry,
+noescape scopes, the general path while something is under way, and errors that leave nothing
+pinned or allocated."""
+
+import gc
+import threading
+import warnings
+
+import numpy as np
+import pytest
+
+import cachedarrays as ca
+from cachedarrays import _records
+from cachedarrays.errors import UseAfterFreeError
+from cachedarrays.manager import Observer
+from cachedarrays.pinning import pop_scope, push_scope
+from cachedarrays.policies import LRU
+
+
+@pytest.fixture
+def m():
+    with ca.Manager(fast="8MiB", slow="32MiB") as mgr:
+        yield mgr
+
+
+def _arr(m, values):
+    return ca.asarray(np.asarray(values), manager=m)
+
+
+def _heap_blocks(m):
+    gc.collect()
+    m.drain()
+    return m.fast.heap.stats().used, m.slow.heap.stats().used
+
+
+# ---- results ------------------------------------------------------------------------------------
+
+OPERATORS = [
+    lambda x, y: x + y, lambda x, y: x - y, lambda x, y: x * y, lambda x, y: x / y,
+    lambda x, y: x ** 2, lambda x, y: 3 - x, lambda x, y: 2.5 * y, lambda x, y: -x,
+    lambda x, y: abs(x), lambda x, y: x < y, lambda x, y: x == 1, lambda x, y: np.maximum(x, y),
+    lambda x, y: np.exp(x), lambda x, y: np.add(x, 1j), lambda x, y: x + True,
+]
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32, np.int64, np.int16, np.complex128])
+@pytest.mark.parametrize("shape", [(10,), (3, 4), (70_000,)])   # the last: over SHORT_BYTES
+def test_results_match_numpy(m, dtype, shape):
+    rng = np.random.default_rng(0)
+    a = (rng.random(shape) * 10 + 1).astype(dtype)
+    b = (rng.random(shape) * 10 + 1).astype(dtype)
+    x, y = _arr(m, a), _arr(m, b)
+    for op in OPERATORS:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")           # no deprecated ufunc call form either
+            want = op(a, b)
+            got = op(x, y)
+        assert type(got) is ca.CachedArray
+        assert got.dtype == want.dtype and got.shape == want.shape
+        np.testing.assert_array_equal(np.asarray(got), want)
+    assert x.object._pins == 0 and y.object._pins == 0
+
+
+def test_a_result_is_dirty_placed_and_counted(m):
+    x, y = _arr(m, np.arange(10.0)), _arr(m, np.ones(10))
+    allocs = m.telemetry.allocs["fast"]
+    z = x + y
+    assert m.telemetry.allocs["fast"] == allocs + 1
+    r = z.object.primary
+    assert r.device is m.fast and r._dirty is True
+    assert z.object._pins == 0
+    assert m.object(z.object.id) is z.object
+
+
+def test_operands_are_reported_used_and_the_result_new():
+    calls = []
+
+    class Recording(LRU):
+        def read_use(self, obj):
+            calls.append(("read", obj.id))
+            super().read_use(obj)
+
+        def new_in_fast(self, obj):
+            calls.append(("new", obj.id))
+            super().new_in_fast(obj)
+
+    with ca.Manager(fast="8MiB", slow="32MiB", policy=Recording()) as m:
+        x, y = _arr(m, np.arange(10.0)), _arr(m, np.ones(10))
+        calls.clear()
+        z = x * y
+        assert calls == [("read", x.object.id), ("read", y.object.id), ("new", z.object.id)]
+        assert list(m.policy.recent)[-1] == z.object.id
+
+
+def test_a_full_fast_memory_places_the_result_through_the_policy():
+    with ca.Manager(fast="64KiB", slow="32MiB") as m:
+        xs = [_arr(m, np.full(2000, float(i))) for i in range(6)]   # more than fast memory
+        z = xs[0] + xs[5]
+        np.testing.assert_array_equal(np.asarray(z), np.full(2000, 5.0))
+        assert all(x.object._pins == 0 for x in xs) and z.object._pins == 0
+        m.check()
+
+
+# ---- the general path while something is under way ---------------------------------------------
+
+def test_an_observer_sees_every_call(m):
+    seen = []
+
+    class Watch(Observer):
+        def on_acquire(self, name, reads, writes, touched=None):
+            seen.append(name)
+
+    x, y = _arr(m, np.arange(10.0)), _arr(m, np.ones(10))
+    m.observe(Watch())                        # rebinds Manager._observers: C must see it
+    z = x + y
+    np.testing.assert_array_equal(np.asarray(z), np.arange(10.0) + 1)
+    assert seen[0] == "add"
+
+
+def test_a_telemetry_reset_is_seen(m):
+    x = _arr(m, np.arange(10.0))
+    m.telemetry.reset()                       # rebinds the counter dicts
+    _ = x + 1
+    assert m.telemetry.allocs["fast"] == 1
+
+
+def test_a_subclass_property_shadowing_a_field_is_honoured():
+    reads = []
+
+    class Audited(ca.Manager):
+        @property
+        def policy(self):
+            reads.append(1)
+            return self._audited
+
+        @policy.setter
+        def policy(self, value):
+            self._audited = value
+
+    with Audited(fast="8MiB", slow="32MiB") as m:
+        x = _arr(m, np.arange(10.0))
+        reads.clear()
+        z = x + 1
+        assert reads                          # read through the property, not the slot
+        np.testing.assert_array_equal(np.asarray(z), np.arange(10.0) + 1)
+
+
+def test_closed_managers_and_freed_operands_raise(m):
+    x, y = _arr(m, np.arange(10.0)), _arr(m, np.ones(10))
+    ca.unsafe_free(y)
+    with pytest.raises(UseAfterFreeError):
+        _ = x + y
+    assert x.object._pins == 0
+    with ca.Manager(fast="1MiB", slow="4MiB") as other:
+        a = _arr(other, np.ones(4))
+    with pytest.raises(UseAfterFreeError, match="closed"):
+        _ = a + 1
+
+
+# ---- errors leave nothing pinned, allocated or locked -------------------------------------------
+
+@pytest.mark.parametrize("n", [10, 70_000])
+def test_a_failing_ufunc_leaves_nothing_behind(m, n):
+    x, y = _arr(m, np.ones(n)), _arr(m, np.zeros(n))
+    before = _heap_blocks(m)
+    with np.errstate(divide="raise"):
+        for _ in range(3):
+            with pytest.raises(FloatingPointError):
+                _ = x / y
+    assert x.object._pins == 0 and y.object._pins == 0
+    assert _heap_blocks(m) == before
+    done = []
+    t = threading.Thread(target=lambda: done.append(m._lock.acquire(timeout=5) and
+                                                    m._lock.release() is None))
+    t.start()
+    t.join()
+    assert done == [True]                     # the lock was let go
+
+
+def test_a_policy_returning_a_non_object_is_refused():
+    class Broken(LRU):
+        broken = False
+
+        def allocate(self, nbytes):
+            return "not an object" if self.broken else super().allocate(nbytes)
+
+    with ca.Manager(fast="8MiB", slow="32MiB", policy=Broken()) as m:
+        x = _arr(m, np.ones(10))
+        m.policy.broken = True
+        m.policy.fast_first = False           # every result goes through allocate
+        before = _heap_blocks(m)
+        with pytest.raises(TypeError, match="not an Object"):
+            _ = x + 1
+        assert x.object._pins == 0 and _heap_blocks(m) == before
+        m.policy.broken = False
+        np.testing.assert_array_equal(np.asarray(x + 1), np.full(10, 2.0))
+
+
+def test_results_are_recorded_in_open_noescape_scopes(m):
+    x = _arr(m, np.arange(1000.0))
+    rec = push_scope()                        # what ca.noescape opens around a call
+    try:
+        t = x * 2
+        u = -x
+    finally:
+        pop_scope(rec)
+    assert [r() for r in rec] == [t.object, u.object]
+    v = x + 1                                 # no scope open: nothing recorded
+    assert len(rec) == 2 and v.object is not None
+
+
+# ---- the entry points -------------------------------------------------------------------------
+
+def test_fast_ufunc_declines_what_it_does_not_handle(m):
+    x = _arr(m, np.arange(4.0))
+    with ca.Manager(fast="1MiB", slow="4MiB") as other:
+        y = _arr(other, np.arange(4.0))
+        assert _records.fast_ufunc(np.add, (x, y)) is None        # two managers
+    assert _records.fast_ufunc(np.add, (x, _arr(m, np.arange(3.0)))) is None   # shapes
+    assert _records.fast_ufunc(np.add, (x, np.arange(4.0))) is None   # an ndarray operand
+    assert _records.fast_ufunc(np.add, (1, 2)) is None
+    assert _records.fast_ufunc(np.add, (x, x, x)) is None
+    assert _records.fast_ufunc(np.add, ()) is None
+    bare = object.__new__(ca.CachedArray)     # an array made without its fields
+    assert _records.fast_ufunc(np.add, (bare, 1)) is None
+    assert _records.fast_ufunc(np.add, (x, bare)) is None
+    assert _records.fast_ufunc(np.negative, (bare,)) is None
+    with pytest.raises(TypeError):
+        _records.fast_ufunc(np.add, [x, x])
+    with pytest.raises(TypeError):
+        _records.fast_ufunc(np.add)
+    with pytest.raises(TypeError):
+        _records.run_ufunc(m, np.add, (x,), (x.object,))
+    with pytest.raises(TypeError):
+        _records.bind_views(ca.CachedArray)
+
+
+def test_state_records_keep_python_attribute_behaviour(m):
+    assert isinstance(m, _records.ManagerRecord)
+    assert isinstance(m.telemetry, _records.TelemetryRecord)
+    assert isinstance(m.fast, _records.DeviceRecord)
+    assert isinstance(m.fast.heap, _records.HeapRecord)
+    m.extra = 1                               # instances keep a __dict__ for everything else
+    assert m.extra == 1
+    fresh = _records.ManagerRecord()
+    with pytest.raises(AttributeError):
+        fresh.policy                          # unset fields raise as attributes do
+    fresh.policy = "p"
+    assert fresh.policy == "p"
+    del fresh.policy
+    assert getattr(fresh, "policy", None) is None
+
+
+def test_calls_from_many_threads_keep_data_and_pins():
+    with ca.Manager(fast="256KiB", slow="32MiB") as m:
+        arrays = [_arr(m, np.full(3000, float(i))) for i in range(8)]   # evictions happen
+        errors = []
+
+        def work(k):
+            try:
+                for j in range(200):
+                    a, b = arrays[(k + j) % 8], arrays[(k + 2 * j) % 8]
+                    want = float(a[0]) + float(b[0])
+                    got = np.asarray(a + b)
+                    assert got[0] == want and got[-1] == want
+            except BaseException as e:       # noqa: BLE001 - reported below
+                errors.append(e)
+
+        threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors
+        assert all(a.object._pins == 0 for a in arrays)
