@@ -21,16 +21,18 @@ import sys
 import numpy as np
 from numpy.lib.mixins import NDArrayOperatorsMixin
 
-from ._records import fast_ufunc as _c_ufunc   # the commonest calls, all in C (None: not one)
+from ._records import bind_views as _bind_views
+from ._records import getitem as _c_getitem
+from ._records import operator as _c_operator
 from .defaults import default_manager
 from .layout import (basic_index, c_strides, check_dtype, contiguous_strides, is_fortran,
                      shape_tuple)
-from .pinning import (SHORT_BYTES, ObjectView, acquire_grouped, new_object, objects_in,
-                      plain_key, pop_scope, push_scope, readable, record_new, release_grouped,
-                      to_views)
+from .heap import HEADER
+from .pinning import (OPEN_SCOPES, SHORT_BYTES, ObjectView, acquire_grouped, new_object,
+                      objects_in, plain_key, pop_scope, push_scope, readable, record_new,
+                      release_grouped, to_views)
 from .viewattrs import FLAGS_FIXED, FlatIter, Flags
 
-_new_object = object.__new__
 
 __all__ = ["CachedArray", "check_dtype", "new_pinned", "from_ndarray", "unpin", "push_scope",
            "pop_scope"]
@@ -264,22 +266,9 @@ class CachedArray(ObjectView, NDArrayOperatorsMixin):
 
     # ---- indexing ------------------------------------------------------------------------
 
-    def __getitem__(self, key):
-        if type(key) is slice and len(self._shape) == 1 and self._obj.primary is not None:
-            # x[a:b:c] of a 1-d array: a view, by NumPy's slicing arithmetic (basic_index);
-            # ObjectView._make inlined (this is the commonest view of all)
-            start, stop, step = key.indices(self._shape[0])
-            if step == 1:
-                n = stop - start if stop > start else 0
-            else:
-                n = len(range(start, stop, step))
-            if n == 0:
-                start, step = 0, 1
-            st = self._strides[0]
-            res = _new_object(CachedArray)
-            res._obj, res._m, res._shape, res._dtype = self._obj, self._m, (n,), self._dtype
-            res._strides, res._offset, res._vc = (st * step,), self._offset + start * st, None
-            return res
+    def _getitem(self, key):
+        """x[key] for keys the C method (``__getitem__``, installed below) does not take: NumPy's
+        indexing on the pinned bytes, a view when NumPy gives one."""
         if type(key) is slice or type(key) is tuple or type(key) is int:
             # A view by basic indexing: its layout is arithmetic, no byte is touched, so
             # nothing is pinned or used (the view resolves its bytes at its own use).
@@ -603,9 +592,6 @@ def _binary(ufunc, name):
     """A Python operator that skips NumPy's dispatch in the common case (same cost otherwise)."""
     def forward(self, other):
         if type(other) is CachedArray or type(other) in _PY_SCALARS:
-            res = _c_ufunc(ufunc, (self, other))
-            if res is not None:
-                return res
             res = _fast_ufunc(ufunc, (self, other))
             if res is not _SLOW:
                 return res
@@ -615,9 +601,6 @@ def _binary(ufunc, name):
 
     def reflected(self, other):
         if type(other) in _PY_SCALARS:
-            res = _c_ufunc(ufunc, (other, self))
-            if res is not None:
-                return res
             res = _fast_ufunc(ufunc, (other, self))
             if res is not _SLOW:
                 return res
@@ -643,9 +626,6 @@ def _inplace(ufunc, name):
 def _unary(ufunc, name):
     """-x, +x, abs(x), ~x: the shortcut, else NumPy's ``ufunc(x)``."""
     def op(self):
-        res = _c_ufunc(ufunc, (self,))
-        if res is not None:
-            return res
         res = _fast_ufunc(ufunc, (self,))
         return ufunc(self) if res is _SLOW else res
     op.__name__ = f"__{name}__"
@@ -658,16 +638,17 @@ for _uf, _name in ((np.add, "add"), (np.subtract, "sub"), (np.multiply, "mul"),
                    (np.bitwise_or, "or"), (np.bitwise_xor, "xor"), (np.left_shift, "lshift"),
                    (np.right_shift, "rshift")):
     _f, _r = _binary(_uf, _name)
-    setattr(CachedArray, _f.__name__, _f)
-    setattr(CachedArray, _r.__name__, _r)
+    setattr(CachedArray, _f.__name__, _c_operator(_uf, _f, 0))
+    setattr(CachedArray, _r.__name__, _c_operator(_uf, _r, 1))
     _i = _inplace(_uf, _name)
     setattr(CachedArray, _i.__name__, _i)
 for _uf, _name in ((np.less, "lt"), (np.less_equal, "le"), (np.greater, "gt"),
                    (np.greater_equal, "ge"), (np.equal, "eq"), (np.not_equal, "ne")):
-    setattr(CachedArray, f"__{_name}__", _binary(_uf, _name)[0])   # Python reflects these
+    # Python reflects comparisons itself (x < y is y > x)
+    setattr(CachedArray, f"__{_name}__", _c_operator(_uf, _binary(_uf, _name)[0], 0))
 for _uf, _name in ((np.negative, "neg"), (np.positive, "pos"), (np.absolute, "abs"),
                    (np.invert, "invert")):
-    setattr(CachedArray, f"__{_name}__", _unary(_uf, _name))
+    setattr(CachedArray, f"__{_name}__", _c_operator(_uf, _unary(_uf, _name), 2))
 
 
 def _method(name):
@@ -711,6 +692,12 @@ for _name in ("cumsum", "cumprod", "clip", "round", "trace", "nonzero", "dot", "
 for _name in ("sum", "mean", "std", "var", "min", "max", "argmin", "argmax", "prod", "all",
               "any"):
     setattr(CachedArray, _name, _reduction(_name))
+
+# The C side of the type (native/records.c): results of the commonest ufunc calls, and
+# __getitem__, which makes basic-indexing views (ints and slices) in C and sends every other key
+# to _getitem.
+_bind_views(CachedArray, np.ndarray, HEADER, OPEN_SCOPES, record_new)
+CachedArray.__getitem__ = _c_getitem(CachedArray._getitem)
 
 _RAW_POINTER = (
     "CachedArray.{name} is not available: it would hand out a raw pointer to wherever the data "

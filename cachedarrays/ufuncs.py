@@ -10,7 +10,7 @@ import numbers
 
 import numpy as np
 
-from ._records import bind_views as _bind_views
+from ._records import bind_plans as _bind_plans
 from ._records import fast_ufunc as _fast_ufunc
 from ._records import run_ufunc as _run_ufunc
 from .array import _PY_SCALARS, _SLOW, CachedArray, new_pinned, set_ufunc_handlers
@@ -295,4 +295,4 @@ def _resolve(ufunc, args, casting):
 
 
 set_ufunc_handlers(_array_ufunc, _fast_call)
-_bind_views(CachedArray, np.ndarray, HEADER, OPEN_SCOPES, record_new, _PLANS, SHORT_BYTES)
+_bind_plans(_PLANS, SHORT_BYTES)

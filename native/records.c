@@ -907,29 +907,23 @@ slot_offset(PyTypeObject *t, const char *name)
     return off;
 }
 
-/* bind_views(CachedArray, ndarray, HEADER, OPEN_SCOPES, record_new, PLANS, SHORT_BYTES): what run_ufunc
- * needs to make a result: the array type (its slots), numpy's ndarray, the heap's block header
- * size, the open-scope counter and the hook that records a new object in open scopes; and for
- * fast_ufunc, cachedarrays.ufuncs' plans ((ufunc, operand kinds) -> (dtype, itemsize, name,
- * {shape: (strides, nbytes)}), or False) and the largest kernel it runs under the lock. */
+/* bind_views(CachedArray, ndarray, HEADER, OPEN_SCOPES, record_new): what run_ufunc needs to
+ * make a result: the array type (its slots), numpy's ndarray, the heap's block header size, the
+ * open-scope counter and the hook that records a new object in open scopes. */
 static PyObject *
 bind_views(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 7) {
-        PyErr_SetString(PyExc_TypeError, "bind_views(CachedArray, ndarray, HEADER, OPEN_SCOPES, "
-                        "record_new, PLANS, SHORT_BYTES)");
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError,
+                        "bind_views(CachedArray, ndarray, HEADER, OPEN_SCOPES, record_new)");
         return NULL;
     }
     if (!PyType_Check(args[0]) || !PyType_Check(args[1]) || !PyLong_Check(args[2]) ||
-            !PyList_Check(args[3]) || !PyCallable_Check(args[4]) || !PyDict_Check(args[5]) ||
-            !PyLong_Check(args[6])) {
-        PyErr_SetString(PyExc_TypeError, "bind_views: expected two types, an int, a list, a "
-                        "callable, a dict and an int");
+            !PyList_Check(args[3]) || !PyCallable_Check(args[4])) {
+        PyErr_SetString(PyExc_TypeError, "bind_views: expected two types, an int, a list and a "
+                        "callable");
         return NULL;
     }
-    long long sb = PyLong_AsLongLong(args[6]);
-    if (sb == -1 && PyErr_Occurred())
-        return NULL;
     PyTypeObject *t = (PyTypeObject *)args[0];
     Py_ssize_t o[7];
     const char *names[7] = {"_obj", "_m", "_shape", "_dtype", "_strides", "_offset", "_vc"};
@@ -943,7 +937,23 @@ bind_views(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     Py_XSETREF(header, Py_NewRef(args[2]));
     Py_XSETREF(open_scopes, Py_NewRef(args[3]));
     Py_XSETREF(record_new_fn, Py_NewRef(args[4]));
-    Py_XSETREF(plans, Py_NewRef(args[5]));
+    Py_RETURN_NONE;
+}
+
+/* bind_plans(PLANS, SHORT_BYTES): for fast_ufunc, cachedarrays.ufuncs' plans ((ufunc, operand
+ * kinds) -> (dtype, itemsize, name, {shape: (strides, nbytes)}), or False) and the largest
+ * kernel it runs under the manager's lock. */
+static PyObject *
+bind_plans(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2 || !PyDict_Check(args[0]) || !PyLong_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "bind_plans(PLANS: dict, SHORT_BYTES: int)");
+        return NULL;
+    }
+    long long sb = PyLong_AsLongLong(args[1]);
+    if (sb == -1 && PyErr_Occurred())
+        return NULL;
+    Py_XSETREF(plans, Py_NewRef(args[0]));
     short_bytes = sb;
     Py_RETURN_NONE;
 }
@@ -1311,15 +1321,11 @@ is_py_scalar(PyObject *x)
  * whose plan and result layout cachedarrays.ufuncs has cached. None when the call is not one
  * of those or the manager is busy: the caller takes cachedarrays.ufuncs._fast_call. */
 static PyObject *
-fast_ufunc(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+fast_ufunc_impl(PyObject *module, PyObject *ufunc, PyObject *inputs)
 {
-    if (nargs != 2 || !PyTuple_CheckExact(args[1])) {
-        PyErr_SetString(PyExc_TypeError, "fast_ufunc(ufunc, inputs: tuple)");
-        return NULL;
-    }
     if (view_cls == NULL || plans == NULL)
         Py_RETURN_NONE;
-    PyObject *ufunc = args[0], *inputs = args[1], *m, *shape, *key, *objs;
+    PyObject *m, *shape, *key, *objs;
     Py_ssize_t n = PyTuple_GET_SIZE(inputs);
     if (n == 2) {
         PyObject *a = PyTuple_GET_ITEM(inputs, 0), *b = PyTuple_GET_ITEM(inputs, 1);
@@ -1393,6 +1399,284 @@ out:
     return res;
 }
 
+static PyObject *
+fast_ufunc(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2 || !PyTuple_CheckExact(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "fast_ufunc(ufunc, inputs: tuple)");
+        return NULL;
+    }
+    return fast_ufunc_impl(module, args[0], args[1]);
+}
+
+/* ---- operators: x + y and the others, in C ------------------------------------------------------ */
+
+/* An arithmetic operator of CachedArray: ufunc(self, other) (reflected: ufunc(other, self);
+ * unary: ufunc(self)) by fast_ufunc, or fallback(*args) for any call fast_ufunc does not take.
+ * A method descriptor, so Python calls it with self and no bound method in between. */
+typedef struct {
+    PyObject_HEAD
+    PyObject *ufunc;
+    PyObject *fallback;
+    int kind;                                        /* 0 forward, 1 reflected, 2 unary */
+    vectorcallfunc vectorcall;
+} OperatorObject;
+
+static PyObject *
+operator_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    OperatorObject *op = (OperatorObject *)callable;
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    if (kwnames == NULL && nargs == (op->kind == 2 ? 1 : 2) && view_cls != NULL &&
+            Py_IS_TYPE(args[0], view_cls)) {
+        PyObject *inputs = op->kind == 0 ? PyTuple_Pack(2, args[0], args[1]) :
+                           op->kind == 1 ? PyTuple_Pack(2, args[1], args[0]) :
+                           PyTuple_Pack(1, args[0]);
+        if (inputs == NULL)
+            return NULL;
+        PyObject *res = fast_ufunc_impl(NULL, op->ufunc, inputs);
+        Py_DECREF(inputs);
+        if (res != Py_None)
+            return res;                                  /* the result, or NULL: an error */
+        Py_DECREF(res);
+    }
+    return PyObject_Vectorcall(op->fallback, args, nargsf, kwnames);
+}
+
+static PyObject *
+operator_get(PyObject *self, PyObject *obj, PyObject *type)
+{
+    if (obj == NULL || obj == Py_None)
+        return Py_NewRef(self);
+    return PyMethod_New(self, obj);
+}
+
+static int
+operator_traverse(OperatorObject *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->ufunc);
+    Py_VISIT(self->fallback);
+    return 0;
+}
+
+static int
+operator_clear(OperatorObject *self)
+{
+    Py_CLEAR(self->ufunc);
+    Py_CLEAR(self->fallback);
+    return 0;
+}
+
+static void
+operator_dealloc(OperatorObject *self)
+{
+    PyObject_GC_UnTrack(self);
+    operator_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *
+operator_name(OperatorObject *self, void *closure)
+{
+    return PyObject_GetAttrString(self->fallback, "__name__");
+}
+
+static PyGetSetDef operator_getset[] = {
+    {"__name__", (getter)operator_name, NULL, "the operator's name", NULL},
+    {NULL}
+};
+
+static PyMemberDef operator_members[] = {
+    {"ufunc", T_OBJECT, offsetof(OperatorObject, ufunc), READONLY, "the ufunc it calls"},
+    {"fallback", T_OBJECT, offsetof(OperatorObject, fallback), READONLY,
+     "the Python operator for calls the C path does not take"},
+    {NULL}
+};
+
+static PyTypeObject OperatorType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "cachedarrays._records.Operator",
+    .tp_doc = "An arithmetic operator of CachedArray, run in C for the commonest calls.",
+    .tp_basicsize = sizeof(OperatorObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL |
+                Py_TPFLAGS_METHOD_DESCRIPTOR,
+    .tp_call = PyVectorcall_Call,
+    .tp_vectorcall_offset = offsetof(OperatorObject, vectorcall),
+    .tp_descr_get = operator_get,
+    .tp_dealloc = (destructor)operator_dealloc,
+    .tp_traverse = (traverseproc)operator_traverse,
+    .tp_clear = (inquiry)operator_clear,
+    .tp_getset = operator_getset,
+    .tp_members = operator_members,
+};
+
+/* operator(ufunc, fallback, kind): kind 0 (x op y), 1 (y op x, reflected) or 2 (op x). */
+static PyObject *
+make_operator(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3 || !PyCallable_Check(args[0]) || !PyCallable_Check(args[1]) ||
+            !PyLong_Check(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "operator(ufunc, fallback, kind: 0, 1 or 2)");
+        return NULL;
+    }
+    long kind = PyLong_AsLong(args[2]);
+    if (kind < 0 || kind > 2) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "operator: kind must be 0 (forward), 1 (reflected) "
+                            "or 2 (unary)");
+        return NULL;
+    }
+    OperatorObject *op = PyObject_GC_New(OperatorObject, &OperatorType);
+    if (op == NULL)
+        return NULL;
+    op->ufunc = Py_NewRef(args[0]);
+    op->fallback = Py_NewRef(args[1]);
+    op->kind = (int)kind;
+    op->vectorcall = operator_vectorcall;
+    PyObject_GC_Track(op);
+    return (PyObject *)op;
+}
+
+/* ---- basic indexing: x[key] as a view, in C ---------------------------------------------------- */
+
+static PyObject *getitem_fallback;                 /* CachedArray's general __getitem__ */
+
+/* The view x[key] selects when key is an int, a slice, or a tuple of them (one per leading
+ * dimension) that leaves at least one dimension: the same arithmetic as NumPy's basic
+ * indexing. NULL with no error set when key is anything else (or x has no memory). */
+static PyObject *
+basic_view(PyObject *x, PyObject *key)
+{
+    PyObject *obj = SLOT(x, off_obj), *shape = SLOT(x, off_shape), *strides = SLOT(x, off_strides),
+             *offset = SLOT(x, off_offset);
+    if (obj == NULL || shape == NULL || strides == NULL || offset == NULL ||
+            SLOT(x, off_m) == NULL || SLOT(x, off_dtype) == NULL ||
+            !PyObject_TypeCheck(obj, &ObjectRecordType) || ((ObjectRecord *)obj)->primary == NULL ||
+            ((ObjectRecord *)obj)->primary == Py_None || !PyTuple_CheckExact(shape) ||
+            !PyTuple_CheckExact(strides) || PyTuple_GET_SIZE(shape) != PyTuple_GET_SIZE(strides) ||
+            !PyLong_CheckExact(offset))
+        return NULL;
+    Py_ssize_t nd = PyTuple_GET_SIZE(shape), nk;
+    PyObject *const *keys;
+    if (PyTuple_CheckExact(key)) {
+        nk = PyTuple_GET_SIZE(key);
+        keys = &PyTuple_GET_ITEM(key, 0);
+    } else {
+        nk = 1;
+        keys = &key;
+    }
+    if (nk > nd || nd > 64)
+        return NULL;
+    Py_ssize_t dims[64], steps[64], n_out = 0, off = PyLong_AsSsize_t(offset);
+    if (off == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < nd; i++) {
+        Py_ssize_t len = PyLong_AsSsize_t(PyTuple_GET_ITEM(shape, i)),
+                   st = PyLong_AsSsize_t(PyTuple_GET_ITEM(strides, i));
+        if ((len == -1 || st == -1) && PyErr_Occurred()) {
+            PyErr_Clear();
+            return NULL;
+        }
+        if (i >= nk) {
+            dims[n_out] = len;
+            steps[n_out++] = st;
+            continue;
+        }
+        PyObject *k = keys[i];
+        if (PySlice_Check(k)) {
+            Py_ssize_t start, stop, step;
+            if (PySlice_Unpack(k, &start, &stop, &step) < 0)
+                return NULL;                             /* the error NumPy gives (step 0) */
+            Py_ssize_t n = PySlice_AdjustIndices(len, &start, &stop, step);
+            if (n == 0) {                                /* NumPy's rule for an empty slice */
+                start = 0;
+                step = 1;
+            }
+            off += start * st;
+            dims[n_out] = n;
+            steps[n_out++] = st * step;
+        } else if (PyLong_CheckExact(k)) {
+            Py_ssize_t j = PyLong_AsSsize_t(k);
+            if (j == -1 && PyErr_Occurred()) {
+                PyErr_Clear();
+                return NULL;
+            }
+            if (j < 0)
+                j += len;
+            if (j < 0 || j >= len)
+                return NULL;                             /* NumPy raises its IndexError */
+            off += j * st;
+        } else {
+            return NULL;
+        }
+    }
+    if (n_out == 0)
+        return NULL;                                     /* a scalar: not a view */
+    PyObject *new_shape = PyTuple_New(n_out), *new_strides = PyTuple_New(n_out),
+             *new_off = PyLong_FromSsize_t(off), *res = NULL;
+    if (new_shape == NULL || new_strides == NULL || new_off == NULL)
+        goto out;
+    for (Py_ssize_t i = 0; i < n_out; i++) {
+        PyObject *d = PyLong_FromSsize_t(dims[i]), *t = PyLong_FromSsize_t(steps[i]);
+        if (d == NULL || t == NULL) {
+            Py_XDECREF(d);
+            Py_XDECREF(t);
+            goto out;
+        }
+        PyTuple_SET_ITEM(new_shape, i, d);
+        PyTuple_SET_ITEM(new_strides, i, t);
+    }
+    PyTypeObject *type = Py_TYPE(x);
+    if ((res = type->tp_alloc(type, 0)) == NULL)
+        goto out;
+    SLOT(res, off_obj) = Py_NewRef(obj);
+    SLOT(res, off_m) = Py_NewRef(SLOT(x, off_m));
+    SLOT(res, off_shape) = Py_NewRef(new_shape);
+    SLOT(res, off_dtype) = Py_NewRef(SLOT(x, off_dtype));
+    SLOT(res, off_strides) = Py_NewRef(new_strides);
+    SLOT(res, off_offset) = Py_NewRef(new_off);
+    SLOT(res, off_vc) = Py_NewRef(Py_None);
+out:
+    Py_XDECREF(new_shape);
+    Py_XDECREF(new_strides);
+    Py_XDECREF(new_off);
+    return res;
+}
+
+/* CachedArray.__getitem__: a basic-indexing view in C, anything else by the general method. */
+static PyObject *
+view_getitem(PyObject *self, PyObject *key)
+{
+    PyObject *res = basic_view(self, key);
+    if (res != NULL || PyErr_Occurred())
+        return res;
+    return PyObject_CallFunctionObjArgs(getitem_fallback, self, key, NULL);
+}
+
+static PyMethodDef getitem_def = {
+    "__getitem__", (PyCFunction)view_getitem, METH_O,
+    "x[key]: a view for basic indexing (ints and slices), else NumPy's indexing on the pinned "
+    "bytes."};
+
+/* getitem(fallback): the method CachedArray.__getitem__, calling fallback(self, key) for keys
+ * that are not basic indexing. */
+static PyObject *
+make_getitem(PyObject *module, PyObject *fallback)
+{
+    if (view_cls == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "getitem: bind_views() was not called");
+        return NULL;
+    }
+    if (!PyCallable_Check(fallback)) {
+        PyErr_SetString(PyExc_TypeError, "getitem(fallback): fallback must be callable");
+        return NULL;
+    }
+    Py_XSETREF(getitem_fallback, Py_NewRef(fallback));
+    return PyDescr_NewMethod(view_cls, &getitem_def);
+}
+
 static PyMethodDef records_methods[] = {
     {"bind", (PyCFunction)(void (*)(void))bind, METH_FASTCALL,
      "bind(alloc_address, free_address, Region, Object): the native heap's alloc and free "
@@ -1401,8 +1685,16 @@ static PyMethodDef records_methods[] = {
      "create_fast(manager, nbytes): Manager._create_fast."},
     {"drain", (PyCFunction)drain, METH_O, "drain(manager): Manager._drain."},
     {"bind_views", (PyCFunction)(void (*)(void))bind_views, METH_FASTCALL,
-     "bind_views(CachedArray, ndarray, HEADER, OPEN_SCOPES, record_new, PLANS, SHORT_BYTES): "
-     "what run_ufunc and fast_ufunc need."},
+     "bind_views(CachedArray, ndarray, HEADER, OPEN_SCOPES, record_new): what run_ufunc and "
+     "getitem need."},
+    {"bind_plans", (PyCFunction)(void (*)(void))bind_plans, METH_FASTCALL,
+     "bind_plans(PLANS, SHORT_BYTES): what fast_ufunc needs."},
+    {"getitem", (PyCFunction)make_getitem, METH_O,
+     "getitem(fallback): CachedArray.__getitem__ (basic indexing in C, other keys by "
+     "fallback(self, key))."},
+    {"operator", (PyCFunction)(void (*)(void))make_operator, METH_FASTCALL,
+     "operator(ufunc, fallback, kind): a CachedArray operator (kind 0 x op y, 1 reflected, 2 "
+     "unary) running the commonest calls in C and any other by fallback."},
     {"fast_ufunc", (PyCFunction)(void (*)(void))fast_ufunc, METH_FASTCALL,
      "fast_ufunc(ufunc, inputs): the commonest ufunc calls on CachedArrays, all in C; None when "
      "the call is not one of them."},
@@ -1439,7 +1731,7 @@ PyInit__records(void)
     if (!str_closed || !str_deferred || !str_append || !zero || intern_names() < 0)
         return NULL;
     if (PyType_Ready(&RegionRecordType) < 0 || PyType_Ready(&ObjectRecordType) < 0 ||
-            state_types_ready() < 0)
+            state_types_ready() < 0 || PyType_Ready(&OperatorType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&records_module);
     if (m == NULL)

@@ -276,3 +276,92 @@ def test_calls_from_many_threads_keep_data_and_pins():
             t.join()
         assert not errors
         assert all(a.object._pins == 0 for a in arrays)
+
+
+# ---- basic indexing in C ------------------------------------------------------------------------
+
+KEYS = [slice(1, 3), slice(None, None, -1), slice(5, 1), slice(-100, 100, 3), slice(None, None, 7),
+        0, -1, (1,), (slice(None), 2), (2, slice(1, None, 2)), (-1, -1), (slice(1, 2), 0),
+        (1, 2, 3), (Ellipsis, 1), (None, 1), [0, 2], np.int64(1), True, (slice(0, 0),),
+        (slice(None, None, -2), slice(3, 0, -1))]
+
+
+@pytest.mark.parametrize("key", KEYS, ids=repr)
+def test_indexing_matches_numpy(m, key):
+    a = np.arange(4 * 6 * 5, dtype=np.float64).reshape(4, 6, 5)
+    x = _arr(m, a)
+    try:
+        want = a[key]
+    except IndexError:
+        with pytest.raises(IndexError):
+            x[key]
+        return
+    got = x[key]
+    if np.isscalar(want):
+        assert got == want
+        return
+    assert type(got) is ca.CachedArray and got.shape == want.shape
+    np.testing.assert_array_equal(np.asarray(got), want)
+    if isinstance(key, (slice, int, tuple)) and not isinstance(key, bool) and \
+            np.shares_memory(want, a):
+        assert got.object is x.object and got.strides == want.strides   # a view, no copy
+
+
+def test_views_of_views_keep_their_offsets(m):
+    a = np.arange(100.0)
+    x = _arr(m, a)
+    v = x[10:90][5:][::-3][2:7]
+    np.testing.assert_array_equal(np.asarray(v), a[10:90][5:][::-3][2:7])
+    v[:] = -1                                 # writes land in x's bytes
+    a[10:90][5:][::-3][2:7] = -1
+    np.testing.assert_array_equal(np.asarray(x), a)
+
+
+def test_indexing_errors_match_numpy(m):
+    x = _arr(m, np.arange(10.0))
+    with pytest.raises(ValueError, match="step cannot be zero"):
+        x[::0]
+    with pytest.raises(IndexError):
+        x[10]
+    with pytest.raises(IndexError):
+        x[-11]
+    with pytest.raises(IndexError):
+        x[1, 2]
+    with pytest.raises(TypeError):
+        ca.CachedArray.__getitem__(np.arange(3), 1)     # only CachedArrays
+    ca.unsafe_free(x)
+    with pytest.raises(UseAfterFreeError):
+        x[1:3]
+
+
+# ---- operators in C -----------------------------------------------------------------------------
+
+def test_operators_behave_as_methods(m):
+    x, y = _arr(m, np.arange(4.0)), _arr(m, np.ones(4))
+    op = ca.CachedArray.__add__
+    assert op.__name__ == "__add__" and op.ufunc is np.add
+    np.testing.assert_array_equal(np.asarray(op(x, y)), np.arange(4.0) + 1)
+    np.testing.assert_array_equal(np.asarray(x.__radd__(2)), np.arange(4.0) + 2)
+    np.testing.assert_array_equal(np.asarray(x.__sub__(y)), np.arange(4.0) - 1)
+    np.testing.assert_array_equal(np.asarray(x.__neg__()), -np.arange(4.0))
+    with pytest.raises(TypeError):
+        x.__add__()                               # the Python operator's own error
+    with pytest.raises(TypeError):
+        x.__add__(y, y)
+    with pytest.raises(TypeError):
+        _records.operator(np.add, None, 0)
+    with pytest.raises(ValueError):
+        _records.operator(np.add, print, 3)
+
+
+def test_operators_defer_to_types_that_opt_out(m):
+    class NoUfuncs:
+        __array_ufunc__ = None
+
+        def __radd__(self, other):
+            return "handled"
+
+    x = _arr(m, np.arange(4.0))
+    assert x + NoUfuncs() == "handled"
+    np.testing.assert_array_equal(np.asarray(x + np.ones(4)), np.arange(4.0) + 1)
+    np.testing.assert_array_equal(np.asarray(np.ones(4) + x), np.arange(4.0) + 1)
