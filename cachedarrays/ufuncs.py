@@ -11,7 +11,7 @@ import numbers
 import numpy as np
 
 from ._records import bind_plans as _bind_plans
-from ._records import fast_ufunc as _fast_ufunc
+from ._records import array_ufunc as _c_array_ufunc
 from ._records import run_ufunc as _run_ufunc
 from .array import _PY_SCALARS, _SLOW, CachedArray, new_pinned, set_ufunc_handlers
 from .heap import HEADER
@@ -194,9 +194,6 @@ def _array_ufunc(self, ufunc, method, *inputs, **kwargs):
     """CachedArray.__array_ufunc__ (NEP 13)."""
     if method == "__call__" and ufunc.nout == 1 and ufunc.signature is None:
         if not kwargs:
-            res = _fast_ufunc(ufunc, inputs)       # the commonest calls, in C
-            if res is not None:
-                return res
             res = _fast_call(ufunc, inputs)
             if res is not _SLOW:
                 return res
@@ -294,5 +291,5 @@ def _resolve(ufunc, args, casting):
     return dt
 
 
-set_ufunc_handlers(_array_ufunc, _fast_call)
+set_ufunc_handlers(_c_array_ufunc(_array_ufunc), _fast_call)   # plain calls in C first
 _bind_plans(_PLANS, SHORT_BYTES)

@@ -511,7 +511,7 @@ static PyObject *s_fast, *s_heap, *s_addr, *s_last_id, *s_ids, *s_name, *s_mm, *
                 *s_policy, *s_forget, *s_release, *one, *s_lock, *s_acquire, *s_release_lock,
                 *s_gate, *s_kernels_in_fast, *s_reading, *s_read_use, *s_write_use,
                 *s_new_in_fast, *s_fast_first, *s_allocate, *s_live, *s_kview, *s_closing,
-                *s_cond, *s_notify_all, *out_kw;               /* out_kw: ("out",) */
+                *s_cond, *s_notify_all, *s_call, *out_kw;               /* out_kw: ("out",) */
 
 static int
 intern_names(void)
@@ -532,7 +532,8 @@ intern_names(void)
     NAME(s_reading, "_reading"); NAME(s_read_use, "read_use"); NAME(s_write_use, "write_use");
     NAME(s_new_in_fast, "new_in_fast"); NAME(s_fast_first, "fast_first");
     NAME(s_allocate, "allocate"); NAME(s_live, "_live"); NAME(s_kview, "_kview");
-    NAME(s_closing, "_closing"); NAME(s_cond, "_cond"); NAME(s_notify_all, "notify_all");
+    NAME(s_call, "__call__"); NAME(s_closing, "_closing"); NAME(s_cond, "_cond");
+    NAME(s_notify_all, "notify_all");
 #undef NAME
     if ((out_kw = Py_BuildValue("(s)", "out")) == NULL)
         return -1;
@@ -599,7 +600,8 @@ count(PyObject *m, PyObject *name, PyObject *nbytes, PyObject *oid, int alloc)
         rc = v == NULL ? -1 : 0;
         goto out;
     }
-    if ((d = (alloc ? getf(tel, K_TELEMETRY, TEL_ALLOCS, s_allocs) : getf(tel, K_TELEMETRY, TEL_FREES, s_frees))) == NULL ||
+    if ((d = alloc ? getf(tel, K_TELEMETRY, TEL_ALLOCS, s_allocs)
+                   : getf(tel, K_TELEMETRY, TEL_FREES, s_frees)) == NULL ||
             (v = add_to_item(d, name, one, 0)) == NULL)
         goto out;
     Py_CLEAR(d);
@@ -648,13 +650,15 @@ create_fast(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     PyObject *dev = NULL, *heap = NULL, *last = NULL, *owner = NULL, *offset = NULL,
              *ids = NULL, *oid = NULL, *name = NULL, *mm = NULL, *region = NULL, *ref = NULL,
              *obj = NULL, *objects = NULL, *wr = NULL, *by_offset = NULL;
-    if ((dev = getf(m, K_MANAGER, M_FAST, s_fast)) == NULL || (heap = getf(dev, K_DEVICE, D_HEAP, s_heap)) == NULL)
+    if ((dev = getf(m, K_MANAGER, M_FAST, s_fast)) == NULL ||
+            (heap = getf(dev, K_DEVICE, D_HEAP, s_heap)) == NULL)
         goto out;
     if (heap == Py_None) {
         result = Py_NewRef(Py_None);
         goto out;
     }
-    if ((last = getf(m, K_MANAGER, M_LAST_ID, s_last_id)) == NULL || (owner = PyNumber_Add(last, one)) == NULL)
+    if ((last = getf(m, K_MANAGER, M_LAST_ID, s_last_id)) == NULL ||
+            (owner = PyNumber_Add(last, one)) == NULL)
         goto out;
     void *h = heap_handle(heap);
     if (h == NULL && PyErr_Occurred())
@@ -687,7 +691,8 @@ create_fast(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             (obj = ((PyTypeObject *)object_cls)->tp_alloc((PyTypeObject *)object_cls, 0)) == NULL ||
             object_fill((ObjectRecord *)obj, ref, oid, nbytes, region, name) < 0)
         goto out;
-    if ((objects = getf(m, K_MANAGER, M_OBJECTS, s_objects)) == NULL || (wr = PyWeakref_NewRef(obj, NULL)) == NULL ||
+    if ((objects = getf(m, K_MANAGER, M_OBJECTS, s_objects)) == NULL ||
+            (wr = PyWeakref_NewRef(obj, NULL)) == NULL ||
             PyObject_SetItem(objects, oid, wr) < 0)
         goto out;
     if ((by_offset = getf(m, K_MANAGER, M_BY_OFFSET, s_by_offset)) == NULL)
@@ -1409,7 +1414,65 @@ fast_ufunc(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     return fast_ufunc_impl(module, args[0], args[1]);
 }
 
-/* ---- operators: x + y and the others, in C ------------------------------------------------------ */
+/* ---- __array_ufunc__: the commonest calls in C ---------------------------------------------- */
+
+static PyObject *array_ufunc_fallback;
+
+/* CachedArray.__array_ufunc__(ufunc, method, *inputs, **kwargs): fast_ufunc for a plain call
+ * (method "__call__", no keywords), else the general handler (NEP 13). */
+static PyObject *
+view_array_ufunc(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    if (nargs >= 3 && kwnames == NULL && PyUnicode_Check(args[1]) &&
+            (args[1] == s_call || PyUnicode_Compare(args[1], s_call) == 0)) {
+        PyObject *inputs = PyTuple_New(nargs - 2);
+        if (inputs == NULL)
+            return NULL;
+        for (Py_ssize_t i = 2; i < nargs; i++)
+            PyTuple_SET_ITEM(inputs, i - 2, Py_NewRef(args[i]));
+        PyObject *res = fast_ufunc_impl(NULL, args[0], inputs);
+        Py_DECREF(inputs);
+        if (res != Py_None)
+            return res;
+        Py_DECREF(res);
+    }
+    Py_ssize_t n = nargs + (kwnames ? PyTuple_GET_SIZE(kwnames) : 0);
+    PyObject *small[16], **all = n + 1 <= 16 ? small : PyMem_Malloc((n + 1) * sizeof(PyObject *));
+    if (all == NULL)
+        return PyErr_NoMemory();
+    all[0] = self;
+    for (Py_ssize_t i = 0; i < n; i++)
+        all[i + 1] = args[i];
+    PyObject *res = PyObject_Vectorcall(array_ufunc_fallback, all, nargs + 1, kwnames);
+    if (all != small)
+        PyMem_Free(all);
+    return res;
+}
+
+static PyMethodDef array_ufunc_def = {
+    "__array_ufunc__", (PyCFunction)(void (*)(void))view_array_ufunc,
+    METH_FASTCALL | METH_KEYWORDS,
+    "NEP 13: ufuncs on CachedArrays, the commonest calls in C and the rest by the general "
+    "handler."};
+
+/* array_ufunc(fallback): the method CachedArray.__array_ufunc__, calling fallback(self, ufunc,
+ * method, *inputs, **kwargs) for calls fast_ufunc does not take. */
+static PyObject *
+make_array_ufunc(PyObject *module, PyObject *fallback)
+{
+    if (view_cls == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "array_ufunc: bind_views() was not called");
+        return NULL;
+    }
+    if (!PyCallable_Check(fallback)) {
+        PyErr_SetString(PyExc_TypeError, "array_ufunc(fallback): fallback must be callable");
+        return NULL;
+    }
+    Py_XSETREF(array_ufunc_fallback, Py_NewRef(fallback));
+    return PyDescr_NewMethod(view_cls, &array_ufunc_def);
+}
+
+/* ---- operators: x + y and the others, in C ------------------------------------------------- */
 
 /* An arithmetic operator of CachedArray: ufunc(self, other) (reflected: ufunc(other, self);
  * unary: ufunc(self)) by fast_ufunc, or fallback(*args) for any call fast_ufunc does not take.
@@ -1537,7 +1600,7 @@ make_operator(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     return (PyObject *)op;
 }
 
-/* ---- basic indexing: x[key] as a view, in C ---------------------------------------------------- */
+/* ---- basic indexing: x[key] as a view, in C ------------------------------------------------ */
 
 static PyObject *getitem_fallback;                 /* CachedArray's general __getitem__ */
 
@@ -1692,6 +1755,9 @@ static PyMethodDef records_methods[] = {
     {"getitem", (PyCFunction)make_getitem, METH_O,
      "getitem(fallback): CachedArray.__getitem__ (basic indexing in C, other keys by "
      "fallback(self, key))."},
+    {"array_ufunc", (PyCFunction)make_array_ufunc, METH_O,
+     "array_ufunc(fallback): CachedArray.__array_ufunc__ (the commonest calls in C, the rest by "
+     "fallback(self, ufunc, method, *inputs, **kwargs))."},
     {"operator", (PyCFunction)(void (*)(void))make_operator, METH_FASTCALL,
      "operator(ufunc, fallback, kind): a CachedArray operator (kind 0 x op y, 1 reflected, 2 "
      "unary) running the commonest calls in C and any other by fallback."},

@@ -365,3 +365,23 @@ def test_operators_defer_to_types_that_opt_out(m):
     assert x + NoUfuncs() == "handled"
     np.testing.assert_array_equal(np.asarray(x + np.ones(4)), np.arange(4.0) + 1)
     np.testing.assert_array_equal(np.asarray(np.ones(4) + x), np.arange(4.0) + 1)
+
+
+def test_array_ufunc_takes_plain_calls_in_c_and_the_rest_by_the_general_handler(m):
+    a = np.arange(1.0, 7.0)
+    x = _arr(m, a)
+    np.testing.assert_array_equal(np.asarray(np.exp(x)), np.exp(a))
+    assert float(np.add.reduce(x)) == a.sum()                     # a method other than __call__
+    q, r = np.divmod(x, 4)                                        # two outputs
+    np.testing.assert_array_equal(np.asarray(q), a // 4)
+    np.testing.assert_array_equal(np.asarray(r), a % 4)
+    out = _arr(m, np.zeros(6))
+    assert np.multiply(x, 2, out=out) is out                      # keywords
+    np.testing.assert_array_equal(np.asarray(out), a * 2)
+    np.testing.assert_array_equal(np.asarray(np.add(x, 1, dtype=np.float32)), a + 1)
+    handler = ca.CachedArray.__array_ufunc__
+    np.testing.assert_array_equal(np.asarray(handler(x, np.negative, "__call__", x)), -a)
+    with pytest.raises(TypeError):
+        handler(np.arange(3), np.negative, "__call__", x)        # only CachedArrays
+    with pytest.raises(TypeError):
+        _records.array_ufunc(None)
