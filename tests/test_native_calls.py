@@ -7,6 +7,7 @@ pinned or allocated."""
 
 import gc
 import threading
+import time
 import warnings
 
 import numpy as np
@@ -385,3 +386,29 @@ def test_array_ufunc_takes_plain_calls_in_c_and_the_rest_by_the_general_handler(
         handler(np.arange(3), np.negative, "__call__", x)        # only CachedArrays
     with pytest.raises(TypeError):
         _records.array_ufunc(None)
+
+
+@pytest.mark.parametrize("n", [10, 70_000])
+def test_closing_the_manager_while_calls_run_in_another_thread(n):
+    for delay in (0.0, 0.005, 0.02):
+        m = ca.Manager(fast="16MiB", slow="64MiB")
+        x, y = _arr(m, np.ones(n)), _arr(m, np.ones(n))
+        errors, started = [], threading.Event()
+
+        def work():
+            started.set()
+            try:
+                for _ in range(100_000):
+                    z = x + y
+                    _ = (-z)[1:3], np.exp(x), z < 1
+            except UseAfterFreeError as e:
+                errors.append(e)
+
+        t = threading.Thread(target=work)
+        t.start()
+        started.wait()
+        time.sleep(delay)
+        m.close()
+        t.join(30)
+        assert not t.is_alive()               # the close neither hangs nor crashes the worker
+        assert len(errors) == 1                # the next call after the close says so
