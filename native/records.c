@@ -1011,12 +1011,15 @@ kernel_view(PyObject *x)
         if (r != NULL && PyTuple_GET_ITEM(c, 0) == r &&
                 PyObject_TypeCheck(r, &RegionRecordType)) {
             PyObject *off = ((RegionRecord *)r)->offset, *cached = PyTuple_GET_ITEM(c, 1);
+            Py_INCREF(c);
             int same = off == cached ? 1 : off == NULL ? 0 :
                        PyObject_RichCompareBool(cached, off, Py_EQ);
+            PyObject *view = same > 0 ? Py_NewRef(PyTuple_GET_ITEM(c, 2)) : NULL;
+            Py_DECREF(c);
             if (same < 0)
                 return NULL;
             if (same)
-                return Py_NewRef(PyTuple_GET_ITEM(c, 2));
+                return view;
         }
     }
     return PyObject_CallMethodNoArgs(x, s_kview);
@@ -1370,6 +1373,8 @@ fast_ufunc_impl(PyObject *module, PyObject *ufunc, PyObject *inputs)
         Py_RETURN_NONE;
     }
     PyObject *res = NULL;
+    Py_INCREF(m);                                /* the policy's Python code may rebind x's */
+    Py_INCREF(shape);                            /* fields while the call runs */
     if (key == NULL || objs == NULL)
         goto out;
     PyObject *plan = PyDict_GetItemWithError(plans, key);         /* borrowed */
@@ -1401,6 +1406,8 @@ fast_ufunc_impl(PyObject *module, PyObject *ufunc, PyObject *inputs)
 out:
     Py_XDECREF(key);
     Py_XDECREF(objs);
+    Py_DECREF(m);
+    Py_DECREF(shape);
     return res;
 }
 
@@ -1610,48 +1617,44 @@ static PyObject *getitem_fallback;                 /* CachedArray's general __ge
 static PyObject *
 basic_view(PyObject *x, PyObject *key)
 {
-    PyObject *obj = SLOT(x, off_obj), *shape = SLOT(x, off_shape), *strides = SLOT(x, off_strides),
-             *offset = SLOT(x, off_offset);
-    if (obj == NULL || shape == NULL || strides == NULL || offset == NULL ||
-            SLOT(x, off_m) == NULL || SLOT(x, off_dtype) == NULL ||
-            !PyObject_TypeCheck(obj, &ObjectRecordType) || ((ObjectRecord *)obj)->primary == NULL ||
+    /* x's fields, held while the key's __index__ (any Python code) runs */
+    PyObject *f[6] = {SLOT(x, off_obj), SLOT(x, off_shape), SLOT(x, off_strides),
+                      SLOT(x, off_offset), SLOT(x, off_m), SLOT(x, off_dtype)};
+    for (int i = 0; i < 6; i++)
+        if (f[i] == NULL)
+            return NULL;
+    PyObject *obj = f[0], *shape = f[1], *strides = f[2], *offset = f[3];
+    if (!PyObject_TypeCheck(obj, &ObjectRecordType) || ((ObjectRecord *)obj)->primary == NULL ||
             ((ObjectRecord *)obj)->primary == Py_None || !PyTuple_CheckExact(shape) ||
             !PyTuple_CheckExact(strides) || PyTuple_GET_SIZE(shape) != PyTuple_GET_SIZE(strides) ||
             !PyLong_CheckExact(offset))
         return NULL;
-    Py_ssize_t nd = PyTuple_GET_SIZE(shape), nk;
-    PyObject *const *keys;
-    if (PyTuple_CheckExact(key)) {
-        nk = PyTuple_GET_SIZE(key);
-        keys = &PyTuple_GET_ITEM(key, 0);
-    } else {
-        nk = 1;
-        keys = &key;
-    }
+    Py_ssize_t nd = PyTuple_GET_SIZE(shape),
+               nk = PyTuple_CheckExact(key) ? PyTuple_GET_SIZE(key) : 1;
     if (nk > nd || nd > 64)
         return NULL;
+    for (int i = 0; i < 6; i++)
+        Py_INCREF(f[i]);
+    Py_INCREF(key);
+    PyObject *new_shape = NULL, *new_strides = NULL, *new_off = NULL, *res = NULL;
     Py_ssize_t dims[64], steps[64], n_out = 0, off = PyLong_AsSsize_t(offset);
-    if (off == -1 && PyErr_Occurred()) {
-        PyErr_Clear();
-        return NULL;
-    }
+    if (off == -1 && PyErr_Occurred())
+        goto decline;
     for (Py_ssize_t i = 0; i < nd; i++) {
         Py_ssize_t len = PyLong_AsSsize_t(PyTuple_GET_ITEM(shape, i)),
                    st = PyLong_AsSsize_t(PyTuple_GET_ITEM(strides, i));
-        if ((len == -1 || st == -1) && PyErr_Occurred()) {
-            PyErr_Clear();
-            return NULL;
-        }
+        if ((len == -1 || st == -1) && PyErr_Occurred())
+            goto decline;
         if (i >= nk) {
             dims[n_out] = len;
             steps[n_out++] = st;
             continue;
         }
-        PyObject *k = keys[i];
+        PyObject *k = PyTuple_CheckExact(key) ? PyTuple_GET_ITEM(key, i) : key;
         if (PySlice_Check(k)) {
             Py_ssize_t start, stop, step;
             if (PySlice_Unpack(k, &start, &stop, &step) < 0)
-                return NULL;                             /* the error NumPy gives (step 0) */
+                goto out;                                /* the error NumPy gives (step 0) */
             Py_ssize_t n = PySlice_AdjustIndices(len, &start, &stop, step);
             if (n == 0) {                                /* NumPy's rule for an empty slice */
                 start = 0;
@@ -1662,24 +1665,21 @@ basic_view(PyObject *x, PyObject *key)
             steps[n_out++] = st * step;
         } else if (PyLong_CheckExact(k)) {
             Py_ssize_t j = PyLong_AsSsize_t(k);
-            if (j == -1 && PyErr_Occurred()) {
-                PyErr_Clear();
-                return NULL;
-            }
+            if (j == -1 && PyErr_Occurred())
+                goto decline;
             if (j < 0)
                 j += len;
             if (j < 0 || j >= len)
-                return NULL;                             /* NumPy raises its IndexError */
+                goto out;                                /* NumPy raises its IndexError */
             off += j * st;
         } else {
-            return NULL;
+            goto out;
         }
     }
     if (n_out == 0)
-        return NULL;                                     /* a scalar: not a view */
-    PyObject *new_shape = PyTuple_New(n_out), *new_strides = PyTuple_New(n_out),
-             *new_off = PyLong_FromSsize_t(off), *res = NULL;
-    if (new_shape == NULL || new_strides == NULL || new_off == NULL)
+        goto out;                                        /* a scalar: not a view */
+    if ((new_shape = PyTuple_New(n_out)) == NULL || (new_strides = PyTuple_New(n_out)) == NULL ||
+            (new_off = PyLong_FromSsize_t(off)) == NULL)
         goto out;
     for (Py_ssize_t i = 0; i < n_out; i++) {
         PyObject *d = PyLong_FromSsize_t(dims[i]), *t = PyLong_FromSsize_t(steps[i]);
@@ -1695,16 +1695,22 @@ basic_view(PyObject *x, PyObject *key)
     if ((res = type->tp_alloc(type, 0)) == NULL)
         goto out;
     SLOT(res, off_obj) = Py_NewRef(obj);
-    SLOT(res, off_m) = Py_NewRef(SLOT(x, off_m));
+    SLOT(res, off_m) = Py_NewRef(f[4]);
     SLOT(res, off_shape) = Py_NewRef(new_shape);
-    SLOT(res, off_dtype) = Py_NewRef(SLOT(x, off_dtype));
+    SLOT(res, off_dtype) = Py_NewRef(f[5]);
     SLOT(res, off_strides) = Py_NewRef(new_strides);
     SLOT(res, off_offset) = Py_NewRef(new_off);
     SLOT(res, off_vc) = Py_NewRef(Py_None);
+    goto out;
+decline:                                                 /* not an error: the general method */
+    PyErr_Clear();
 out:
     Py_XDECREF(new_shape);
     Py_XDECREF(new_strides);
     Py_XDECREF(new_off);
+    for (int i = 0; i < 6; i++)
+        Py_DECREF(f[i]);
+    Py_DECREF(key);
     return res;
 }
 

@@ -412,3 +412,28 @@ def test_closing_the_manager_while_calls_run_in_another_thread(n):
         t.join(30)
         assert not t.is_alive()               # the close neither hangs nor crashes the worker
         assert len(errors) == 1                # the next call after the close says so
+
+
+def test_python_code_rebinding_an_array_mid_call_does_not_break_the_c_paths(m):
+    x = _arr(m, np.arange(10.0))
+
+    class Rebinding:
+        def __index__(self):                  # runs while C holds x's fields
+            x._shape, x._strides = (10,), (8,)
+            gc.collect()
+            return 2
+
+    v = x[Rebinding():6]
+    np.testing.assert_array_equal(np.asarray(v), np.arange(2.0, 6.0))
+
+    class Meddling(LRU):
+        def read_use(self, obj):
+            y._shape, y._m = (10,), y._m      # new tuples for the fields C is using
+            gc.collect()
+            super().read_use(obj)
+
+    with ca.Manager(fast="8MiB", slow="32MiB", policy=Meddling()) as other:
+        y = _arr(other, np.arange(10.0))
+        z = y + 1
+        np.testing.assert_array_equal(np.asarray(z), np.arange(10.0) + 1)
+        assert z.shape == (10,)
