@@ -187,7 +187,8 @@ def _fast_general(ufunc, inputs, out=None):
         dt = _resolve(ufunc, inputs, "same_kind")
         if dt is None or dt.hasobject:
             return _SLOW
-    return _new_result(ufunc, inputs, m, shape, (dt, dt.itemsize, ufunc.__name__, {}), tuple(objs))
+    plan = (dt, dt.itemsize, ufunc.__name__, {})
+    return _new_result(ufunc, inputs, m, shape, plan, tuple(objs))
 
 
 def _array_ufunc(self, ufunc, method, *inputs, **kwargs):

@@ -1462,21 +1462,29 @@ static PyMethodDef array_ufunc_def = {
     "NEP 13: ufuncs on CachedArrays, the commonest calls in C and the rest by the general "
     "handler."};
 
+/* A method of CachedArray (def) whose C body sends what it does not take to fallback, kept in
+ * *slot. what names the caller in errors. */
+static PyObject *
+method_with_fallback(const char *what, PyMethodDef *def, PyObject **slot, PyObject *fallback)
+{
+    if (view_cls == NULL) {
+        PyErr_Format(PyExc_RuntimeError, "%s: bind_views() was not called", what);
+        return NULL;
+    }
+    if (!PyCallable_Check(fallback)) {
+        PyErr_Format(PyExc_TypeError, "%s(fallback): fallback must be callable", what);
+        return NULL;
+    }
+    Py_XSETREF(*slot, Py_NewRef(fallback));
+    return PyDescr_NewMethod(view_cls, def);
+}
+
 /* array_ufunc(fallback): the method CachedArray.__array_ufunc__, calling fallback(self, ufunc,
  * method, *inputs, **kwargs) for calls fast_ufunc does not take. */
 static PyObject *
 make_array_ufunc(PyObject *module, PyObject *fallback)
 {
-    if (view_cls == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "array_ufunc: bind_views() was not called");
-        return NULL;
-    }
-    if (!PyCallable_Check(fallback)) {
-        PyErr_SetString(PyExc_TypeError, "array_ufunc(fallback): fallback must be callable");
-        return NULL;
-    }
-    Py_XSETREF(array_ufunc_fallback, Py_NewRef(fallback));
-    return PyDescr_NewMethod(view_cls, &array_ufunc_def);
+    return method_with_fallback("array_ufunc", &array_ufunc_def, &array_ufunc_fallback, fallback);
 }
 
 /* ---- operators: x + y and the others, in C ------------------------------------------------- */
@@ -1734,16 +1742,7 @@ static PyMethodDef getitem_def = {
 static PyObject *
 make_getitem(PyObject *module, PyObject *fallback)
 {
-    if (view_cls == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "getitem: bind_views() was not called");
-        return NULL;
-    }
-    if (!PyCallable_Check(fallback)) {
-        PyErr_SetString(PyExc_TypeError, "getitem(fallback): fallback must be callable");
-        return NULL;
-    }
-    Py_XSETREF(getitem_fallback, Py_NewRef(fallback));
-    return PyDescr_NewMethod(view_cls, &getitem_def);
+    return method_with_fallback("getitem", &getitem_def, &getitem_fallback, fallback);
 }
 
 static PyMethodDef records_methods[] = {

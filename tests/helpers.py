@@ -6,13 +6,23 @@ test modules and conftest.py (the default "prepend" import mode).
 
 import importlib.util
 import pathlib
+import threading
 
 import numpy as np
 
 import cachedarrays as ca
 
 __all__ = ["assert_eq", "same", "RTOL", "load_benchmark", "layered_program", "traced_training",
-           "beside_fast_only", "built_trace"]
+           "beside_fast_only", "built_trace", "run_threads"]
+
+
+def run_threads(work, n=4):
+    """work(0) ... work(n-1), each on its own thread, started together and all joined."""
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
 
 
 def load_benchmark(name):

@@ -3,13 +3,13 @@ import mmap
 import os
 import subprocess
 import sys
-import threading
 
 import numpy as np
 import pytest
 
 from cachedarrays import copyengine as ce
 from cachedarrays._native import ffi
+from helpers import run_threads
 
 MiB = 1 << 20
 GUARD = 0xEE
@@ -155,11 +155,7 @@ def test_concurrent_copies_from_four_python_threads():
         except Exception as e:  # surfaced below
             errors.append(e)
 
-    ts = [threading.Thread(target=work, args=(k,)) for k in range(4)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
+    run_threads(work)
     assert errors == []
 
 

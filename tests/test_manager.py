@@ -2,7 +2,6 @@
 
 import gc
 import json
-import threading
 
 import numpy as np
 import pytest
@@ -15,6 +14,7 @@ import cachedarrays as ca
 from cachedarrays.errors import (CachedArraysError, OutOfMemoryError, PinnedError,
                                  UseAfterFreeError)
 from cachedarrays.telemetry import read_event_log
+from helpers import run_threads
 
 
 @pytest.fixture
@@ -278,11 +278,7 @@ def test_threads_share_a_manager_safely(m):
         except Exception as e:     # pragma: no cover - reported below
             errors.append(e)
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_threads(work)
     assert not errors
     m.check()
 

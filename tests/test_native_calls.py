@@ -19,6 +19,7 @@ from cachedarrays.errors import UseAfterFreeError
 from cachedarrays.manager import Observer
 from cachedarrays.pinning import pop_scope, push_scope
 from cachedarrays.policies import LRU
+from helpers import run_threads
 
 
 @pytest.fixture
@@ -270,11 +271,7 @@ def test_calls_from_many_threads_keep_data_and_pins():
             except BaseException as e:       # noqa: BLE001 - reported below
                 errors.append(e)
 
-        threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        run_threads(work)
         assert not errors
         assert all(a.object._pins == 0 for a in arrays)
 
