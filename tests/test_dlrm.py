@@ -317,3 +317,18 @@ def test_specialised_interaction_backward_is_bit_identical_to_generic(nfeat, fs,
         M.set_specialised(old)
     assert np.array_equal(dt, generic)
     assert M._specialised(nfeat, fs, t, dr[:, 1:].copy(), dt, backward=True) is None
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_fma_rounds_once(dtype):
+    """The interaction kernels' fma: (1 + e)(1 - e) - 1 is -e**2 exactly, which a multiply
+    rounded before the add loses (the product rounds to 1)."""
+    from numba import njit
+
+    from cachedarrays.models.dlrm._intrinsics import fma
+
+    e = dtype(2.0 ** -(13 if dtype == np.float32 else 30))
+    one = dtype(1)
+    fused = njit(lambda a, b, c: fma(a, b, c))(one + e, one - e, -one)
+    assert fused == -(e * e) and fused != 0
+    assert (one + e) * (one - e) - one == 0         # what two roundings give

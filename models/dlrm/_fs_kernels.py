@@ -28,10 +28,9 @@ is passed as its own cache, so one kernel serves both.
 """
 
 import numpy as np
-from llvmlite import ir
-from numba import njit, prange, types
-from numba.core import cgutils
-from numba.extending import intrinsic
+from numba import njit, prange
+
+from ._intrinsics import prefetch_read, prefetch_write
 
 PARALLEL = dict(parallel=True, cache=True, fastmath=False, nogil=True)
 SERIAL = dict(cache=True, fastmath=False, nogil=True)
@@ -59,34 +58,6 @@ AHEAD = PREFETCH_AHEAD
 RAHEAD = ROW_PREFETCH
 
 
-def _make_prefetch(rw):
-    @intrinsic
-    def prefetch(typingctx, arr, idx):
-        sig = types.void(arr, idx)
-
-        def codegen(context, builder, signature, args):
-            aryty = signature.args[0]
-            ary = context.make_array(aryty)(context, builder, args[0])
-            ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [args[1]],
-                                           wraparound=False)
-            i32 = ir.IntType(32)
-            # one declaration for every element type: prefetches of several arrays can
-            # share an LLVM module once numba inlines the helpers
-            ptr = builder.bitcast(ptr, cgutils.voidptr_t)
-            fnty = ir.FunctionType(ir.VoidType(), [cgutils.voidptr_t, i32, i32, i32])
-            fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
-            builder.call(fn, [ptr, i32(rw), i32(3), i32(1)])  # locality 3, data cache
-            return context.get_dummy_value()
-
-        return sig, codegen
-
-    return prefetch
-
-
-#: ``prefetch_read(arr, i)`` / ``prefetch_write(arr, i)``: an ``llvm.prefetch`` hint for
-#: ``arr[i]``; a hint never faults, so no bounds check is needed.
-prefetch_read = _make_prefetch(0)
-prefetch_write = _make_prefetch(1)
 
 
 # ---- helpers without a feature loop -------------------------------------------------------
@@ -490,27 +461,102 @@ def sgd_rows_flat(t, where, rows, bounds, occ, lo, hi, dout, gstride, gcol, lr, 
 
 
 @njit(**INLINE)
-def reindex_tables(indices, offsets, obase, nbags, slots, nworkers, idx_base):
+def accumulate_dense(tabs, indices, offsets, obase, idx_base, nbags, dout, gstride, cols, fss,
+                     dslot, sbase, gacc, gbase, rows, nus):
+    """Re-index and sum the gradients of the small tables ``tabs`` in one pass over the bags.
+
+    For every table t of ``tabs``: ``rows`` (from ``idx_base[t]``) gets its unique rows in
+    first-seen order, ``nus[t]`` their count, and ``gacc`` (from ``gbase[t]``, ``fss[t]`` values
+    per unique row) the sum of each row's gradients in occurrence order, from zero: the order
+    ``sum_grad`` adds them in. Bags go in order, each bag's rows of every table together, so
+    the gradient is read row after row, not one strided column block per table. ``dslot``
+    (from ``sbase[t]``, one int32 per table row) maps a row to 1 + its unique id; it must be
+    zero on entry and is zero again on exit."""
+    for b in range(nbags):
+        for k in range(tabs.shape[0]):
+            t = tabs[k]
+            lo = idx_base[t]
+            nidx = idx_base[t + 1] - lo
+            start, end = bag_bounds(offsets[obase[t]:obase[t + 1]], b, nidx)
+            fs = fss[t]
+            g = np.uint64(b * gstride + cols[t])
+            for j in range(lo + start, lo + end):
+                r = indices[j]
+                q = sbase[t] + r
+                u = dslot[q]
+                if u == 0:
+                    u = nus[t] + 1
+                    nus[t] = u
+                    dslot[q] = u
+                    rows[lo + u - 1] = r
+                add1(gacc[gbase[t] + (u - 1) * fs:], dout, g, fs)
+    for k in range(tabs.shape[0]):
+        t = tabs[k]
+        lo = idx_base[t]
+        for u in range(nus[t]):
+            dslot[sbase[t] + rows[lo + u]] = 0
+
+
+@njit(**INLINE)
+def reindex_tables(indices, offsets, obase, nbags, slots, nworkers, idx_base, dense, dout,
+                   gstride, cols, fss):
     """Re-index every table of an ensemble (worker w takes tables w, w + nworkers, ...; one
     scratch row of ``slots`` each). The tables' indices and offsets are concatenated: table
-    t's from ``idx_base[t]`` and ``obase[t]``. Returns (rows, bounds, occ, unique-row counts,
-    the most work items of one table)."""
+    t's from ``idx_base[t]`` and ``obase[t]``. Tables with ``dense[t]`` set (small ones) are
+    re-indexed by ``accumulate_dense`` instead, which also sums their gradients into the
+    returned ``gacc`` (from ``gbase[t]``); ``dense[t]`` is then the table's row count, else 0.
+    Returns (rows, bounds, occ, unique-row counts, the
+    most work items of one table, gacc, gbase)."""
     ntables = idx_base.shape[0] - 1
     total = idx_base[ntables]
     rows = np.empty(total, dtype=np.int64)
     occ = np.empty(total, dtype=np.int64)
     bounds = np.empty(total + 2 * ntables, dtype=np.int64)
     nus = np.zeros(ntables, dtype=np.int64)
+    sbase = np.zeros(ntables + 1, dtype=np.int64)
+    gbase = np.zeros(ntables + 1, dtype=np.int64)
+    for t in range(ntables):
+        n = dense[t] if dense[t] < idx_base[t + 1] - idx_base[t] else idx_base[t + 1] - idx_base[t]
+        sbase[t + 1] = sbase[t] + dense[t]
+        gbase[t + 1] = gbase[t] + n * fss[t]
+    dslot = np.zeros(sbase[ntables], dtype=np.int32)
+    gacc = np.zeros(gbase[ntables], dtype=dout.dtype)
     for w in prange(nworkers):
+        ndense = 0
         for t in range(w, ntables, nworkers):
-            lo = idx_base[t]
-            hi = idx_base[t + 1]
-            nus[t] = reindex(indices[lo:hi], offsets[obase[t]:obase[t + 1]], nbags, slots[w],
-                             rows[lo:hi], bounds[lo + 2 * t:hi + 2 * t + 2], occ[lo:hi])
+            if dense[t]:
+                ndense += 1
+        tabs = np.empty(ndense, dtype=np.int64)
+        ndense = 0
+        for t in range(w, ntables, nworkers):
+            if dense[t]:
+                tabs[ndense] = t
+                ndense += 1
+            else:
+                lo = idx_base[t]
+                hi = idx_base[t + 1]
+                nus[t] = reindex(indices[lo:hi], offsets[obase[t]:obase[t + 1]], nbags,
+                                 slots[w], rows[lo:hi], bounds[lo + 2 * t:hi + 2 * t + 2],
+                                 occ[lo:hi])
+        if ndense:
+            accumulate_dense(tabs, indices, offsets, obase, idx_base, nbags, dout, gstride, cols,
+                             fss, dslot, sbase, gacc, gbase, rows, nus)
     maxitems = 0
     for t in range(ntables):
         maxitems = max(maxitems, (nus[t] + RPI - 1) // RPI)
-    return rows, bounds, occ, nus, maxitems
+    return rows, bounds, occ, nus, maxitems, gacc, gbase
+
+
+@njit(**INLINE)
+def sgd_dense(flat, rows, lo, hi, gacc, g0, lr, fs, delta):
+    """flat[row start + delta:...] -= lr * gacc[g0 + u * fs:...] for the unique rows lo..hi of a
+    table ``accumulate_dense`` summed: the update ``sgd_row`` makes from the same sums."""
+    for u in range(lo, hi):
+        p = at(rows[u], fs) + delta
+        a = np.uint64(g0 + u * fs)
+        for f in range(fs):
+            uf = np.uint64(f)
+            flat[p + uf] -= lr * gacc[a + uf]
 
 
 # ---- the kernels ----------------------------------------------------------------------------
@@ -662,12 +708,13 @@ def make_kernels(FS):
 
     @njit(**PARALLEL)
     def update_many(tables, indices, offsets, obase, nbags, dout, gstride, cols, lr, slots,
-                    nworkers, idx_base):
+                    nworkers, idx_base, dense, fss):
         """Re-index every table (``reindex_tables``), then apply SGD over flattened (row chunk,
         table) items. Returns the unique-row counts and the concatenated unique rows."""
         ntables = len(tables)
-        rows, bounds, occ, nus, maxitems = reindex_tables(indices, offsets, obase, nbags, slots,
-                                                          nworkers, idx_base)
+        rows, bounds, occ, nus, maxitems, gacc, gbase = reindex_tables(
+            indices, offsets, obase, nbags, slots, nworkers, idx_base, dense, dout, gstride, cols,
+            fss)
         for it in prange(maxitems * ntables):
             c = it // ntables
             t = it - c * ntables
@@ -675,23 +722,28 @@ def make_kernels(FS):
             if c * RPI < nu:
                 fs = FS or tables[t].shape[1]
                 tflat = tables[t].reshape(-1)
-                acc = np.empty(fs, dtype=tflat.dtype)
                 lo, hi = span(c, RPI, nu)
                 base = idx_base[t]
                 end = idx_base[t + 1]
-                sgd_rows(tflat, tflat, None, rows[base:base + nu],
-                         bounds[base + 2 * t:end + 2 * t + 2], occ[base:end], lo, hi, dout,
-                         gstride, cols[t], lr, acc, fs)
+                if dense[t]:
+                    sgd_dense(tflat, rows[base:base + nu], lo, hi, gacc, gbase[t], lr, fs,
+                              np.uint64(0))
+                else:
+                    acc = np.empty(fs, dtype=tflat.dtype)
+                    sgd_rows(tflat, tflat, None, rows[base:base + nu],
+                             bounds[base + 2 * t:end + 2 * t + 2], occ[base:end], lo, hi, dout,
+                             gstride, cols[t], lr, acc, fs)
         return nus, rows
 
     @njit(**PARALLEL)
     def update_many_flat(base, deltas, widths, indices, offsets, obase, nbags, dout, gstride,
-                         cols, lr, slots, nworkers, idx_base, dirty):
+                         cols, lr, slots, nworkers, idx_base, dirty, dense):
         """``update_many`` with table t read and written ``deltas[t]`` elements from ``base``
         through base's flat buffer (see ``gather_many``); ``dirty`` is an empty array."""
         ntables = deltas.shape[0]
-        rows, bounds, occ, nus, maxitems = reindex_tables(indices, offsets, obase, nbags, slots,
-                                                          nworkers, idx_base)
+        rows, bounds, occ, nus, maxitems, gacc, gbase = reindex_tables(
+            indices, offsets, obase, nbags, slots, nworkers, idx_base, dense, dout, gstride, cols,
+            widths)
         bflat = base.reshape(-1)
         for it in prange(maxitems * ntables):
             c = it // ntables
@@ -699,13 +751,17 @@ def make_kernels(FS):
             nu = nus[t]
             if c * RPI < nu:
                 fs = FS or widths[t]
-                acc = np.empty(fs, dtype=bflat.dtype)
                 lo, hi = span(c, RPI, nu)
                 first = idx_base[t]
                 end = idx_base[t + 1]
-                sgd_rows_flat(bflat, None, rows[first:first + nu],
-                              bounds[first + 2 * t:end + 2 * t + 2], occ[first:end], lo, hi,
-                              dout, gstride, cols[t], lr, acc, fs, deltas[t], dirty)
+                if dense[t]:
+                    sgd_dense(bflat, rows[first:first + nu], lo, hi, gacc, gbase[t], lr, fs,
+                              np.uint64(deltas[t]))
+                else:
+                    acc = np.empty(fs, dtype=bflat.dtype)
+                    sgd_rows_flat(bflat, None, rows[first:first + nu],
+                                  bounds[first + 2 * t:end + 2 * t + 2], occ[first:end], lo, hi,
+                                  dout, gstride, cols[t], lr, acc, fs, deltas[t], dirty)
         return nus, rows
 
     return dict(gather=gather, gather_many=gather_many, bag_sum=bag_sum,

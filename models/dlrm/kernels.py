@@ -714,6 +714,25 @@ def _distance(base, other):
     return np.uint64((gap // base.itemsize) % (1 << 64))
 
 
+#: Tables whose gradient sums (one row of values per table row) fit in this many bytes are
+#: updated by one pass over the bags (``accumulate_dense``) instead of a re-index that reads
+#: one strided column block of the gradient per table (1 MiB: a core's L2 here). For DLRM's
+#: small tables, whose every row is used many times per batch, the update took 10 ms instead
+#: of 15 (26 tables, batch 8192, 2 threads), with bit-identical results.
+DENSE_UPDATE_BYTES = 1024 * 1024
+
+
+def _dense_tables(tables, indices_list):
+    """Per table, its row count if ``update_many`` sums its gradients densely, else 0: small
+    tables used at least once per row on average."""
+    out = np.zeros(len(tables), dtype=np.int64)
+    for t, (table, idx) in enumerate(zip(tables, indices_list)):
+        n = table.shape[0]
+        if 0 < n * table.shape[1] * table.itemsize <= DENSE_UPDATE_BYTES and idx.shape[0] >= n:
+            out[t] = n
+    return out
+
+
 def update_many(tables, indices_list, offsets_list, dout, lr, column_offsets=None, *, names=None):
     """Fused SGD for an ensemble from the gradient of the concatenated ``lookup_many`` output.
 
@@ -742,14 +761,15 @@ def update_many(tables, indices_list, offsets_list, dout, lr, column_offsets=Non
     obase = np.zeros(len(tables) + 1, dtype=np.int64)
     np.cumsum([a.shape[0] for a in ol], out=obase[1:])
     icat, ocat = np.concatenate(il), np.concatenate(ol)
+    widths = np.array([t.shape[1] for t in tl], dtype=np.int64)
+    dense = _dense_tables(tl, il)
     if deltas is not None:      # the tables through the first's buffer: no typed list
-        widths = np.array([t.shape[1] for t in tl], dtype=np.int64)
         nus, rows = _pick("update_many_flat", fs)(
             tl[0], deltas, widths, icat, ocat, obase, nbags, gflat, gstride, cols,
-            dtype.type(lr), slots, nworkers, idx_base, _NO_MARKS)
+            dtype.type(lr), slots, nworkers, idx_base, _NO_MARKS, dense)
     else:
         nus, rows = _pick("update_many", fs)(TypedList(tl), icat, ocat, obase, nbags, gflat,
                                              gstride, cols, dtype.type(lr), slots, nworkers,
-                                             idx_base)
+                                             idx_base, dense, widths)
     _slots.give(slots)
     return [rows[idx_base[t]:idx_base[t] + nus[t]] for t in range(len(tables))]

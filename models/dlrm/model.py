@@ -23,6 +23,7 @@ from cachedarrays.models.backend import get_backend
 from . import embedding as emb
 from . import kernels
 from ._interaction_kernels import make_backward, make_forward
+from ._intrinsics import fma
 from .configs import DLRMConfig, get_config
 from .data import Batch, SyntheticDataset
 
@@ -56,7 +57,7 @@ def _dot_forward(t, nfeat, fs, r):
             for j in range(i):
                 s = t.dtype.type(0)
                 for k in range(fs):
-                    s += t[b, i * fs + k] * t[b, j * fs + k]
+                    s = fma(t[b, i * fs + k], t[b, j * fs + k], s)
                 r[b, p] = s
                 p += 1
 
@@ -74,8 +75,8 @@ def _dot_backward(t, dr, nfeat, fs, dt):
             for j in range(i):
                 g = dr[b, p]
                 for k in range(fs):
-                    dt[b, i * fs + k] += g * t[b, j * fs + k]
-                    dt[b, j * fs + k] += g * t[b, i * fs + k]
+                    dt[b, i * fs + k] = fma(g, t[b, j * fs + k], dt[b, i * fs + k])
+                    dt[b, j * fs + k] = fma(g, t[b, i * fs + k], dt[b, j * fs + k])
                 p += 1
 
 
