@@ -429,6 +429,54 @@ def test_onednn_dense_falls_back_to_the_inner_product_where_matmul_is_reference_
         dnnl.clear_cache()
 
 
+@pytest.mark.parametrize("optimized", [True, False])
+def test_onednn_weight_gradient_computed_as_its_transpose_matches_reference(dnnl, monkeypatch,
+                                                                           optimized):
+    """At the shapes ``_wgrad_transposed`` names, dw comes from dw.T = x.T @ dy in a scratch
+    buffer (or, where oneDNN offers only reference code for that, from the direct product),
+    with the same results; threads sharing the shape's scratch buffer do not mix results."""
+    monkeypatch.setattr(dnnl, "WGRAD_TRANSPOSED_MIN_BATCH", 64)
+    n, i, o = 300, 64, 96
+    assert dnnl._wgrad_transposed(n, i, o) and not dnnl._wgrad_transposed(n, o, i)
+    assert not dnnl._wgrad_transposed(n, i, o + 1) and not dnnl._wgrad_transposed(63, i, o)
+    dnnl.clear_cache()
+    if not optimized:           # another CPU: reference code only, for every matmul
+        monkeypatch.setattr(dnnl, "_optimized", lambda pd: False)
+    try:
+        rng = np.random.default_rng(31)
+        cases = [(rand(rng, n, i), rand(rng, n, o)) for _ in range(4)]
+        expect = []
+        for x, dy in cases:
+            dw_ref, db_ref = np.empty((o, i), F32), np.empty(o, F32)
+            ref.dense_backward_weights(x, dy, dw_ref, db_ref)
+            expect.append((dw_ref, db_ref))
+        dw, db = np.full((o, i), np.nan, F32), np.full(o, np.nan, F32)
+        assert dnnl.dense_backward_weights(*cases[0], dw, db) is dw
+        close(dw, expect[0][0])
+        close(db, expect[0][1])
+        dw[:] = np.nan
+        dnnl.dense_backward_weights(*cases[0], dw, None)
+        close(dw, expect[0][0])
+        assert (dnnl._wgrad_transposed_primitive(n, i, o) is not None) == optimized
+        errors = []
+
+        def work(k):
+            out = np.empty((o, i), F32)
+            for _ in range(20):
+                dnnl.dense_backward_weights(*cases[k], out, None)
+                if not np.allclose(out, expect[k][0], rtol=1e-4, atol=1e-4):
+                    errors.append(k)
+
+        threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert errors == []
+    finally:
+        dnnl.clear_cache()
+
+
 def test_relu_backward_bias_refuses_bad_arguments(dnnl):
     rng = np.random.default_rng(20)
     dy, y = rand(rng, 8, 4), rand(rng, 8, 4)
