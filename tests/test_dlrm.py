@@ -130,8 +130,8 @@ def test_table_kinds_train_identically(m):
 
 MLP_KERNELS = {"load_dense_input", "dense_forward", "copy_bottom_features", "dot_interaction",
                "bce_with_logits", "relu_backward_bias", "dense_backward_weights",
-               "dense_backward_data", "dot_interaction_backward", "copy_bottom_gradient",
-               "sgd_update"}
+               "output_layer_backward", "dense_backward_data", "dot_interaction_backward",
+               "copy_bottom_gradient", "sgd_update"}
 
 
 @pytest.mark.parametrize("kind", ["fast", "simple", "static", "dynamic"])
@@ -149,7 +149,8 @@ def test_a_traced_training_run_has_named_kernels_and_a_step_mark_per_step(m, kin
         names = [t.kernels[k][0] for k in g]
         assert set(names) <= MLP_KERNELS | {"embedding_lookup", "embedding_update",
                                             "embedding_writeback", "embedding_cache_rows"}
-        assert {"dense_forward", "embedding_lookup", "embedding_update", "sgd_update"} <= set(names)
+        assert {"dense_forward", "embedding_lookup", "embedding_update", "sgd_update",
+                "output_layer_backward"} <= set(names)
         # One ensemble lookup and update, plus one nested in it per cached table.
         per_table = cfg.ntables if kind in ("static", "dynamic") else 0
         assert names.count("embedding_lookup") == names.count("embedding_update") == 1 + per_table
@@ -332,3 +333,48 @@ def test_fma_rounds_once(dtype):
     fused = njit(lambda a, b, c: fma(a, b, c))(one + e, one - e, -one)
     assert fused == -(e * e) and fused != 0
     assert (one + e) * (one - e) - one == 0         # what two roundings give
+
+
+@pytest.mark.parametrize("n, h", [(1, 1), (255, 7), (256, 64), (257, 33), (1000, 16)])
+def test_output_layer_backward_equals_the_separate_kernels(n, h):
+    """One pass gives what the weight and data gradients and the ReLU's backward pass give
+    (the input gradient bit for bit), across row chunks and with ReLU zeros."""
+    from cachedarrays.models.dlrm._head import output_layer_backward
+
+    rng = np.random.default_rng(n + h)
+    dz = rng.standard_normal((n, 1)).astype(np.float32)
+    y = np.maximum(rng.standard_normal((n, h)), 0).astype(np.float32)
+    w = rng.standard_normal((1, h)).astype(np.float32)
+    dx, dw = np.full((n, h), np.nan, np.float32), np.full((1, h), np.nan, np.float32)
+    db, dbp = np.full(1, np.nan, np.float32), np.full(h, np.nan, np.float32)
+    assert output_layer_backward(dz, y, w, dx, dw, db, dbp) is dx
+    expect_dx = np.where(y > 0, dz * w, np.float32(0))
+    assert np.array_equal(dx, expect_dx)
+    d64, y64 = dz.astype(np.float64), y.astype(np.float64)
+    np.testing.assert_allclose(dw, d64.T @ y64, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(db, d64.sum(0), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(dbp, expect_dx.astype(np.float64).sum(0), rtol=1e-5, atol=1e-6)
+
+
+def test_output_layer_backward_refuses_bad_arguments():
+    from cachedarrays.models.dlrm._head import output_layer_backward
+
+    n, h = 8, 4
+    good = dict(dz=np.ones((n, 1), np.float32), y=np.ones((n, h), np.float32),
+                w=np.ones((1, h), np.float32), dx=np.empty((n, h), np.float32),
+                dw=np.empty((1, h), np.float32), db=np.empty(1, np.float32),
+                dbp=np.empty(h, np.float32))
+    bad = {"dz": np.ones((n, 2), np.float32), "y": np.ones((n, h), np.float64),
+           "w": np.ones((h, 1), np.float32), "dx": np.empty((n, 2 * h), np.float32)[:, ::2],
+           "dw": [0.0] * h, "dbp": np.empty(h + 1, np.float32)}
+    for name, value in bad.items():
+        with pytest.raises(ValueError, match=f"{name} must be"):
+            output_layer_backward(**dict(good, **{name: value}))
+    ro = np.empty((n, h), np.float32)
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match="dx is read-only"):
+        output_layer_backward(**dict(good, dx=ro))
+    empty = dict(good, dz=np.ones((0, 1), np.float32), y=np.ones((0, h), np.float32),
+                 dx=np.empty((0, h), np.float32))
+    output_layer_backward(**empty)
+    assert (empty["dw"] == 0).all() and (empty["db"] == 0).all() and (empty["dbp"] == 0).all()

@@ -22,6 +22,7 @@ from cachedarrays.models.backend import get_backend
 
 from . import embedding as emb
 from . import kernels
+from ._head import output_layer_backward
 from ._interaction_kernels import make_backward, make_forward
 from ._intrinsics import fma
 from .configs import DLRMConfig, get_config
@@ -257,14 +258,30 @@ class DLRM:
         return x
 
     def _mlp_backward(self, layers, x0, outs, douts, dx0=None):
-        """Back through ``layers``; douts[-1] holds the gradient of the last output on entry."""
+        """Back through ``layers``; douts[-1] holds the gradient of the last output on entry.
+
+        A last layer of one output on a ReLU layer (DLRM's click logit) goes back through
+        both in one pass (``output_layer_backward``)."""
         be = self.backend
-        for i in range(len(layers) - 1, -1, -1):
+        top = len(layers) - 1
+        masked = False          # douts[i] already holds the gradient at layer i's ReLU input
+        if top >= 1 and layers[top].w.shape[0] == 1 and not layers[top].relu and \
+                layers[top - 1].relu:
+            last, prev = layers[top], layers[top - 1]
+            with ca.kernel("output_layer_backward", (douts[top], outs[top - 1], last.w),
+                           (douts[top - 1], last.dw, last.db, prev.db)) as \
+                    (dz, y, w, dx, dw, db, dbp):
+                output_layer_backward(dz, y, w, dx, dw, db, dbp)
+            top -= 1
+            masked = True
+        for i in range(top, -1, -1):
             layer, y, dy = layers[i], outs[i], douts[i]
             x = outs[i - 1] if i > 0 else x0
-            if layer.relu:      # in place on dy, with the bias gradient from the same pass
-                with ca.kernel("relu_backward_bias", (y,), (dy, layer.db)) as (yv, dyv, db):
-                    be.relu_backward_bias(dyv, yv, dyv, db)
+            if layer.relu:
+                if not masked:  # in place on dy, with the bias gradient from the same pass
+                    with ca.kernel("relu_backward_bias", (y,), (dy, layer.db)) as (yv, dyv, db):
+                        be.relu_backward_bias(dyv, yv, dyv, db)
+                masked = False
                 with ca.kernel("dense_backward_weights", (x, dy), (layer.dw,)) as (xv, dyv, dw):
                     be.dense_backward_weights(xv, dyv, dw, None)
             else:
