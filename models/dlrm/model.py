@@ -294,11 +294,15 @@ class DLRM:
                     be.dense_backward_data(dyv, w, dxv)
 
     def _sgd(self, layers, lr):
+        """SGD of every weight and bias of layers, in one kernel (the parameters are small:
+        one scope instead of one per array)."""
         be = self.backend
-        for layer in layers:
-            for p, g in ((layer.w, layer.dw), (layer.b, layer.db)):
-                with ca.kernel("sgd_update", (g,), (p,)) as (gv, pv):
-                    be.sgd_update(pv, gv, lr)
+        params = [p for layer in layers for p in (layer.w, layer.b)]
+        grads = [g for layer in layers for g in (layer.dw, layer.db)]
+        with ca.kernel("sgd_update", grads, params) as views:
+            n = len(params)
+            for gv, pv in zip(views[:n], views[n:]):
+                be.sgd_update(pv, gv, lr)
 
     def _check_batch(self, batch):
         cfg = self.config
@@ -381,8 +385,7 @@ class DLRM:
         with ca.kernel("copy_bottom_gradient", (dt,), (acts["dbottom"][-1],)) as (dtv, dbv):
             dbv[...] = dtv[:, :fs]
         self._mlp_backward(self.bottom, acts["x"], acts["bottom"], acts["dbottom"], None)
-        self._sgd(self.bottom, lr)
-        self._sgd(self.top, lr)
+        self._sgd(self.bottom + self.top, lr)
         t3 = time.perf_counter()
         emb.update_tables(self.tables, batch.indices, batch.offsets, dt, lr, self.columns)
         for table in self.tables:
