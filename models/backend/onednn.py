@@ -964,9 +964,9 @@ def dense_backward_data(dy, w, dx):
 
 #: The weight gradient runs as its transpose (dw.T = x.T @ dy into a scratch buffer, then
 #: copied into dw) when the batch is at least this many rows and 64 <= fan_in < fan_out, fan_out
-#: a multiple of 16. Measured at 24 such shapes (batch 4096-16384, fan_in 96-700, fan_out
-#: 128-1024): 0.98-1.31x the time of the direct product, 1.13x at DLRM's top layer (367 -> 512,
-#: batch 8192); elsewhere (fan_in >= fan_out, small batches, fan_in 13) it measured slower.
+#: a multiple of 16. Measured at 20 such shapes (batch 4096-16384, fan_in 96-700, fan_out
+#: 128-1024): the direct product took 0.98-1.31x the time, 1.13x at DLRM's top layer (367 ->
+#: 512, batch 8192); elsewhere (fan_in >= fan_out, small batches, fan_in 13) it was faster.
 WGRAD_TRANSPOSED_MIN_BATCH = 4096
 
 

@@ -58,8 +58,6 @@ AHEAD = PREFETCH_AHEAD
 RAHEAD = ROW_PREFETCH
 
 
-
-
 # ---- helpers without a feature loop -------------------------------------------------------
 
 
@@ -505,8 +503,8 @@ def reindex_tables(indices, offsets, obase, nbags, slots, nworkers, idx_base, de
     t's from ``idx_base[t]`` and ``obase[t]``. Tables with ``dense[t]`` set (small ones) are
     re-indexed by ``accumulate_dense`` instead, which also sums their gradients into the
     returned ``gacc`` (from ``gbase[t]``); ``dense[t]`` is then the table's row count, else 0.
-    Returns (rows, bounds, occ, unique-row counts, the
-    most work items of one table, gacc, gbase)."""
+    Returns (rows, bounds, occ, unique-row counts, the most work items of one table, gacc,
+    gbase)."""
     ntables = idx_base.shape[0] - 1
     total = idx_base[ntables]
     rows = np.empty(total, dtype=np.int64)
@@ -516,9 +514,9 @@ def reindex_tables(indices, offsets, obase, nbags, slots, nworkers, idx_base, de
     sbase = np.zeros(ntables + 1, dtype=np.int64)
     gbase = np.zeros(ntables + 1, dtype=np.int64)
     for t in range(ntables):
-        n = dense[t] if dense[t] < idx_base[t + 1] - idx_base[t] else idx_base[t + 1] - idx_base[t]
+        nu_max = min(dense[t], idx_base[t + 1] - idx_base[t])     # unique rows, at most
         sbase[t + 1] = sbase[t] + dense[t]
-        gbase[t + 1] = gbase[t] + n * fss[t]
+        gbase[t + 1] = gbase[t] + nu_max * fss[t]
     dslot = np.zeros(sbase[ntables], dtype=np.int32)
     gacc = np.zeros(gbase[ntables], dtype=dout.dtype)
     for w in prange(nworkers):
