@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip setuptools wheel cffi
+	$(PY) -m pip install -q --upgrade pip setuptools wheel cffi "numpy>=2.0"
 
 # --no-compile: Python compiles the bytecode of the modules it imports on first use, instead of
 # pip compiling every file of every package (torch alone has thousands) at install.

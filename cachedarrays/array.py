@@ -641,7 +641,7 @@ for _uf, _name in ((np.add, "add"), (np.subtract, "sub"), (np.multiply, "mul"),
     setattr(CachedArray, _f.__name__, _c_operator(_uf, _f, 0))
     setattr(CachedArray, _r.__name__, _c_operator(_uf, _r, 1))
     _i = _inplace(_uf, _name)
-    setattr(CachedArray, _i.__name__, _i)
+    setattr(CachedArray, _i.__name__, _c_operator(_uf, _i, 4))      # x op= y: in C first
 for _uf, _name in ((np.less, "lt"), (np.less_equal, "le"), (np.greater, "gt"),
                    (np.greater_equal, "ge"), (np.equal, "eq"), (np.not_equal, "ne")):
     # Python reflects comparisons itself (x < y is y > x)
@@ -689,15 +689,19 @@ for _name in ("cumsum", "cumprod", "clip", "round", "trace", "nonzero", "dot", "
               "repeat", "take", "conj", "conjugate", "argsort", "argpartition", "choose",
               "ptp" if hasattr(np, "ptp") else "cumsum"):
     setattr(CachedArray, _name, _method(_name))
+# The reductions take their commonest calls (no out=, no array or sequence argument, the manager
+# not busy) in C, which runs the same steps as the Python method (native/records.c: run_method).
 for _name in ("sum", "mean", "std", "var", "min", "max", "argmin", "argmax", "prod", "all",
               "any"):
-    setattr(CachedArray, _name, _reduction(_name))
+    setattr(CachedArray, _name, _c_operator(getattr(np.ndarray, _name), _reduction(_name), 3))
 
 # The C side of the type (native/records.c): results of the commonest ufunc calls, and
 # __getitem__, which makes basic-indexing views (ints and slices) in C and sends every other key
 # to _getitem.
-_bind_views(CachedArray, np.ndarray, HEADER, OPEN_SCOPES, record_new)
+_bind_views(CachedArray, np.ndarray, HEADER, OPEN_SCOPES, record_new, from_ndarray)
 CachedArray.__getitem__ = _c_getitem(CachedArray._getitem)
+# x[key] = scalar with a basic key (ints, slices): in C first, else the method above
+CachedArray.__setitem__ = _c_operator(operator.setitem, CachedArray.__setitem__, 5)
 
 _RAW_POINTER = (
     "CachedArray.{name} is not available: it would hand out a raw pointer to wherever the data "

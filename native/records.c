@@ -10,6 +10,8 @@
 #include <Python.h>
 #include <stdint.h>
 #include <structmember.h>
+#define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION
+#include <numpy/arrayobject.h>
 
 /* ---- garbage collection, shared by both records ---------------------------------------------- */
 
@@ -85,6 +87,7 @@ static const char *const manager_names[] = {
 static const char *const telemetry_names[] = {"allocs", "frees", "current", "peak", "_log"};
 static const char *const device_names[] = {"name", "heap", "_mm"};
 static const char *const heap_names[] = {"_addr"};
+static const char *const lru_names[] = {"recent", "soft"};
 
 #define STATE_TYPE(var, pyname, doc, count)                                                     \
     static PyTypeObject var = {                                                                 \
@@ -107,17 +110,20 @@ STATE_TYPE(TelemetryRecordType, "TelemetryRecord", "The telemetry counters of al
 STATE_TYPE(DeviceRecordType, "DeviceRecord", "A device's name, heap and mapping.",
            COUNT(device_names));
 STATE_TYPE(HeapRecordType, "HeapRecord", "A native heap's handle.", COUNT(heap_names));
+STATE_TYPE(LRURecordType, "LRURecord", "The LRU policy's two recency tiers.", COUNT(lru_names));
 
-enum { K_MANAGER, K_TELEMETRY, K_DEVICE, K_HEAP };             /* kinds[] order */
+enum { K_MANAGER, K_TELEMETRY, K_DEVICE, K_HEAP, K_LRU };             /* kinds[] order */
 enum { M_CLOSED, M_GATE, M_CLOSING, M_LOCK, M_COND, M_DROPPED, M_DEPENDENTS, M_DEBUG, M_DEFERRED,
        M_COPIES, M_READING, M_IDS, M_LAST_ID, M_OBJECTS, M_REF, M_OBSERVERS, M_FAST, M_BY_OFFSET,
        M_TELEMETRY, M_POLICY };                  /* manager_names order */
 enum { TEL_ALLOCS, TEL_FREES, TEL_CURRENT, TEL_PEAK, TEL_LOG };
 enum { D_NAME, D_HEAP, D_MM };
 enum { H_ADDR };
+enum { L_RECENT, L_SOFT };
 
 _Static_assert(M_POLICY + 1 == COUNT(manager_names) && TEL_LOG + 1 == COUNT(telemetry_names) &&
-               D_MM + 1 == COUNT(device_names) && H_ADDR + 1 == COUNT(heap_names),
+               D_MM + 1 == COUNT(device_names) && H_ADDR + 1 == COUNT(heap_names) &&
+               L_SOFT + 1 == COUNT(lru_names),
                "the field enums follow the name tables");
 
 static StateKind kinds[] = {
@@ -125,6 +131,7 @@ static StateKind kinds[] = {
     {&TelemetryRecordType, telemetry_names, COUNT(telemetry_names)},
     {&DeviceRecordType, device_names, COUNT(device_names)},
     {&HeapRecordType, heap_names, COUNT(heap_names)},
+    {&LRURecordType, lru_names, COUNT(lru_names)},
 };
 
 static int
@@ -511,7 +518,9 @@ static PyObject *s_fast, *s_heap, *s_addr, *s_last_id, *s_ids, *s_name, *s_mm, *
                 *s_policy, *s_forget, *s_release, *one, *s_lock, *s_acquire, *s_release_lock,
                 *s_gate, *s_kernels_in_fast, *s_reading, *s_read_use, *s_write_use,
                 *s_new_in_fast, *s_fast_first, *s_allocate, *s_live, *s_kview, *s_closing,
-                *s_cond, *s_notify_all, *s_call, *out_kw;               /* out_kw: ("out",) */
+                *s_cond, *s_notify_all, *s_call, *s_recent, *s_soft, *s_move_to_end,
+                *s_recomputing, *s_nout, *s_signature, *s_dunder_name, *s_use,
+                *out_kw;                                                /* out_kw: ("out",) */
 
 static int
 intern_names(void)
@@ -533,7 +542,10 @@ intern_names(void)
     NAME(s_new_in_fast, "new_in_fast"); NAME(s_fast_first, "fast_first");
     NAME(s_allocate, "allocate"); NAME(s_live, "_live"); NAME(s_kview, "_kview");
     NAME(s_call, "__call__"); NAME(s_closing, "_closing"); NAME(s_cond, "_cond");
-    NAME(s_notify_all, "notify_all");
+    NAME(s_notify_all, "notify_all"); NAME(s_recent, "recent"); NAME(s_soft, "soft");
+    NAME(s_move_to_end, "move_to_end"); NAME(s_recomputing, "recomputing");
+    NAME(s_nout, "nout"); NAME(s_use, "use"); NAME(s_signature, "signature");
+    NAME(s_dunder_name, "__name__");
 #undef NAME
     if ((out_kw = Py_BuildValue("(s)", "out")) == NULL)
         return -1;
@@ -621,6 +633,145 @@ out:
     Py_XDECREF(tel); Py_XDECREF(log); Py_XDECREF(d); Py_XDECREF(v); Py_XDECREF(cur);
     Py_XDECREF(peak); Py_XDECREF(top);
     return rc;
+}
+
+#if PY_VERSION_HEX >= 0x030D0000
+#define lookup_attr PyObject_GetOptionalAttr
+#else
+#define lookup_attr _PyObject_LookupAttr
+#endif
+
+/* ---- the default policy's per-use hooks ------------------------------------------------------ */
+
+/* LRU's read_use, new_in_fast and forget (cachedarrays.policies.lru), bound by bind_lru. When a
+ * policy's method is one of these (not overridden in a subclass or on the instance), the C paths
+ * do its OrderedDict operations themselves instead of running its Python frame. */
+enum { HOOK_READ_USE, HOOK_NEW_IN_FAST, HOOK_FORGET, N_HOOKS };
+static PyObject *lru_hooks[N_HOOKS];
+
+/* bind_lru(read_use, new_in_fast, forget): LRU's own functions. */
+static PyObject *
+bind_lru(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != N_HOOKS) {
+        PyErr_SetString(PyExc_TypeError, "bind_lru(read_use, new_in_fast, forget)");
+        return NULL;
+    }
+    for (int i = 0; i < N_HOOKS; i++)
+        if (!PyFunction_Check(args[i])) {
+            PyErr_SetString(PyExc_TypeError, "bind_lru: expected three Python functions");
+            return NULL;
+        }
+    for (int i = 0; i < N_HOOKS; i++)
+        Py_XSETREF(lru_hooks[i], Py_NewRef(args[i]));
+    Py_RETURN_NONE;
+}
+
+/* The policy's tier (field i of an LRU record, or the attribute name), a new reference; NULL
+ * without an error when it is missing or not exactly an OrderedDict (the caller runs the Python
+ * method instead). */
+static PyObject *
+lru_table(PyObject *policy, int i, PyObject *name)
+{
+    PyObject *t;
+    if (Py_TYPE(policy) == kinds[K_LRU].checked || state_kind(policy) == &kinds[K_LRU]) {
+        t = Py_XNewRef(((StateRecord *)policy)->f[i]);
+    } else if (lookup_attr(policy, name, &t) < 0) {
+        return NULL;
+    }
+    if (t != NULL && !PyODict_CheckExact(t))
+        Py_CLEAR(t);
+    return t;
+}
+
+/* The hook's body for an LRU policy: 1 done, 0 not done (no error: run the method), -1 error.
+ * arg is the Object (read_use, new_in_fast) or the object's id (forget). */
+static int
+lru_hook(PyObject *policy, int which, PyObject *arg)
+{
+    PyObject *oid = which == HOOK_FORGET ? arg : ((ObjectRecord *)arg)->id;
+    if (oid == NULL)
+        return 0;
+    Py_INCREF(oid);                     /* a property of the policy may rebind obj.id */
+    int rc = -1;
+    PyObject *recent = lru_table(policy, L_RECENT, s_recent), *soft = NULL, *t;
+    if (recent == NULL) {
+        rc = PyErr_Occurred() ? -1 : 0;
+        goto done;
+    }
+    if (which != HOOK_NEW_IN_FAST && (soft = lru_table(policy, L_SOFT, s_soft)) == NULL) {
+        rc = PyErr_Occurred() ? -1 : 0;
+        goto done;
+    }
+    int in_recent = PyDict_Contains(recent, oid);
+    if (in_recent < 0)
+        goto done;
+    if (which == HOOK_NEW_IN_FAST) {                    /* self.recent[obj.id] = None */
+        rc = PyODict_SetItem(recent, oid, Py_None) < 0 ? -1 : 1;
+    } else if (which == HOOK_READ_USE) {                /* move to the most recent end */
+        if (in_recent) {
+            t = PyObject_CallMethodOneArg(recent, s_move_to_end, oid);
+            rc = t == NULL ? -1 : 1;
+            Py_XDECREF(t);
+        } else {
+            int in_soft = PyDict_Contains(soft, oid);
+            if (in_soft < 0 || (in_soft && (PyODict_DelItem(soft, oid) < 0 ||
+                                            PyODict_SetItem(recent, oid, Py_None) < 0)))
+                goto done;
+            rc = 1;
+        }
+    } else {                                            /* forget: out of both tiers */
+        int in_soft = 0;
+        if ((in_recent && PyODict_DelItem(recent, oid) < 0) ||
+                (PyDict_GET_SIZE(soft) && (in_soft = PyDict_Contains(soft, oid)) < 0) ||
+                (in_soft && PyODict_DelItem(soft, oid) < 0))
+            goto done;
+        rc = 1;
+    }
+done:
+    Py_DECREF(oid);
+    Py_XDECREF(recent);
+    Py_XDECREF(soft);
+    return rc;
+}
+
+/* 1 when policy's attribute name is LRU's hook which itself: the type resolves it to that
+ * function and the instance's __dict__ does not shadow it. 0 when not, -1 on error. */
+static int
+is_lru_hook(PyObject *policy, int which, PyObject *name)
+{
+    if (lru_hooks[which] == NULL || _PyType_Lookup(Py_TYPE(policy), name) != lru_hooks[which])
+        return 0;
+    PyObject *d = PyObject_GenericGetDict(policy, NULL);
+    if (d == NULL) {                                  /* no __dict__: nothing can shadow it */
+        if (!PyErr_ExceptionMatches(PyExc_AttributeError))
+            return -1;
+        PyErr_Clear();
+        return 1;
+    }
+    int shadowed = PyDict_Contains(d, name);
+    Py_DECREF(d);
+    return shadowed < 0 ? -1 : !shadowed;
+}
+
+/* policy.<name>(arg), the hook which of LRU's run in C (lru_hook) when the method is LRU's own.
+ * Returns 0, or -1 with an exception set. */
+static int
+policy_hook(PyObject *policy, int which, PyObject *name, PyObject *arg)
+{
+    int own = is_lru_hook(policy, which, name);
+    if (own < 0)
+        return -1;
+    if (own) {
+        int done = lru_hook(policy, which, arg);
+        if (done != 0)
+            return done < 0 ? -1 : 0;
+    }
+    PyObject *t = PyObject_CallMethodOneArg(policy, name, arg);
+    if (t == NULL)
+        return -1;
+    Py_DECREF(t);
+    return 0;
 }
 
 static void *
@@ -826,7 +977,7 @@ free_common(PyObject *m, PyObject *obj_id, RegionRecord *r, PyObject *heap, PyOb
     }
     Py_CLEAR(res);
     if ((policy = getf(m, K_MANAGER, M_POLICY, s_policy)) == NULL ||
-            (res = PyObject_CallMethodOneArg(policy, s_forget, obj_id)) == NULL)
+            policy_hook(policy, HOOK_FORGET, s_forget, obj_id) < 0)
         goto out;
     rc = 0;
 out:
@@ -889,6 +1040,7 @@ drain(PyObject *module, PyObject *m)
 
 static PyTypeObject *view_cls;                     /* cachedarrays.array.CachedArray */
 static PyObject *ndarray_cls, *header, *open_scopes, *record_new_fn, *plans;
+static PyObject *from_ndarray_fn;                  /* cachedarrays.array.from_ndarray */
 static long long short_bytes;                   /* cachedarrays.pinning.SHORT_BYTES */
 static Py_ssize_t off_obj, off_m, off_shape, off_dtype, off_strides, off_offset, off_vc;
 
@@ -912,21 +1064,22 @@ slot_offset(PyTypeObject *t, const char *name)
     return off;
 }
 
-/* bind_views(CachedArray, ndarray, HEADER, OPEN_SCOPES, record_new): what run_ufunc needs to
- * make a result: the array type (its slots), numpy's ndarray, the heap's block header size, the
- * open-scope counter and the hook that records a new object in open scopes. */
+/* bind_views(CachedArray, ndarray, HEADER, OPEN_SCOPES, record_new, from_ndarray): what run_ufunc
+ * needs to make a result: the array type (its slots), numpy's ndarray, the heap's block header
+ * size, the open-scope counter and the hook that records a new object in open scopes; and what
+ * run_method copies an array result with. */
 static PyObject *
 bind_views(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 5) {
-        PyErr_SetString(PyExc_TypeError,
-                        "bind_views(CachedArray, ndarray, HEADER, OPEN_SCOPES, record_new)");
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "bind_views(CachedArray, ndarray, HEADER, OPEN_SCOPES, "
+                        "record_new, from_ndarray)");
         return NULL;
     }
     if (!PyType_Check(args[0]) || !PyType_Check(args[1]) || !PyLong_Check(args[2]) ||
-            !PyList_Check(args[3]) || !PyCallable_Check(args[4])) {
-        PyErr_SetString(PyExc_TypeError, "bind_views: expected two types, an int, a list and a "
-                        "callable");
+            !PyList_Check(args[3]) || !PyCallable_Check(args[4]) || !PyCallable_Check(args[5])) {
+        PyErr_SetString(PyExc_TypeError, "bind_views: expected two types, an int, a list and two "
+                        "callables");
         return NULL;
     }
     PyTypeObject *t = (PyTypeObject *)args[0];
@@ -942,6 +1095,7 @@ bind_views(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     Py_XSETREF(header, Py_NewRef(args[2]));
     Py_XSETREF(open_scopes, Py_NewRef(args[3]));
     Py_XSETREF(record_new_fn, Py_NewRef(args[4]));
+    Py_XSETREF(from_ndarray_fn, Py_NewRef(args[5]));
     Py_RETURN_NONE;
 }
 
@@ -963,11 +1117,6 @@ bind_plans(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE;
 }
 
-#if PY_VERSION_HEX >= 0x030D0000
-#define lookup_attr PyObject_GetOptionalAttr
-#else
-#define lookup_attr _PyObject_LookupAttr
-#endif
 
 #define SLOT(o, off) (*(PyObject **)((char *)(o) + (off)))
 
@@ -1025,6 +1174,68 @@ kernel_view(PyObject *x)
     return PyObject_CallMethodNoArgs(x, s_kview);
 }
 
+/* np.ndarray(shape, dtype, buffer, start, strides) through NumPy's C API: the array's base is
+ * buffer (held, as the Python constructor holds it, without a buffer export), its data the
+ * bytes at start. The constructor's own checks are kept: the bytes must lie within the buffer,
+ * which must be writable. Anything else (a dtype that is not a descriptor, a shape that is not
+ * a tuple of ints, too many dimensions) goes to the Python constructor. A new reference. */
+static PyObject *
+buffer_array(PyObject *shape, PyObject *dtype, PyObject *buffer, PyObject *start,
+             PyObject *strides)
+{
+    Py_ssize_t nd = PyTuple_Check(shape) ? PyTuple_GET_SIZE(shape) : -1;
+    if (nd < 0 || nd > NPY_MAXDIMS || !PyArray_DescrCheck(dtype) || !PyTuple_Check(strides) ||
+            PyTuple_GET_SIZE(strides) != nd || !PyLong_CheckExact(start))
+        goto python;
+    npy_intp dims[NPY_MAXDIMS], st[NPY_MAXDIMS];
+    Py_ssize_t lo = 0, hi = 0, first = PyLong_AsSsize_t(start), span;
+    int empty = 0;
+    if (first == -1 && PyErr_Occurred()) {
+        PyErr_Clear();                                  /* the constructor's own error */
+        goto python;
+    }
+    for (Py_ssize_t i = 0; i < nd; i++) {
+        PyObject *d = PyTuple_GET_ITEM(shape, i), *t = PyTuple_GET_ITEM(strides, i);
+        if (!PyLong_CheckExact(d) || !PyLong_CheckExact(t))
+            goto python;
+        dims[i] = PyLong_AsSsize_t(d);
+        st[i] = PyLong_AsSsize_t(t);
+        if ((dims[i] == -1 || st[i] == -1) && PyErr_Occurred()) {
+            PyErr_Clear();
+            goto python;
+        }
+        if (dims[i] < 0)
+            goto python;
+        if (dims[i] == 0) {
+            empty = 1;
+            continue;
+        }
+        if (__builtin_mul_overflow(st[i], dims[i] - 1, &span) ||
+                __builtin_add_overflow(span > 0 ? hi : lo, span, span > 0 ? &hi : &lo))
+            goto python;
+    }
+    Py_buffer b;
+    if (PyObject_GetBuffer(buffer, &b, PyBUF_WRITABLE) < 0) {
+        PyErr_Clear();
+        goto python;
+    }
+    char *base = b.buf;
+    Py_ssize_t len = b.len, item = PyDataType_ELSIZE((PyArray_Descr *)dtype);
+    PyBuffer_Release(&b);
+    if (first < 0 || first > len ||
+            (!empty && (first + lo < 0 || hi > len - item || first + hi > len - item)))
+        goto python;                                   /* the constructor's own error */
+    Py_INCREF(dtype);                                  /* the call steals it */
+    PyObject *arr = PyArray_NewFromDescr(&PyArray_Type, (PyArray_Descr *)dtype, (int)nd, dims, st,
+                                         base + first, NPY_ARRAY_WRITEABLE, NULL);
+    if (arr != NULL && PyArray_SetBaseObject((PyArrayObject *)arr, Py_NewRef(buffer)) < 0)
+        Py_CLEAR(arr);                                 /* (SetBaseObject took the reference) */
+    return arr;
+python:;
+    PyObject *a[5] = {shape, dtype, buffer, start, strides};
+    return PyObject_Vectorcall(ndarray_cls, a, 5, NULL);
+}
+
 /* The new CachedArray over obj (shape, dtype, C strides, offset 0) and its kernel view. */
 static PyObject *
 new_view(PyObject *m, PyObject *obj, PyObject *shape, PyObject *dtype, PyObject *strides,
@@ -1048,8 +1259,7 @@ new_view(PyObject *m, PyObject *obj, PyObject *shape, PyObject *dtype, PyObject 
         PyObject *start = PyNumber_Add(rr->offset, header);
         if (start == NULL)
             goto fail;
-        PyObject *a[5] = {shape, dtype, rr->buffer, start, strides};
-        *view = PyObject_Vectorcall(ndarray_cls, a, 5, NULL);
+        *view = buffer_array(shape, dtype, rr->buffer, start, strides);
         Py_DECREF(start);
         if (*view == NULL)
             goto fail;
@@ -1096,12 +1306,18 @@ run_busy(PyObject *m, PyObject *policy)
  * new object pinned and reported written, the result a CachedArray (shape, dtype, C strides)
  * whose view the ufunc writes through (out=). Everything is unpinned when the ufunc returns or
  * raises. short: the ufunc runs under the manager's lock; otherwise the lock is let go while
- * it runs. Returns None, having done nothing, when the manager has something under way that
- * Manager.run's general path handles. */
+ * it runs. Returns NotImplemented, having done nothing, when the manager has something under way
+ * that Manager.run's general path handles.
+ *
+ * nbytes NULL: a call that makes no array of ours (a reduction, a ufunc with out=): ufunc(*views,
+ * **kw) with the operands pinned and reported read, its result returned as it is. The last
+ * len(kwnames) inputs are the keyword arguments' values. wobj (with nbytes NULL): the object
+ * the call writes (out=), pinned and reported written, its lineage broken as Manager.run does
+ * (version + 1, chain wname) unless the manager is recomputing. */
 static PyObject *
-run_ufunc_core(PyObject *module, PyObject *m, PyObject *ufunc, PyObject *inputs, PyObject *objs,
-               PyObject *shape, PyObject *dtype, PyObject *strides, PyObject *nbytes,
-               int is_short)
+run_core(PyObject *module, PyObject *m, PyObject *ufunc, PyObject *inputs, PyObject *objs,
+         PyObject *shape, PyObject *dtype, PyObject *strides, PyObject *nbytes,
+         PyObject *kwnames, PyObject *wobj, PyObject *wname, int is_short)
 {
     if (!PyTuple_Check(inputs) || !PyTuple_Check(objs) || PyTuple_GET_SIZE(objs) > 8 ||
             PyTuple_GET_SIZE(inputs) > 8) {
@@ -1110,9 +1326,10 @@ run_ufunc_core(PyObject *module, PyObject *m, PyObject *ufunc, PyObject *inputs,
         return NULL;
     }
     Py_ssize_t n_objs = PyTuple_GET_SIZE(objs), n_in = PyTuple_GET_SIZE(inputs);
+    Py_ssize_t n_kw = kwnames == NULL ? 0 : PyTuple_GET_SIZE(kwnames);
     for (Py_ssize_t i = 0; i < n_objs; i++)
         if (!PyObject_TypeCheck(PyTuple_GET_ITEM(objs, i), &ObjectRecordType))
-            Py_RETURN_NONE;
+            return Py_NewRef(Py_NotImplemented);
 
     PyObject *lock = getf(m, K_MANAGER, M_LOCK, s_lock), *policy = NULL, *new = NULL, *res = NULL,
              *views[9] = {NULL}, *held[9];
@@ -1130,7 +1347,7 @@ run_ufunc_core(PyObject *module, PyObject *m, PyObject *ufunc, PyObject *inputs,
     int busy = run_busy(m, policy);
     if (busy != 0) {
         if (busy > 0)
-            res = Py_NewRef(Py_None);
+            res = Py_NewRef(Py_NotImplemented);
         goto out;
     }
     int pending = manager_true(m, M_DEFERRED);
@@ -1159,10 +1376,38 @@ run_ufunc_core(PyObject *module, PyObject *m, PyObject *ufunc, PyObject *inputs,
         if (add_pins(o, 1) < 0)
             goto unpin;
         held[n_held++] = o;
-        if ((t = PyObject_CallMethodOneArg(policy, s_read_use, o)) == NULL)
+        if (policy_hook(policy, HOOK_READ_USE, s_read_use, o) < 0)
+            goto unpin;
+    }
+
+    if (wobj != NULL) {                                  /* the written operand */
+        ObjectRecord *w = (ObjectRecord *)wobj;
+        int freed = w->freed == NULL ? 0 : PyObject_IsTrue(w->freed);
+        if (freed < 0)
+            goto unpin;
+        if (freed && (t = PyObject_CallMethodOneArg(m, s_live, wobj)) == NULL)
+            goto unpin;
+        if (freed)
+            Py_DECREF(t);
+        if (add_pins(wobj, 1) < 0)
+            goto unpin;
+        held[n_held++] = wobj;
+        if ((t = PyObject_CallMethodOneArg(policy, s_write_use, wobj)) == NULL)
             goto unpin;
         Py_DECREF(t);
+        int again = attr_true(m, s_recomputing);
+        if (again < 0)
+            goto unpin;
+        if (!again) {
+            PyObject *v = PyNumber_Add(w->version ? w->version : zero, one);
+            if (v == NULL)
+                goto unpin;
+            Py_XSETREF(w->version, v);
+            set_field(&w->chain, wname);
+        }
     }
+    if (nbytes == NULL)
+        goto kernel;
 
     /* the new object: in fast memory when the policy puts new objects there and it fits */
     int fits = PyObject_IsTrue(nbytes);
@@ -1200,16 +1445,29 @@ run_ufunc_core(PyObject *module, PyObject *m, PyObject *ufunc, PyObject *inputs,
     if (add_pins(new, 1) < 0)
         goto unpin;
     held[n_held++] = new;
-    if ((t = PyObject_CallMethodOneArg(policy, report, new)) == NULL)
+    if (report == s_new_in_fast ? policy_hook(policy, HOOK_NEW_IN_FAST, report, new) < 0
+                                : (t = PyObject_CallMethodOneArg(policy, report, new)) == NULL)
         goto unpin;
-    Py_DECREF(t);
+    if (report != s_new_in_fast)
+        Py_DECREF(t);
 
     /* the kernel */
+kernel:
     if (!is_short) {
         if ((t = PyObject_CallMethodNoArgs(lock, s_release_lock)) == NULL)
             goto unpin;
         Py_DECREF(t);
         locked = 0;
+    }
+    if (nbytes == NULL) {                                 /* a method: no new array */
+        for (Py_ssize_t i = 0; i < n_in; i++) {
+            PyObject *x = PyTuple_GET_ITEM(inputs, i);
+            views[i] = Py_IS_TYPE(x, view_cls) ? kernel_view(x) : Py_NewRef(x);
+            if (views[i] == NULL)
+                goto kernel_done;
+        }
+        res = PyObject_Vectorcall(ufunc, views, n_in - n_kw, kwnames);
+        goto kernel_done;
     }
     PyObject *scopes = PyList_GET_SIZE(open_scopes) ? PyList_GET_ITEM(open_scopes, 0) : NULL;
     int scoped = scopes == NULL ? 0 : PyObject_IsTrue(scopes);
@@ -1298,6 +1556,21 @@ out:
     Py_DECREF(lock);
     return res;
 }
+/* run_core for a ufunc into a new array; None (instead of NotImplemented) when not taken. */
+static PyObject *
+run_ufunc_core(PyObject *module, PyObject *m, PyObject *ufunc, PyObject *inputs, PyObject *objs,
+               PyObject *shape, PyObject *dtype, PyObject *strides, PyObject *nbytes,
+               int is_short)
+{
+    PyObject *res = run_core(module, m, ufunc, inputs, objs, shape, dtype, strides, nbytes, NULL,
+                             NULL, NULL, is_short);
+    if (res == Py_NotImplemented) {
+        Py_DECREF(res);
+        Py_RETURN_NONE;
+    }
+    return res;
+}
+
 static PyObject *
 run_ufunc(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -1421,6 +1694,120 @@ fast_ufunc(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     return fast_ufunc_impl(module, args[0], args[1]);
 }
 
+/* ---- a ufunc into an existing array (out=, x op= y) ----------------------------------------- */
+
+static PyObject *simple_ufuncs;         /* ufunc -> its __name__ if nout == 1 and no signature,
+                                         * else False */
+
+/* The name of a ufunc with one output and no core signature (a new reference), or False. */
+static PyObject *
+simple_ufunc_name(PyObject *ufunc)
+{
+    if (simple_ufuncs == NULL && (simple_ufuncs = PyDict_New()) == NULL)
+        return NULL;
+    PyObject *v = PyDict_GetItemWithError(simple_ufuncs, ufunc);
+    if (v != NULL)
+        return Py_NewRef(v);
+    if (PyErr_Occurred())
+        return NULL;
+    PyObject *nout = NULL, *sig = NULL, *name = NULL;
+    if (lookup_attr(ufunc, s_nout, &nout) < 0 || lookup_attr(ufunc, s_signature, &sig) < 0 ||
+            lookup_attr(ufunc, s_dunder_name, &name) < 0)
+        goto out;
+    int one_out = nout != NULL && PyLong_CheckExact(nout) && PyLong_AsLong(nout) == 1;
+    v = one_out && sig == Py_None && name != NULL && PyUnicode_Check(name) ? name : Py_False;
+    if (PyDict_GET_SIZE(simple_ufuncs) < 1024 && PyDict_SetItem(simple_ufuncs, ufunc, v) < 0)
+        v = NULL;
+    Py_XINCREF(v);
+out:
+    Py_XDECREF(nout); Py_XDECREF(sig); Py_XDECREF(name);
+    return v;
+}
+
+/* ufunc(*inputs, out=out) for a CachedArray out, as cachedarrays.ufuncs._fast_general does it
+ * through Manager.run: every array input a CachedArray of out's manager and shape (at least
+ * one), the others Python or NumPy scalars; the inputs pinned and reported read, out pinned and
+ * reported written. Returns out, or None, having done nothing, when the call is not of that
+ * kind or the manager is busy. */
+static PyObject *
+fast_into(PyObject *ufunc, PyObject *const *inputs, Py_ssize_t n_in, PyObject *out)
+{
+    if (view_cls == NULL || !Py_IS_TYPE(out, view_cls) || n_in < 1 || n_in > 6)
+        Py_RETURN_NONE;
+    PyObject *m = SLOT(out, off_m), *shape = SLOT(out, off_shape), *wobj = SLOT(out, off_obj);
+    if (m == NULL || shape == NULL || wobj == NULL ||
+            !PyObject_TypeCheck(wobj, &ObjectRecordType) || !PyTuple_CheckExact(shape) ||
+            PyTuple_GET_SIZE(shape) == 0)
+        Py_RETURN_NONE;
+    PyObject *ro[6];
+    Py_ssize_t n_objs = 0;
+    for (Py_ssize_t i = 0; i < n_in; i++) {
+        PyObject *x = inputs[i];
+        if (Py_IS_TYPE(x, view_cls)) {
+            PyObject *xs = SLOT(x, off_shape), *o = SLOT(x, off_obj);
+            if (SLOT(x, off_m) != m || xs == NULL || o == NULL)
+                Py_RETURN_NONE;
+            int same = xs == shape ? 1 : PyObject_RichCompareBool(xs, shape, Py_EQ);
+            if (same <= 0)
+                return same < 0 ? NULL : Py_NewRef(Py_None);
+            ro[n_objs++] = o;
+        } else if (!is_py_scalar(x) && !PyArray_IsScalar(x, Generic)) {
+            Py_RETURN_NONE;
+        }
+    }
+    if (n_objs == 0)
+        Py_RETURN_NONE;
+    PyObject *name = simple_ufunc_name(ufunc);
+    if (name == NULL)
+        return NULL;
+    if (name == Py_False) {
+        Py_DECREF(name);
+        Py_RETURN_NONE;
+    }
+    PyObject *nb = ((ObjectRecord *)wobj)->nbytes;
+    long long n = nb == NULL ? -1 : PyLong_AsLongLong(nb);
+    if (n == -1 && PyErr_Occurred()) {
+        Py_DECREF(name);
+        return NULL;
+    }
+    PyObject *all = PyTuple_New(n_in + 1), *objs = PyTuple_New(n_objs), *res = NULL;
+    if (all != NULL && objs != NULL) {
+        for (Py_ssize_t i = 0; i < n_in; i++)
+            PyTuple_SET_ITEM(all, i, Py_NewRef(inputs[i]));
+        PyTuple_SET_ITEM(all, n_in, Py_NewRef(out));
+        for (Py_ssize_t i = 0; i < n_objs; i++)
+            PyTuple_SET_ITEM(objs, i, Py_NewRef(ro[i]));
+        Py_INCREF(m);                    /* the policy's Python code may rebind out's fields */
+        Py_INCREF(wobj);
+        res = run_core(NULL, m, ufunc, all, objs, NULL, NULL, NULL, NULL, out_kw, wobj, name,
+                       n >= 0 && n <= short_bytes);
+        Py_DECREF(wobj);
+        Py_DECREF(m);
+    }
+    Py_XDECREF(all);
+    Py_XDECREF(objs);
+    Py_DECREF(name);
+    if (res == NULL)
+        return NULL;
+    if (res == Py_NotImplemented) {
+        Py_DECREF(res);
+        Py_RETURN_NONE;
+    }
+    Py_DECREF(res);                                      /* NumPy's return: out's view */
+    return Py_NewRef(out);
+}
+
+static PyObject *
+fast_into_entry(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3 || !PyTuple_CheckExact(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "fast_into(ufunc, inputs: tuple, out)");
+        return NULL;
+    }
+    return fast_into(args[0], &PyTuple_GET_ITEM(args[1], 0), PyTuple_GET_SIZE(args[1]),
+                     args[2]);
+}
+
 /* ---- __array_ufunc__: the commonest calls in C ---------------------------------------------- */
 
 static PyObject *array_ufunc_fallback;
@@ -1430,6 +1817,17 @@ static PyObject *array_ufunc_fallback;
 static PyObject *
 view_array_ufunc(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
+    if (nargs >= 3 && kwnames != NULL && PyTuple_GET_SIZE(kwnames) == 1 &&
+            PyUnicode_Check(args[1]) &&
+            (args[1] == s_call || PyUnicode_Compare(args[1], s_call) == 0) &&
+            PyUnicode_Check(PyTuple_GET_ITEM(kwnames, 0)) &&
+            PyUnicode_CompareWithASCIIString(PyTuple_GET_ITEM(kwnames, 0), "out") == 0 &&
+            PyTuple_CheckExact(args[nargs]) && PyTuple_GET_SIZE(args[nargs]) == 1) {
+        PyObject *res = fast_into(args[0], args + 2, nargs - 2, PyTuple_GET_ITEM(args[nargs], 0));
+        if (res != Py_None)
+            return res;                                  /* out, or NULL: an error */
+        Py_DECREF(res);
+    }
     if (nargs >= 3 && kwnames == NULL && PyUnicode_Check(args[1]) &&
             (args[1] == s_call || PyUnicode_Compare(args[1], s_call) == 0)) {
         PyObject *inputs = PyTuple_New(nargs - 2);
@@ -1496,15 +1894,146 @@ typedef struct {
     PyObject_HEAD
     PyObject *ufunc;
     PyObject *fallback;
-    int kind;                                        /* 0 forward, 1 reflected, 2 unary */
+    int kind;                  /* 0 forward, 1 reflected, 2 unary, 3 a method (a reduction),
+                                * 4 in place, 5 x[key] = scalar */
     vectorcallfunc vectorcall;
 } OperatorObject;
+
+
+/* 1 when x is an argument run_method hands to the ndarray method as it is: not one of our
+ * arrays, nor a list or tuple (which may hold some). */
+static int
+plain_argument(PyObject *x)
+{
+    return !PyObject_TypeCheck(x, view_cls) && !PyList_Check(x) && !PyTuple_Check(x);
+}
+
+/* x.<method>(*args, **kw) for a CachedArray x, as CachedArray's reduction methods do: the ndarray
+ * method on x's pinned view, a 0-d result as its scalar, another array copied into a new
+ * CachedArray (from_ndarray). NotImplemented when the call is not of that kind (an out=, an
+ * array or sequence argument, too many arguments) or the manager is busy. */
+/* 1 when key is a basic index: an int, a slice, Ellipsis, None or a tuple of these. */
+static int
+basic_key(PyObject *key)
+{
+    if (PyLong_CheckExact(key) || PySlice_Check(key) || key == Py_Ellipsis || key == Py_None)
+        return 1;
+    if (!PyTuple_CheckExact(key))
+        return 0;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(key); i++) {
+        PyObject *k = PyTuple_GET_ITEM(key, i);
+        if (!(PyLong_CheckExact(k) || PySlice_Check(k) || k == Py_Ellipsis || k == Py_None))
+            return 0;
+    }
+    return 1;
+}
+
+/* x[key] = value for a basic key and a scalar value, as CachedArray.__setitem__ does it through
+ * Manager.run: x pinned and reported written, then setitem(view, key, value). None when written,
+ * NotImplemented when the call is not of that kind or the manager is busy. */
+static PyObject *
+run_setitem(PyObject *setitem, PyObject *x, PyObject *key, PyObject *value)
+{
+    if (!basic_key(key) || !(is_py_scalar(value) || PyArray_IsScalar(value, Generic)))
+        return Py_NewRef(Py_NotImplemented);
+    PyObject *m = SLOT(x, off_m), *obj = SLOT(x, off_obj);
+    if (m == NULL || obj == NULL || !PyObject_TypeCheck(obj, &ObjectRecordType))
+        return Py_NewRef(Py_NotImplemented);
+    PyObject *nb = ((ObjectRecord *)obj)->nbytes;
+    long long n = nb == NULL ? -1 : PyLong_AsLongLong(nb);
+    if (n == -1 && PyErr_Occurred())
+        return NULL;
+    PyObject *inputs = PyTuple_Pack(3, x, key, value), *objs = PyTuple_New(0), *res = NULL;
+    if (inputs != NULL && objs != NULL) {
+        Py_INCREF(m);
+        Py_INCREF(obj);
+        res = run_core(NULL, m, setitem, inputs, objs, NULL, NULL, NULL, NULL, NULL, obj, s_use,
+                       n >= 0 && n <= short_bytes);
+        Py_DECREF(obj);
+        Py_DECREF(m);
+    }
+    Py_XDECREF(inputs);
+    Py_XDECREF(objs);
+    return res;
+}
+
+static PyObject *
+run_method(PyObject *method, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    PyObject *x = args[0];
+    Py_ssize_t n_kw = kwnames == NULL ? 0 : PyTuple_GET_SIZE(kwnames);
+    if (from_ndarray_fn == NULL || nargs + n_kw > 8)
+        return Py_NewRef(Py_NotImplemented);
+    for (Py_ssize_t i = 1; i < nargs + n_kw; i++)
+        if (!plain_argument(args[i]))
+            return Py_NewRef(Py_NotImplemented);
+    for (Py_ssize_t i = 0; i < n_kw; i++) {
+        PyObject *k = PyTuple_GET_ITEM(kwnames, i);
+        if (PyUnicode_Check(k) && PyUnicode_CompareWithASCIIString(k, "out") == 0)
+            return Py_NewRef(Py_NotImplemented);
+    }
+    PyObject *m = SLOT(x, off_m), *obj = SLOT(x, off_obj);
+    if (m == NULL || obj == NULL || !PyObject_TypeCheck(obj, &ObjectRecordType))
+        return Py_NewRef(Py_NotImplemented);
+    PyObject *nb = ((ObjectRecord *)obj)->nbytes;
+    long long n = nb == NULL ? -1 : PyLong_AsLongLong(nb);
+    if (n == -1 && PyErr_Occurred())
+        return NULL;
+    PyObject *inputs = PyTuple_New(nargs + n_kw), *objs = NULL, *res = NULL;
+    if (inputs == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < nargs + n_kw; i++)
+        PyTuple_SET_ITEM(inputs, i, Py_NewRef(args[i]));
+    Py_INCREF(m);                          /* the policy's Python code may rebind x's fields */
+    if ((objs = PyTuple_Pack(1, obj)) != NULL)
+        res = run_core(NULL, m, method, inputs, objs, NULL, NULL, NULL, NULL, kwnames, NULL,
+                       NULL, n >= 0 && n <= short_bytes);
+    Py_DECREF(inputs);
+    Py_XDECREF(objs);
+    if (res != NULL && PyArray_CheckExact(res)) {
+        if (PyArray_NDIM((PyArrayObject *)res) == 0) {
+            res = PyArray_Return((PyArrayObject *)res);           /* r[()] (steals res) */
+        } else {
+            PyObject *a[2] = {m, res};
+            Py_SETREF(res, PyObject_Vectorcall(from_ndarray_fn, a, 2, NULL));
+        }
+    }
+    Py_DECREF(m);
+    return res;
+}
 
 static PyObject *
 operator_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, PyObject *kwnames)
 {
     OperatorObject *op = (OperatorObject *)callable;
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    if (op->kind == 5) {                                 /* x[key] = scalar */
+        if (kwnames == NULL && nargs == 3 && view_cls != NULL && Py_IS_TYPE(args[0], view_cls)) {
+            PyObject *res = run_setitem(op->ufunc, args[0], args[1], args[2]);
+            if (res != Py_NotImplemented)
+                return res;                              /* None, or NULL: an error */
+            Py_DECREF(res);
+        }
+        return PyObject_Vectorcall(op->fallback, args, nargsf, kwnames);
+    }
+    if (op->kind == 4) {                                 /* x op= y: into x */
+        if (kwnames == NULL && nargs == 2 && view_cls != NULL && Py_IS_TYPE(args[0], view_cls)) {
+            PyObject *res = fast_into(op->ufunc, args, 2, args[0]);
+            if (res != Py_None)
+                return res;
+            Py_DECREF(res);
+        }
+        return PyObject_Vectorcall(op->fallback, args, nargsf, kwnames);
+    }
+    if (op->kind == 3) {
+        if (nargs >= 1 && view_cls != NULL && Py_IS_TYPE(args[0], view_cls)) {
+            PyObject *res = run_method(op->ufunc, args, nargs, kwnames);
+            if (res != Py_NotImplemented)
+                return res;                              /* the result, or NULL: an error */
+            Py_DECREF(res);
+        }
+        return PyObject_Vectorcall(op->fallback, args, nargsf, kwnames);
+    }
     if (kwnames == NULL && nargs == (op->kind == 2 ? 1 : 2) && view_cls != NULL &&
             Py_IS_TYPE(args[0], view_cls)) {
         PyObject *inputs = op->kind == 0 ? PyTuple_Pack(2, args[0], args[1]) :
@@ -1588,20 +2117,22 @@ static PyTypeObject OperatorType = {
     .tp_members = operator_members,
 };
 
-/* operator(ufunc, fallback, kind): kind 0 (x op y), 1 (y op x, reflected) or 2 (op x). */
+/* operator(ufunc, fallback, kind): kind 0 (x op y), 1 (y op x, reflected), 2 (op x), 3 (a
+ * method of CachedArray: x.method(...), run_method with the ndarray method given as ufunc),
+ * 4 (x op= y: fast_into x) or 5 (x[key] = scalar: run_setitem with operator.setitem). */
 static PyObject *
 make_operator(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs != 3 || !PyCallable_Check(args[0]) || !PyCallable_Check(args[1]) ||
             !PyLong_Check(args[2])) {
-        PyErr_SetString(PyExc_TypeError, "operator(ufunc, fallback, kind: 0, 1 or 2)");
+        PyErr_SetString(PyExc_TypeError, "operator(ufunc, fallback, kind: 0 to 5)");
         return NULL;
     }
     long kind = PyLong_AsLong(args[2]);
-    if (kind < 0 || kind > 2) {
+    if (kind < 0 || kind > 5) {
         if (!PyErr_Occurred())
-            PyErr_SetString(PyExc_ValueError, "operator: kind must be 0 (forward), 1 (reflected) "
-                            "or 2 (unary)");
+            PyErr_SetString(PyExc_ValueError, "operator: kind must be 0 (forward), 1 (reflected), "
+                            "2 (unary), 3 (method), 4 (in place) or 5 (setitem)");
         return NULL;
     }
     OperatorObject *op = PyObject_GC_New(OperatorObject, &OperatorType);
@@ -1752,9 +2283,13 @@ static PyMethodDef records_methods[] = {
     {"create_fast", (PyCFunction)(void (*)(void))create_fast, METH_FASTCALL,
      "create_fast(manager, nbytes): Manager._create_fast."},
     {"drain", (PyCFunction)drain, METH_O, "drain(manager): Manager._drain."},
+    {"fast_into", (PyCFunction)(void (*)(void))fast_into_entry, METH_FASTCALL,
+     "fast_into(ufunc, inputs, out): ufunc(*inputs, out=out) in C; None when not taken."},
+    {"bind_lru", (PyCFunction)(void (*)(void))bind_lru, METH_FASTCALL,
+     "bind_lru(read_use, new_in_fast, forget): LRU's hooks, run in C for LRU policies."},
     {"bind_views", (PyCFunction)(void (*)(void))bind_views, METH_FASTCALL,
-     "bind_views(CachedArray, ndarray, HEADER, OPEN_SCOPES, record_new): what run_ufunc and "
-     "getitem need."},
+     "bind_views(CachedArray, ndarray, HEADER, OPEN_SCOPES, record_new, from_ndarray): what "
+     "run_ufunc, run_method and getitem need."},
     {"bind_plans", (PyCFunction)(void (*)(void))bind_plans, METH_FASTCALL,
      "bind_plans(PLANS, SHORT_BYTES): what fast_ufunc needs."},
     {"getitem", (PyCFunction)make_getitem, METH_O,
@@ -1795,6 +2330,7 @@ static struct PyModuleDef records_module = {
 PyMODINIT_FUNC
 PyInit__records(void)
 {
+    import_array();
     str_closed = PyUnicode_InternFromString("closed");
     str_deferred = PyUnicode_InternFromString("_deferred");
     str_append = PyUnicode_InternFromString("append");
@@ -1812,7 +2348,8 @@ PyInit__records(void)
             PyModule_AddObjectRef(m, "ManagerRecord", (PyObject *)&ManagerRecordType) < 0 ||
             PyModule_AddObjectRef(m, "TelemetryRecord", (PyObject *)&TelemetryRecordType) < 0 ||
             PyModule_AddObjectRef(m, "DeviceRecord", (PyObject *)&DeviceRecordType) < 0 ||
-            PyModule_AddObjectRef(m, "HeapRecord", (PyObject *)&HeapRecordType) < 0) {
+            PyModule_AddObjectRef(m, "HeapRecord", (PyObject *)&HeapRecordType) < 0 ||
+            PyModule_AddObjectRef(m, "LRURecord", (PyObject *)&LRURecordType) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -33,6 +33,8 @@ Three switches use what the policy lab made possible (each off by default):
 from bisect import bisect_left
 from collections import OrderedDict
 
+from .._records import LRURecord
+from .._records import bind_lru as _bind_lru
 from ..manager import Observer
 from ..registry import register_policy
 from ..trace import StableIds
@@ -164,8 +166,13 @@ def _touching(self, obj):
     self._touch(obj)
 
 
-class LRU(Policy):
-    """Least-recently-used placement; see the module docstring for the switches."""
+class LRU(Policy, LRURecord):
+    """Least-recently-used placement; see the module docstring for the switches.
+
+    ``recent`` and ``soft`` are fields of a C record (``LRURecord``): the manager's C paths
+    (a ufunc's result, a free) run ``read_use``, ``new_in_fast`` and ``forget`` on them
+    without a Python frame while these methods are LRU's own (``native/records.c``).
+    """
 
     name = "lru"
     fast_first = True                  # with local_alloc (set per instance)
@@ -335,3 +342,4 @@ class LRU(Policy):
 
 
 register_policy(LRU.name, LRU)
+_bind_lru(LRU.read_use, LRU.new_in_fast, LRU.forget)

@@ -67,6 +67,35 @@ class ArrayMachine(RuleBasedStateMachine):
             x[0][...] += v
             x[1][...] += v
 
+    @rule(i=st.integers(0, 50), j=st.integers(0, 50), v=st.floats(-5, 5),
+          op=st.sampled_from(["+=", "*=", "out="]))
+    def into(self, i, j, v, op):
+        """In-place operators and ufuncs with out= on the whole array (the C path)."""
+        x, y = self.pick(i), self.pick(j)
+        if x is None:
+            return
+        arr, model = x
+        if op == "+=":
+            arr += v
+            model += v
+        elif op == "*=":
+            arr *= 0.5
+            model *= 0.5
+        elif y[0].shape == arr.shape and y[0] is not arr:
+            assert np.subtract(arr, y[0], out=arr) is arr
+            np.subtract(model, y[1], out=model)
+
+    @rule(i=st.integers(0, 50), how=st.sampled_from(["sum", "max0", "argmin", "mean"]))
+    def reduce(self, i, how):
+        """Reductions (the C path): scalars and arrays equal to NumPy's."""
+        x = self.pick(i)
+        if x is None or x[1].size == 0:
+            return
+        arr, model = x[0].reshape(-1, 1), x[1].reshape(-1, 1)
+        f = {"sum": lambda a: a.sum(), "max0": lambda a: a.max(axis=0),
+             "argmin": lambda a: a.argmin(), "mean": lambda a: a.mean(axis=1)}[how]
+        np.testing.assert_allclose(np.asarray(f(arr)), f(model), rtol=1e-12)
+
     @rule(i=st.integers(0, 50), start=st.integers(0, 10), step=st.integers(1, 3),
           v=st.floats(-5, 5))
     def write_through_view(self, i, start, step, v):

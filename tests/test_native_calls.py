@@ -6,9 +6,11 @@ noescape scopes, the general path while something is under way, and errors that 
 pinned or allocated."""
 
 import gc
+import sys
 import threading
 import time
 import warnings
+from collections import OrderedDict
 
 import numpy as np
 import pytest
@@ -16,6 +18,7 @@ import pytest
 import cachedarrays as ca
 from cachedarrays import _records
 from cachedarrays.errors import UseAfterFreeError
+from cachedarrays.heap import HEADER
 from cachedarrays.manager import Observer
 from cachedarrays.pinning import pop_scope, push_scope
 from cachedarrays.policies import LRU
@@ -104,6 +107,303 @@ def test_a_full_fast_memory_places_the_result_through_the_policy():
         np.testing.assert_array_equal(np.asarray(z), np.full(2000, 5.0))
         assert all(x.object._pins == 0 for x in xs) and z.object._pins == 0
         m.check()
+
+
+# ---- LRU's hooks, run in C ----------------------------------------------------------------------
+
+def _lru_workload(m):
+    """Results made and dropped, operands reused, an array soft-evicted: every LRU hook runs."""
+    x, y = _arr(m, np.arange(10.0)), _arr(m, np.ones(10))
+    keep = [x + y, x * 2]
+    ca.softevict(keep[0])
+    for i in range(20):
+        z = keep[i % 2] - y           # read_use of both operands (one from the soft tier)
+        if i % 3 == 0:
+            keep.append(z)
+        del z                         # forget, at the next call's drain
+    np.exp(keep[-1])
+    m.drain()
+    return keep
+
+
+class _PythonLRU(LRU):
+    """LRU with its hooks as Python code (the same statements): the C paths call these."""
+
+    def read_use(self, obj):
+        oid = obj.id
+        if oid in self.recent:
+            self.recent.move_to_end(oid)
+        elif oid in self.soft:
+            del self.soft[oid]
+            self.recent[oid] = None
+
+    def new_in_fast(self, obj):
+        self.recent[obj.id] = None
+
+    def forget(self, obj_id):
+        self.recent.pop(obj_id, None)
+        if self.soft:
+            self.soft.pop(obj_id, None)
+
+
+def test_lru_hooks_in_c_leave_the_tiers_as_the_python_methods_do():
+    tiers = []
+    for policy in (LRU(), _PythonLRU()):
+        with ca.Manager(fast="8MiB", slow="32MiB", policy=policy) as m:
+            keep = _lru_workload(m)
+            assert keep[0].object.id in m.policy.recent      # read back from the soft tier
+            tiers.append(m.policy.tiers())
+    assert tiers[0] == tiers[1]
+
+
+def test_overridden_lru_hooks_are_called():
+    calls = []
+
+    class Forgetful(LRU):
+        def forget(self, obj_id):
+            calls.append(obj_id)
+            super().forget(obj_id)
+
+    with ca.Manager(fast="8MiB", slow="32MiB", policy=Forgetful()) as m:
+        x = _arr(m, np.arange(10.0))
+        z = x + 1
+        zid = z.object.id
+        del z
+        m.drain()
+        assert calls == [zid]
+        # an instance attribute shadows the class's method, as in Python
+        seen = []
+        m.policy.read_use = lambda obj: seen.append(obj.id)
+        (x + 1).sum()
+        assert seen[:1] == [x.object.id]
+
+
+def test_lru_tiers_that_are_not_ordered_dicts_take_the_python_methods():
+    moved = []
+
+    class Tier(OrderedDict):
+        def move_to_end(self, key, last=True):
+            moved.append(key)
+            super().move_to_end(key, last)
+
+    class OwnTiers(LRU):
+        def __init__(self):
+            super().__init__()
+            self.recent, self.soft = Tier(), Tier()      # still LRURecord fields
+
+    with ca.Manager(fast="8MiB", slow="32MiB", policy=OwnTiers()) as m:
+        x = _arr(m, np.arange(10.0))
+        z = x + 1
+        assert moved == [x.object.id] and list(m.policy.recent)[-1] == z.object.id
+        assert type(m.policy.recent) is Tier
+
+
+def test_result_views_are_built_on_the_mapping_and_hold_it(m):
+    x = _arr(m, np.arange(12.0).reshape(3, 4))
+    z = x * 2
+    v = z._kview()
+    buf = m.fast.buffer
+    assert v.base is buf and v.flags.writeable and v.flags.aligned and v.flags.c_contiguous
+    assert v.ctypes.data == m.fast.address + z.object.primary.offset + HEADER
+    gc.collect()
+    m.drain()
+    refs = sys.getrefcount(buf)
+    for _ in range(100):
+        (x * 2)._kview()
+    gc.collect()
+    m.drain()                                                 # the last result's regions
+    assert sys.getrefcount(buf) == refs                        # no reference leaked
+    np.testing.assert_array_equal(v, np.arange(12.0).reshape(3, 4) * 2)
+
+
+# ---- reductions in C ---------------------------------------------------------------------------
+
+REDUCTIONS = [
+    lambda a: a.sum(), lambda a: a.sum(axis=0), lambda a: a.sum(1), lambda a: a.mean(),
+    lambda a: a.mean(axis=1, keepdims=True), lambda a: a.max(), lambda a: a.min(axis=0),
+    lambda a: a.argmax(), lambda a: a.argmin(axis=1), lambda a: a.std(ddof=1),
+    lambda a: a.var(axis=0), lambda a: a.prod(dtype=np.float64), lambda a: a.all(),
+    lambda a: a.any(axis=0), lambda a: a.max(initial=50.0), lambda a: a.sum(axis=(0, 1)),
+    lambda a: a.sum(where=np.arange(12).reshape(3, 4) % 2 == 0),
+]
+
+
+@pytest.mark.parametrize("n", [4, 40_000])                      # the last: over SHORT_BYTES
+def test_reductions_match_numpy(m, n):
+    a = np.random.default_rng(1).random((3, n)) * 10
+    x = _arr(m, a)
+    for red in REDUCTIONS if n == 4 else REDUCTIONS[:-1]:
+        with np.errstate(over="ignore"):                        # prod of 40,000 values
+            want, got = red(a), red(x)
+        if isinstance(want, np.ndarray):
+            assert type(got) is ca.CachedArray and got.shape == want.shape
+            np.testing.assert_allclose(np.asarray(got), want, rtol=1e-12)
+        else:
+            assert type(got) is type(want)
+            np.testing.assert_allclose(got, want, rtol=1e-12)
+    assert x.object._pins == 0
+    m.check()
+
+
+def test_reductions_report_the_read_and_keep_the_general_path_for_the_rest(m):
+    calls = []
+
+    class Recording(LRU):
+        def read_use(self, obj):
+            calls.append(obj.id)
+            super().read_use(obj)
+
+    with ca.Manager(fast="8MiB", slow="32MiB", policy=Recording()) as m2:
+        x = _arr(m2, np.arange(12.0).reshape(3, 4))
+        calls.clear()
+        assert x.sum() == 66.0 and calls == [x.object.id]
+        out = _arr(m2, np.zeros(4))
+        assert x.sum(axis=0, out=out) is out                # out=: the general path
+        np.testing.assert_array_equal(np.asarray(out), [12.0, 15.0, 18.0, 21.0])
+        assert ca.CachedArray.max(x) == 11.0                 # unbound, as a function
+        with pytest.raises(np.exceptions.AxisError):
+            x.sum(axis=5)
+        assert x.object._pins == 0 and out.object._pins == 0
+        seen = []
+
+        class Watch(Observer):
+            def on_acquire(self, name, reads, writes, touched=None):
+                seen.append(name)
+
+        m2.observe(Watch())                                # busy: the Python method
+        assert x.argmax() == 11 and seen == ["argmax"]
+    with pytest.raises(UseAfterFreeError):
+        x.sum()
+
+
+# ---- ufuncs into an existing array in C (out=, x op= y) -----------------------------------------
+
+INPLACE = [
+    lambda x, y: x.__iadd__(y), lambda x, y: x.__isub__(2), lambda x, y: x.__imul__(y),
+    lambda x, y: x.__itruediv__(3.0), lambda x, y: np.add(x, y, out=x),
+    lambda x, y: np.maximum(x, y, out=(x,)), lambda x, y: np.exp(y, out=x),
+    lambda x, y: np.multiply(y, np.float32(2), out=x), lambda x, y: x.__ipow__(2),
+]
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32, np.complex128])
+@pytest.mark.parametrize("shape", [(10,), (3, 4), (70_000,)])   # the last: over SHORT_BYTES
+def test_in_place_ufuncs_match_numpy(m, dtype, shape):
+    rng = np.random.default_rng(2)
+    a = (rng.random(shape) + 1).astype(dtype)
+    b = (rng.random(shape) + 1).astype(dtype)
+    x, y = _arr(m, a), _arr(m, b)
+    for op in INPLACE:
+        want = op(a, b)
+        got = op(x, y)
+        assert got is x and want is a
+        np.testing.assert_allclose(np.asarray(x), a, rtol=1e-6)
+    assert x.object._pins == 0 and y.object._pins == 0
+    m.check()
+
+
+def test_in_place_ufuncs_report_the_write_and_break_the_lineage():
+    calls = []
+
+    class Recording(LRU):
+        def write_use(self, obj):
+            calls.append(("write", obj.id))
+            super().write_use(obj)
+
+        def read_use(self, obj):
+            calls.append(("read", obj.id))
+            super().read_use(obj)
+
+    with ca.Manager(fast="8MiB", slow="32MiB", policy=Recording()) as m:
+        x, y = _arr(m, np.arange(10.0)), _arr(m, np.ones(10))
+        m.markclean(x.object.primary)
+        version = x.object.version
+        calls.clear()
+        x += y
+        # (LRU's write_use reports the read itself)
+        assert calls == [("read", x.object.id), ("read", y.object.id), ("write", x.object.id),
+                         ("read", x.object.id)]
+        assert x.object.primary._dirty is True
+        assert x.object.version == version + 1 and x.object.chain == "add"
+        m.recomputing = True                          # a replay: the lineage is kept
+        np.multiply(x, 2, out=x)
+        assert x.object.version == version + 1
+        m.recomputing = False
+
+
+def test_in_place_calls_the_c_path_does_not_take_keep_numpy_behaviour(m):
+    x = _arr(m, np.zeros((3, 4)))
+    row = _arr(m, np.arange(4.0))
+    x += row                                          # broadcasting: the general path
+    np.testing.assert_array_equal(np.asarray(x), np.tile(np.arange(4.0), (3, 1)))
+    i = _arr(m, np.arange(4))
+    with pytest.raises(TypeError):
+        i += 1.5                                      # NumPy's casting error, from C
+    with pytest.raises(ValueError):
+        np.divmod(i, 2, out=(i,))                     # two outputs: NumPy's own error
+    with ca.Manager(fast="1MiB", slow="4MiB") as other:
+        z = _arr(other, np.ones(4))
+        z += row                                      # another manager: the general path
+        np.testing.assert_array_equal(np.asarray(z), np.arange(4.0) + 1)
+        del z
+    assert x.object._pins == 0 and i.object._pins == 0 and row.object._pins == 0
+    np.testing.assert_array_equal(np.asarray(i), np.arange(4))
+    assert _records.fast_into(np.add, (1, 2), x) is None          # no array input
+    assert _records.fast_into(np.add, (x, 1), np.zeros((3, 4))) is None
+    with pytest.raises(TypeError):
+        _records.fast_into(np.add, [x], x)
+    y = _arr(m, np.ones(3))
+    ca.unsafe_free(y)
+    with pytest.raises(UseAfterFreeError):
+        y += 1
+
+
+# ---- x[key] = scalar in C ----------------------------------------------------------------------
+
+SETITEM_KEYS = [0, -1, slice(1, 5), slice(None, None, 2), (1, 2), (slice(0, 2), 3), Ellipsis,
+                (Ellipsis, 1), (None, 0)]
+
+
+@pytest.mark.parametrize("shape", [(4, 6), (3, 20_000)])          # the last: over SHORT_BYTES
+def test_setitem_of_scalars_matches_numpy(m, shape):
+    a = np.arange(np.prod(shape), dtype=np.float64).reshape(shape)
+    x = _arr(m, a)
+    for i, key in enumerate(SETITEM_KEYS):
+        for value in (7, -2.5, np.float32(3.5), True):
+            a[key] = value
+            x[key] = value
+            np.testing.assert_array_equal(np.asarray(x), a)
+    assert x.object._pins == 0
+    m.check()
+
+
+def test_setitem_reports_the_write_and_keeps_numpy_errors():
+    calls = []
+
+    class Recording(LRU):
+        def write_use(self, obj):
+            calls.append(obj.id)
+            super().write_use(obj)
+
+    with ca.Manager(fast="8MiB", slow="32MiB", policy=Recording()) as m:
+        x = _arr(m, np.zeros(5))
+        m.markclean(x.object.primary)
+        version = x.object.version
+        calls.clear()
+        x[2] = 1.0
+        assert calls == [x.object.id] and x.object.primary._dirty is True
+        assert x.object.version == version + 1 and x.object.chain == "use"
+        with pytest.raises(IndexError):
+            x[9] = 1.0                                     # NumPy's own error
+        with pytest.raises(ValueError):
+            x[1] = "not a number"
+        x[[0, 1]] = 5.0                                    # a list key: the Python method
+        x[1:3] = np.array([8.0, 9.0])                      # an array value: the Python method
+        np.testing.assert_array_equal(np.asarray(x), [5.0, 8.0, 9.0, 0.0, 0.0])
+        assert x.object._pins == 0
+        ca.unsafe_free(x)
+        with pytest.raises(UseAfterFreeError):
+            x[0] = 1.0
 
 
 # ---- the general path while something is under way ---------------------------------------------
@@ -266,8 +566,12 @@ def test_calls_from_many_threads_keep_data_and_pins():
                 for j in range(200):
                     a, b = arrays[(k + j) % 8], arrays[(k + 2 * j) % 8]
                     want = float(a[0]) + float(b[0])
-                    got = np.asarray(a + b)
-                    assert got[0] == want and got[-1] == want
+                    got = a + b
+                    assert got.max() == want and got.argmin() == 0
+                    got += 1.0                          # in place, while others evict
+                    got[0] = want
+                    got = np.asarray(got)
+                    assert got[0] == want and got[-1] == want + 1
             except BaseException as e:       # noqa: BLE001 - reported below
                 errors.append(e)
 
@@ -349,7 +653,7 @@ def test_operators_behave_as_methods(m):
     with pytest.raises(TypeError):
         _records.operator(np.add, None, 0)
     with pytest.raises(ValueError):
-        _records.operator(np.add, print, 3)
+        _records.operator(np.add, print, 6)
 
 
 def test_operators_defer_to_types_that_opt_out(m):
@@ -397,7 +701,10 @@ def test_closing_the_manager_while_calls_run_in_another_thread(n):
             try:
                 for _ in range(100_000):
                     z = x + y
-                    _ = (-z)[1:3], np.exp(x), z < 1
+                    _ = (-z)[1:3], np.exp(x), z < 1, z.sum(), x.max(axis=0)
+                    z += y
+                    np.multiply(z, 2, out=z)
+                    z[1:3] = 0.0
             except UseAfterFreeError as e:
                 errors.append(e)
 
