@@ -1136,6 +1136,24 @@ add_pins(PyObject *o, long delta)
     return 0;
 }
 
+/* Pin the object o (an ObjectRecord) after Manager._live has checked it when it is freed (the
+ * error names the use after free). 0, or -1 with an exception set and o not pinned. */
+static int
+pin_live(PyObject *m, PyObject *o)
+{
+    ObjectRecord *r = (ObjectRecord *)o;
+    int freed = r->freed == NULL ? 0 : PyObject_IsTrue(r->freed);
+    if (freed < 0)
+        return -1;
+    if (freed) {
+        PyObject *t = PyObject_CallMethodOneArg(m, s_live, o);
+        if (t == NULL)
+            return -1;
+        Py_DECREF(t);
+    }
+    return add_pins(o, 1);
+}
+
 /* Unpin held[0:n], keeping any pending exception. */
 static void
 unpin_all(PyObject **held, Py_ssize_t n)
@@ -1365,15 +1383,7 @@ run_core(PyObject *module, PyObject *m, PyObject *ufunc, PyObject *inputs, PyObj
     /* pin the operands and report them read */
     for (Py_ssize_t i = 0; i < n_objs; i++) {
         PyObject *o = PyTuple_GET_ITEM(objs, i);
-        ObjectRecord *r = (ObjectRecord *)o;
-        int freed = r->freed == NULL ? 0 : PyObject_IsTrue(r->freed);
-        if (freed < 0)
-            goto unpin;
-        if (freed && (t = PyObject_CallMethodOneArg(m, s_live, o)) == NULL)
-            goto unpin;
-        if (freed)
-            Py_DECREF(t);
-        if (add_pins(o, 1) < 0)
+        if (pin_live(m, o) < 0)
             goto unpin;
         held[n_held++] = o;
         if (policy_hook(policy, HOOK_READ_USE, s_read_use, o) < 0)
@@ -1382,14 +1392,7 @@ run_core(PyObject *module, PyObject *m, PyObject *ufunc, PyObject *inputs, PyObj
 
     if (wobj != NULL) {                                  /* the written operand */
         ObjectRecord *w = (ObjectRecord *)wobj;
-        int freed = w->freed == NULL ? 0 : PyObject_IsTrue(w->freed);
-        if (freed < 0)
-            goto unpin;
-        if (freed && (t = PyObject_CallMethodOneArg(m, s_live, wobj)) == NULL)
-            goto unpin;
-        if (freed)
-            Py_DECREF(t);
-        if (add_pins(wobj, 1) < 0)
+        if (pin_live(m, wobj) < 0)
             goto unpin;
         held[n_held++] = wobj;
         if ((t = PyObject_CallMethodOneArg(policy, s_write_use, wobj)) == NULL)
@@ -1694,6 +1697,28 @@ fast_ufunc(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     return fast_ufunc_impl(module, args[0], args[1]);
 }
 
+/* ---- calls that make no array of ours: out=, x op= y, x[key] = v, reductions ---------------- */
+
+/* run_core for a call that makes no new array (nbytes NULL), short when the object sized's
+ * bytes are at most SHORT_BYTES. m and wobj are held while it runs: the policy's Python code
+ * may rebind the fields of the arrays they came from. */
+static PyObject *
+run_call(PyObject *m, PyObject *fn, PyObject *inputs, PyObject *objs, PyObject *kwnames,
+         PyObject *wobj, PyObject *wname, PyObject *sized)
+{
+    PyObject *nb = ((ObjectRecord *)sized)->nbytes;
+    long long n = nb == NULL ? -1 : PyLong_AsLongLong(nb);
+    if (n == -1 && PyErr_Occurred())
+        return NULL;
+    Py_INCREF(m);
+    Py_XINCREF(wobj);
+    PyObject *res = run_core(NULL, m, fn, inputs, objs, NULL, NULL, NULL, NULL, kwnames, wobj,
+                             wname, n >= 0 && n <= short_bytes);
+    Py_XDECREF(wobj);
+    Py_DECREF(m);
+    return res;
+}
+
 /* ---- a ufunc into an existing array (out=, x op= y) ----------------------------------------- */
 
 static PyObject *simple_ufuncs;         /* ufunc -> its __name__ if nout == 1 and no signature,
@@ -1764,12 +1789,6 @@ fast_into(PyObject *ufunc, PyObject *const *inputs, Py_ssize_t n_in, PyObject *o
         Py_DECREF(name);
         Py_RETURN_NONE;
     }
-    PyObject *nb = ((ObjectRecord *)wobj)->nbytes;
-    long long n = nb == NULL ? -1 : PyLong_AsLongLong(nb);
-    if (n == -1 && PyErr_Occurred()) {
-        Py_DECREF(name);
-        return NULL;
-    }
     PyObject *all = PyTuple_New(n_in + 1), *objs = PyTuple_New(n_objs), *res = NULL;
     if (all != NULL && objs != NULL) {
         for (Py_ssize_t i = 0; i < n_in; i++)
@@ -1777,12 +1796,7 @@ fast_into(PyObject *ufunc, PyObject *const *inputs, Py_ssize_t n_in, PyObject *o
         PyTuple_SET_ITEM(all, n_in, Py_NewRef(out));
         for (Py_ssize_t i = 0; i < n_objs; i++)
             PyTuple_SET_ITEM(objs, i, Py_NewRef(ro[i]));
-        Py_INCREF(m);                    /* the policy's Python code may rebind out's fields */
-        Py_INCREF(wobj);
-        res = run_core(NULL, m, ufunc, all, objs, NULL, NULL, NULL, NULL, out_kw, wobj, name,
-                       n >= 0 && n <= short_bytes);
-        Py_DECREF(wobj);
-        Py_DECREF(m);
+        res = run_call(m, ufunc, all, objs, out_kw, wobj, name, wobj);
     }
     Py_XDECREF(all);
     Py_XDECREF(objs);
@@ -1939,19 +1953,9 @@ run_setitem(PyObject *setitem, PyObject *x, PyObject *key, PyObject *value)
     PyObject *m = SLOT(x, off_m), *obj = SLOT(x, off_obj);
     if (m == NULL || obj == NULL || !PyObject_TypeCheck(obj, &ObjectRecordType))
         return Py_NewRef(Py_NotImplemented);
-    PyObject *nb = ((ObjectRecord *)obj)->nbytes;
-    long long n = nb == NULL ? -1 : PyLong_AsLongLong(nb);
-    if (n == -1 && PyErr_Occurred())
-        return NULL;
     PyObject *inputs = PyTuple_Pack(3, x, key, value), *objs = PyTuple_New(0), *res = NULL;
-    if (inputs != NULL && objs != NULL) {
-        Py_INCREF(m);
-        Py_INCREF(obj);
-        res = run_core(NULL, m, setitem, inputs, objs, NULL, NULL, NULL, NULL, NULL, obj, s_use,
-                       n >= 0 && n <= short_bytes);
-        Py_DECREF(obj);
-        Py_DECREF(m);
-    }
+    if (inputs != NULL && objs != NULL)
+        res = run_call(m, setitem, inputs, objs, NULL, obj, s_use, obj);
     Py_XDECREF(inputs);
     Py_XDECREF(objs);
     return res;
@@ -1975,19 +1979,14 @@ run_method(PyObject *method, PyObject *const *args, Py_ssize_t nargs, PyObject *
     PyObject *m = SLOT(x, off_m), *obj = SLOT(x, off_obj);
     if (m == NULL || obj == NULL || !PyObject_TypeCheck(obj, &ObjectRecordType))
         return Py_NewRef(Py_NotImplemented);
-    PyObject *nb = ((ObjectRecord *)obj)->nbytes;
-    long long n = nb == NULL ? -1 : PyLong_AsLongLong(nb);
-    if (n == -1 && PyErr_Occurred())
-        return NULL;
     PyObject *inputs = PyTuple_New(nargs + n_kw), *objs = NULL, *res = NULL;
     if (inputs == NULL)
         return NULL;
     for (Py_ssize_t i = 0; i < nargs + n_kw; i++)
         PyTuple_SET_ITEM(inputs, i, Py_NewRef(args[i]));
-    Py_INCREF(m);                          /* the policy's Python code may rebind x's fields */
+    Py_INCREF(m);                          /* from_ndarray's manager, after the call */
     if ((objs = PyTuple_Pack(1, obj)) != NULL)
-        res = run_core(NULL, m, method, inputs, objs, NULL, NULL, NULL, NULL, kwnames, NULL,
-                       NULL, n >= 0 && n <= short_bytes);
+        res = run_call(m, method, inputs, objs, kwnames, NULL, NULL, obj);
     Py_DECREF(inputs);
     Py_XDECREF(objs);
     if (res != NULL && PyArray_CheckExact(res)) {

@@ -80,23 +80,26 @@ def test_a_result_is_dirty_placed_and_counted(m):
     assert m.object(z.object.id) is z.object
 
 
+def _recording(calls, *hooks):
+    """An LRU subclass appending (hook, object id) to calls on each of the named hooks, then
+    running LRU's own."""
+    def recorder(name):
+        def hook(self, obj):
+            calls.append((name, obj.id))
+            getattr(LRU, name)(self, obj)
+        return hook
+    return type("Recording", (LRU,), {h: recorder(h) for h in hooks})
+
+
 def test_operands_are_reported_used_and_the_result_new():
     calls = []
-
-    class Recording(LRU):
-        def read_use(self, obj):
-            calls.append(("read", obj.id))
-            super().read_use(obj)
-
-        def new_in_fast(self, obj):
-            calls.append(("new", obj.id))
-            super().new_in_fast(obj)
-
+    Recording = _recording(calls, "read_use", "new_in_fast")
     with ca.Manager(fast="8MiB", slow="32MiB", policy=Recording()) as m:
         x, y = _arr(m, np.arange(10.0)), _arr(m, np.ones(10))
         calls.clear()
         z = x * y
-        assert calls == [("read", x.object.id), ("read", y.object.id), ("new", z.object.id)]
+        assert calls == [("read_use", x.object.id), ("read_use", y.object.id),
+                         ("new_in_fast", z.object.id)]
         assert list(m.policy.recent)[-1] == z.object.id
 
 
@@ -127,23 +130,17 @@ def _lru_workload(m):
 
 
 class _PythonLRU(LRU):
-    """LRU with its hooks as Python code (the same statements): the C paths call these."""
+    """LRU whose hooks are other functions than LRU's (calling LRU's own code), so the C paths
+    call them in Python."""
 
     def read_use(self, obj):
-        oid = obj.id
-        if oid in self.recent:
-            self.recent.move_to_end(oid)
-        elif oid in self.soft:
-            del self.soft[oid]
-            self.recent[oid] = None
+        LRU.read_use(self, obj)
 
     def new_in_fast(self, obj):
-        self.recent[obj.id] = None
+        LRU.new_in_fast(self, obj)
 
     def forget(self, obj_id):
-        self.recent.pop(obj_id, None)
-        if self.soft:
-            self.soft.pop(obj_id, None)
+        LRU.forget(self, obj_id)
 
 
 def test_lru_hooks_in_c_leave_the_tiers_as_the_python_methods_do():
@@ -247,16 +244,10 @@ def test_reductions_match_numpy(m, n):
 
 def test_reductions_report_the_read_and_keep_the_general_path_for_the_rest(m):
     calls = []
-
-    class Recording(LRU):
-        def read_use(self, obj):
-            calls.append(obj.id)
-            super().read_use(obj)
-
-    with ca.Manager(fast="8MiB", slow="32MiB", policy=Recording()) as m2:
+    with ca.Manager(fast="8MiB", slow="32MiB", policy=_recording(calls, "read_use")()) as m2:
         x = _arr(m2, np.arange(12.0).reshape(3, 4))
         calls.clear()
-        assert x.sum() == 66.0 and calls == [x.object.id]
+        assert x.sum() == 66.0 and calls == [("read_use", x.object.id)]
         out = _arr(m2, np.zeros(4))
         assert x.sum(axis=0, out=out) is out                # out=: the general path
         np.testing.assert_array_equal(np.asarray(out), [12.0, 15.0, 18.0, 21.0])
@@ -304,16 +295,7 @@ def test_in_place_ufuncs_match_numpy(m, dtype, shape):
 
 def test_in_place_ufuncs_report_the_write_and_break_the_lineage():
     calls = []
-
-    class Recording(LRU):
-        def write_use(self, obj):
-            calls.append(("write", obj.id))
-            super().write_use(obj)
-
-        def read_use(self, obj):
-            calls.append(("read", obj.id))
-            super().read_use(obj)
-
+    Recording = _recording(calls, "read_use", "write_use")
     with ca.Manager(fast="8MiB", slow="32MiB", policy=Recording()) as m:
         x, y = _arr(m, np.arange(10.0)), _arr(m, np.ones(10))
         m.markclean(x.object.primary)
@@ -321,8 +303,8 @@ def test_in_place_ufuncs_report_the_write_and_break_the_lineage():
         calls.clear()
         x += y
         # (LRU's write_use reports the read itself)
-        assert calls == [("read", x.object.id), ("read", y.object.id), ("write", x.object.id),
-                         ("read", x.object.id)]
+        assert calls == [("read_use", x.object.id), ("read_use", y.object.id),
+                         ("write_use", x.object.id), ("read_use", x.object.id)]
         assert x.object.primary._dirty is True
         assert x.object.version == version + 1 and x.object.chain == "add"
         m.recomputing = True                          # a replay: the lineage is kept
@@ -379,19 +361,13 @@ def test_setitem_of_scalars_matches_numpy(m, shape):
 
 def test_setitem_reports_the_write_and_keeps_numpy_errors():
     calls = []
-
-    class Recording(LRU):
-        def write_use(self, obj):
-            calls.append(obj.id)
-            super().write_use(obj)
-
-    with ca.Manager(fast="8MiB", slow="32MiB", policy=Recording()) as m:
+    with ca.Manager(fast="8MiB", slow="32MiB", policy=_recording(calls, "write_use")()) as m:
         x = _arr(m, np.zeros(5))
         m.markclean(x.object.primary)
         version = x.object.version
         calls.clear()
         x[2] = 1.0
-        assert calls == [x.object.id] and x.object.primary._dirty is True
+        assert calls == [("write_use", x.object.id)] and x.object.primary._dirty is True
         assert x.object.version == version + 1 and x.object.chain == "use"
         with pytest.raises(IndexError):
             x[9] = 1.0                                     # NumPy's own error
