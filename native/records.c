@@ -1327,6 +1327,8 @@ run_busy(PyObject *m, PyObject *policy)
  * it runs. Returns NotImplemented, having done nothing, when the manager has something under way
  * that Manager.run's general path handles.
  *
+ * ufunc NULL (with nbytes): only the new array, as Manager.new_pinned + release make it.
+ *
  * nbytes NULL: a call that makes no array of ours (a reduction, a ufunc with out=): ufunc(*views,
  * **kw) with the operands pinned and reported read, its result returned as it is. The last
  * len(kwnames) inputs are the keyword arguments' values. wobj (with nbytes NULL): the object
@@ -1485,6 +1487,11 @@ kernel:
     PyObject *made = new_view(m, new, shape, dtype, strides, &out_view);
     if (made == NULL)
         goto kernel_done;
+    if (ufunc == NULL) {                                  /* a new array, no kernel */
+        Py_DECREF(out_view);
+        res = made;
+        goto kernel_done;
+    }
     for (Py_ssize_t i = 0; i < n_in; i++) {
         PyObject *x = PyTuple_GET_ITEM(inputs, i);
         views[i] = Py_IS_TYPE(x, view_cls) ? kernel_view(x) : Py_NewRef(x);
@@ -1684,6 +1691,35 @@ out:
     Py_XDECREF(objs);
     Py_DECREF(m);
     Py_DECREF(shape);
+    return res;
+}
+
+/* new_array(m, shape, dtype, strides, nbytes): an uninitialised CachedArray (shape, dtype,
+ * strides) of a new object of nbytes placed by the policy, as cachedarrays.creation.empty makes
+ * it through Manager.new_pinned; None when the manager is busy (the caller takes that path). */
+static PyObject *
+new_array(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 5 || !PyTuple_CheckExact(args[1]) || !PyTuple_CheckExact(args[3]) ||
+            !PyLong_CheckExact(args[4])) {
+        PyErr_SetString(PyExc_TypeError, "new_array(manager, shape: tuple, dtype, strides: "
+                        "tuple, nbytes: int)");
+        return NULL;
+    }
+    if (view_cls == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "new_array: bind_views() was not called");
+        return NULL;
+    }
+    PyObject *none = PyTuple_New(0);
+    if (none == NULL)
+        return NULL;
+    PyObject *res = run_core(module, args[0], NULL, none, none, args[1], args[2], args[3],
+                             args[4], NULL, NULL, NULL, 1);
+    Py_DECREF(none);
+    if (res == Py_NotImplemented) {
+        Py_DECREF(res);
+        Py_RETURN_NONE;
+    }
     return res;
 }
 
@@ -2282,6 +2318,9 @@ static PyMethodDef records_methods[] = {
     {"create_fast", (PyCFunction)(void (*)(void))create_fast, METH_FASTCALL,
      "create_fast(manager, nbytes): Manager._create_fast."},
     {"drain", (PyCFunction)drain, METH_O, "drain(manager): Manager._drain."},
+    {"new_array", (PyCFunction)(void (*)(void))new_array, METH_FASTCALL,
+     "new_array(manager, shape, dtype, strides, nbytes): an uninitialised array; None when the "
+     "manager is busy."},
     {"fast_into", (PyCFunction)(void (*)(void))fast_into_entry, METH_FASTCALL,
      "fast_into(ufunc, inputs, out): ufunc(*inputs, out=out) in C; None when not taken."},
     {"bind_lru", (PyCFunction)(void (*)(void))bind_lru, METH_FASTCALL,

@@ -490,6 +490,55 @@ def test_results_are_recorded_in_open_noescape_scopes(m):
     assert len(rec) == 2 and v.object is not None
 
 
+# ---- ca.empty in C ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("shape, dtype", [(5, float), ((3, 4), np.float32), ((2, 0, 3), "i2"),
+                                          ((), np.complex128), ((7,), np.dtype(">u4")),
+                                          ((4, 70_000), np.float64)])
+def test_empty_in_c_makes_the_same_arrays(m, shape, dtype):
+    x = ca.empty(shape, dtype, manager=m)
+    want = np.empty(shape, dtype)
+    assert type(x) is ca.CachedArray
+    assert (x.shape, x.dtype) == (want.shape, want.dtype)
+    assert x.strides == want.strides or want.size == 0     # (NumPy: zero strides when empty)
+    assert x.object._pins == 0 and x.device == "fast"
+    assert x.object.primary._dirty is True and x.object.id in m.policy.recent
+    x[...] = 3
+    np.testing.assert_array_equal(np.asarray(x), np.full(shape, 3, dtype))
+    m.check()
+
+
+def test_empty_keeps_the_general_path_and_its_errors(m):
+    calls = []
+
+    class Watch(Observer):
+        def on_new(self, obj, placement):
+            calls.append(obj.id)
+
+    with pytest.raises(ValueError):
+        ca.empty(-1, manager=m)                  # the shape's own error
+    with pytest.raises(TypeError):
+        ca.empty(3, object, manager=m)           # object dtypes are refused as before
+    f = ca.empty((3, 4), order="F", manager=m)   # F order: the general path
+    assert f.strides == np.empty((3, 4), order="F").strides
+    s = ca.empty([2, 3], (np.float32, (2,)), manager=m)      # a list shape, a sub-array dtype
+    assert s.shape == (2, 3, 2) and s.dtype == np.float32
+    slow = ca.empty(4, manager=m, placement="slow")
+    assert slow.device == "slow"
+    rec = push_scope()
+    try:
+        e = ca.empty(8, manager=m)
+    finally:
+        pop_scope(rec)
+    assert [r() for r in rec] == [e.object]
+    m.observe(Watch())                           # busy: Manager.new_pinned, which reports it
+    g = ca.empty(8, manager=m)
+    assert calls == [g.object.id]
+    assert all(a.object._pins == 0 for a in (f, s, slow, e, g))
+    with pytest.raises(TypeError):
+        _records.new_array(m, [3], np.dtype(float), (8,), 24)
+
+
 # ---- the entry points -------------------------------------------------------------------------
 
 def test_fast_ufunc_declines_what_it_does_not_handle(m):
