@@ -730,6 +730,7 @@ def test_closing_the_manager_while_calls_run_in_another_thread(n):
                     z += y
                     np.multiply(z, 2, out=z)
                     z[1:3] = 0.0
+                    ca.empty(n, manager=m)
             except UseAfterFreeError as e:
                 errors.append(e)
 
