@@ -212,6 +212,17 @@ class LRU(Policy, LRURecord):
         self.recent = OrderedDict()      # id -> None, least recent first
         self.soft = OrderedDict()        # soft-evicted tier, evicted before `recent`
 
+    # The tiers are fields of the C record, not of __dict__: copy and pickle carry them
+    # explicitly (object's default reduction refuses a type with C fields).
+    def __getstate__(self):
+        return {**self.__dict__, "recent": self.recent, "soft": self.soft}
+
+    def __setstate__(self, state):
+        state = dict(state)
+        self.recent = state.pop("recent", OrderedDict())
+        self.soft = state.pop("soft", OrderedDict())
+        self.__dict__.update(state)
+
     def bind(self, manager):
         super().bind(manager)
         if (self.write_allocate or self.writeback) and self._kernels is None:

@@ -346,3 +346,25 @@ def test_policies_register_by_name_from_their_own_modules():
     assert registry.resolve("fast-only") is registry.resolve("fastonly") is simple.FastOnly
     with pytest.raises(ValueError, match="unknown policy 'nope'; known policies: .*lru"):
         registry.resolve("nope")
+
+
+def test_every_registered_policy_copies_and_pickles_with_its_state():
+    """An unbound policy (a configuration) can be copied and pickled. LRU's tiers live in a C
+    record (LRURecord), which object's default reduction would refuse."""
+    import copy
+    import pickle
+
+    from cachedarrays.registry import policy_names, resolve
+
+    for name in policy_names():
+        p = resolve(name)()
+        for q in (copy.deepcopy(p), pickle.loads(pickle.dumps(p))):
+            assert type(q) is type(p)
+            assert {k: v for k, v in vars(q).items() if not callable(v)}.keys() == \
+                {k: v for k, v in vars(p).items() if not callable(v)}.keys()
+    lru = ca.policies.LRU(preset="CA:LMP")
+    lru.recent[3] = None
+    lru.soft[4] = None
+    for q in (copy.deepcopy(lru), pickle.loads(pickle.dumps(lru))):
+        assert list(q.recent) == [3] and list(q.soft) == [4] and q.recent is not lru.recent
+        assert (q.lookahead, q.writeback, q.local_alloc) == (4, 0.2, True)
