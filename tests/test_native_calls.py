@@ -14,6 +14,8 @@ from collections import OrderedDict
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import cachedarrays as ca
 from cachedarrays import _records
@@ -767,3 +769,71 @@ def test_python_code_rebinding_an_array_mid_call_does_not_break_the_c_paths(m):
         z = y + 1
         np.testing.assert_array_equal(np.asarray(z), np.arange(10.0) + 1)
         assert z.shape == (10,)
+
+
+# ---- random calls against NumPy (hypothesis) ------------------------------------------------------
+
+_SHAPES = st.lists(st.integers(0, 5), min_size=1, max_size=3).map(tuple)
+_INDEX = st.one_of(st.integers(-7, 7), st.builds(slice, st.none() | st.integers(-7, 7),
+                                                 st.none() | st.integers(-7, 7),
+                                                 st.none() | st.sampled_from([-2, -1, 1, 2, 3])),
+                   st.just(Ellipsis), st.none())
+_KEYS = st.one_of(_INDEX, st.lists(_INDEX, min_size=1, max_size=4).map(tuple))
+_SCALARS = st.one_of(st.integers(-5, 5), st.floats(-5, 5), st.booleans(),
+                     st.sampled_from([np.float32(1.5), np.int8(-3)]))
+
+
+def _outcome(f):
+    """f()'s result, or its exception's type (NumPy's and ours must match)."""
+    try:
+        return f()
+    except Exception as e:        # noqa: BLE001 - compared below
+        return type(e)
+
+
+@settings(max_examples=300, deadline=None)
+@given(shape=_SHAPES, key=_KEYS, value=_SCALARS, dtype=st.sampled_from(["f8", "f4", "i4"]))
+def test_random_scalar_assignments_match_numpy(shape, key, value, dtype):
+    with ca.Manager(fast="1MiB", slow="4MiB") as m:
+        a = np.arange(np.prod(shape), dtype=dtype).reshape(shape)
+        x = _arr(m, a.copy())
+        want = _outcome(lambda: a.__setitem__(key, value))
+        got = _outcome(lambda: x.__setitem__(key, value))
+        assert got == want
+        np.testing.assert_array_equal(np.asarray(x), a)
+        assert x.object._pins == 0
+
+
+_OPS = ["iadd", "imul", "isub", "out_max", "sum", "max0", "argmin", "mean1", "any"]
+
+
+@settings(max_examples=200, deadline=None)
+@given(shape=_SHAPES, op=st.sampled_from(_OPS), value=_SCALARS,
+       dtype=st.sampled_from(["f8", "f4", "i4", "c16"]))
+def test_random_in_place_calls_and_reductions_match_numpy(shape, op, value, dtype):
+    with ca.Manager(fast="1MiB", slow="4MiB") as m:
+        a = (np.arange(np.prod(shape)) % 7 - 3).astype(dtype).reshape(shape)
+        b = np.ones(shape, dtype)
+        x, y = _arr(m, a.copy()), _arr(m, b)
+        calls = {
+            "iadd": lambda p, q: p.__iadd__(value), "imul": lambda p, q: p.__imul__(q),
+            "isub": lambda p, q: np.subtract(p, value, out=p),
+            "out_max": lambda p, q: np.maximum(p, q, out=(p,)),
+            "sum": lambda p, q: p.sum(), "max0": lambda p, q: p.max(axis=0),
+            "argmin": lambda p, q: p.argmin(), "mean1": lambda p, q: p.mean(axis=-1),
+            "any": lambda p, q: p.any(),
+        }
+        with np.errstate(all="ignore"), warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)        # the mean of nothing
+            want = _outcome(lambda: calls[op](a, b))
+            got = _outcome(lambda: calls[op](x, y))
+        if want is a:
+            assert got is x                                # in place: the array itself
+        elif isinstance(want, type):
+            assert got == want                             # the same error
+        elif isinstance(want, np.ndarray):
+            np.testing.assert_array_equal(np.asarray(got), want)
+        else:
+            assert type(got) is type(want) and (got == want or (got != got and want != want))
+        np.testing.assert_array_equal(np.asarray(x), a)   # in place: the same values
+        assert x.object._pins == 0 and y.object._pins == 0
