@@ -52,25 +52,30 @@ def _caller_is_pandas():
 
 # ---- allocation ------------------------------------------------------------------------------
 
+def new_layout(shape, dtype, order="C"):
+    """(shape, dtype, strides, nbytes) of a new contiguous array, as NumPy lays it out: a
+    sub-array dtype becomes trailing dimensions; any order but "F" is C order."""
+    dt = check_dtype(dtype)
+    shape = shape_tuple(shape)
+    if dt.subdtype is not None:          # (np.float64, (2,)): as NumPy, (*shape, 2) of float64
+        dt, sub = dt.subdtype
+        shape = shape + sub
+    n = dt.itemsize
+    for s in shape:
+        n *= s
+    strides = contiguous_strides(shape, dt.itemsize, "F") if order == "F" else \
+        c_strides(shape, dt.itemsize)
+    return shape, dt, strides, n
+
+
 def new_pinned(manager, shape, dtype, order="C", placement=None):
     """Allocate an array through the manager's policy, returned pinned (release with unpin).
 
     placement: None lets the policy choose; "slow" or "fast" (fast if it fits after forced
     evictions, else slow) is a hint for arrays whose use the caller knows.
     """
-    dt = check_dtype(dtype)
-    shape = shape_tuple(shape)
-    if dt.subdtype is not None:          # (np.float64, (2,)): as NumPy, (*shape, 2) of float64
-        dt, sub = dt.subdtype
-        shape = shape + sub
-    if order not in ("C", "F"):
-        order = "C"
-    n = 1
-    for s in shape:
-        n *= s
-    obj = new_object(manager, n * dt.itemsize, placement)
-    strides = c_strides(shape, dt.itemsize) if order == "C" else \
-        contiguous_strides(shape, dt.itemsize, order)
+    shape, dt, strides, n = new_layout(shape, dtype, order)
+    obj = new_object(manager, n, placement)
     return CachedArray._make(obj, manager, shape, dt, strides, 0)
 
 

@@ -7,36 +7,26 @@ through ``cachedarrays.routines.creation``.
 import numpy as np
 
 from ._records import new_array as _new_array
-from .array import CachedArray, check_dtype, from_ndarray, new_pinned, unpin
+from .array import CachedArray, check_dtype, from_ndarray, new_layout, new_pinned, unpin
 from .defaults import default_manager
-from .layout import c_strides, shape_tuple
 from .scopes import readable
 
-# (shape, dtype) as given -> (shape tuple, dtype, C strides, nbytes) of a C-order array, or None
-# for the dtypes new_array does not take (sub-array and object dtypes)
+# (shape, dtype) as given -> new_layout(shape, dtype), for the spellings that hash safely
 _LAYOUTS = {}
 _KEY_DTYPES = (type, np.dtype, str)
 
 
 def _c_layout(shape, dtype):
-    """The C-order layout of an empty array, cached per (shape, dtype) as given; None for
-    arguments that are not cached (a list shape, an unusual dtype argument) or dtypes that
-    take the general path."""
+    """new_layout(shape, dtype) of a C-order array, cached per (shape, dtype) as given; None
+    for spellings that are not cached (a list shape, an unusual dtype argument)."""
     ts = type(shape)
     if not (ts is int or (ts is tuple and all(type(d) is int for d in shape))) or \
             type(dtype) not in _KEY_DTYPES:
         return None
     key = (shape, dtype)
-    lay = _LAYOUTS.get(key, False)
-    if lay is False:
-        dt = check_dtype(dtype)
-        shp = shape_tuple(shape)
-        lay = None
-        if dt.subdtype is None and not dt.hasobject:
-            n = dt.itemsize
-            for d in shp:
-                n *= d
-            lay = (shp, dt, c_strides(shp, dt.itemsize), n)
+    lay = _LAYOUTS.get(key)
+    if lay is None:
+        lay = new_layout(shape, dtype)
         if len(_LAYOUTS) < 1024:
             _LAYOUTS[key] = lay
     return lay

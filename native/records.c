@@ -1566,19 +1566,26 @@ out:
     Py_DECREF(lock);
     return res;
 }
-/* run_core for a ufunc into a new array; None (instead of NotImplemented) when not taken. */
+/* run_core's result for the entry points that say "not taken" with None: NotImplemented
+ * (a reference the caller passes on) becomes None. */
 static PyObject *
-run_ufunc_core(PyObject *module, PyObject *m, PyObject *ufunc, PyObject *inputs, PyObject *objs,
-               PyObject *shape, PyObject *dtype, PyObject *strides, PyObject *nbytes,
-               int is_short)
+none_if_not_taken(PyObject *res)
 {
-    PyObject *res = run_core(module, m, ufunc, inputs, objs, shape, dtype, strides, nbytes, NULL,
-                             NULL, NULL, is_short);
     if (res == Py_NotImplemented) {
         Py_DECREF(res);
         Py_RETURN_NONE;
     }
     return res;
+}
+
+/* run_core for a ufunc into a new array; None when not taken. */
+static PyObject *
+run_ufunc_core(PyObject *module, PyObject *m, PyObject *ufunc, PyObject *inputs, PyObject *objs,
+               PyObject *shape, PyObject *dtype, PyObject *strides, PyObject *nbytes,
+               int is_short)
+{
+    return none_if_not_taken(run_core(module, m, ufunc, inputs, objs, shape, dtype, strides,
+                                      nbytes, NULL, NULL, NULL, is_short));
 }
 
 static PyObject *
@@ -1716,11 +1723,7 @@ new_array(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     PyObject *res = run_core(module, args[0], NULL, none, none, args[1], args[2], args[3],
                              args[4], NULL, NULL, NULL, 1);
     Py_DECREF(none);
-    if (res == Py_NotImplemented) {
-        Py_DECREF(res);
-        Py_RETURN_NONE;
-    }
-    return res;
+    return none_if_not_taken(res);
 }
 
 static PyObject *
@@ -1837,12 +1840,9 @@ fast_into(PyObject *ufunc, PyObject *const *inputs, Py_ssize_t n_in, PyObject *o
     Py_XDECREF(all);
     Py_XDECREF(objs);
     Py_DECREF(name);
-    if (res == NULL)
-        return NULL;
-    if (res == Py_NotImplemented) {
-        Py_DECREF(res);
-        Py_RETURN_NONE;
-    }
+    res = none_if_not_taken(res);
+    if (res == NULL || res == Py_None)
+        return res;
     Py_DECREF(res);                                      /* NumPy's return: out's view */
     return Py_NewRef(out);
 }
