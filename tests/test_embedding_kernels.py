@@ -161,6 +161,68 @@ def test_two_pass_cached_lookup_is_bit_identical_to_the_one_pass_kernel(rng, mon
     np.testing.assert_array_equal(mb, indices[where[indices] < 0])
 
 
+def test_scratch_is_reused_per_thread_grows_and_keeps_nothing_huge(monkeypatch):
+    """A thread's scratch comes back for the next call (no new pages per lookup), grows
+    when asked for more, is its own in every thread, and is not kept above SCRATCH_KEEP."""
+    a = K.scratch("test", 100, np.int64)
+    assert a.shape == (100,) and a.dtype == np.int64
+    b = K.scratch("test", 50, np.int64)
+    assert np.shares_memory(a, b) and b.shape == (50,)
+    assert not np.shares_memory(a, K.scratch("test", 100, np.uint64))   # per dtype
+    assert not np.shares_memory(a, K.scratch("other", 100, np.int64))   # per key
+    big = K.scratch("test", 5000, np.int64)
+    assert big.shape == (5000,) and big is not None
+    assert np.shares_memory(big, K.scratch("test", 4000, np.int64))
+    other = []
+    t = threading.Thread(target=lambda: other.append(K.scratch("test", 100, np.int64)))
+    t.start()
+    t.join()
+    assert not np.shares_memory(other[0], K.scratch("test", 100, np.int64))
+    monkeypatch.setattr(K, "SCRATCH_KEEP", 1 << 16)
+    huge = K.scratch("huge", 1 << 14, np.int64)                       # 128 KiB: not kept
+    assert huge.shape == (1 << 14,)
+    assert not np.shares_memory(huge, K.scratch("huge", 1 << 14, np.int64))
+
+
+def test_cached_lookups_of_tables_of_other_sizes_and_threads_share_no_positions(rng):
+    """The two-pass lookup's positions live in a per-thread scratch: lookups of different
+    sizes in turn, and lookups from several threads at once, each get their own sums."""
+    cases = []
+    for n, fs, nbags in ((3000, 16, 900), (200, 16, 31), (5000, 16, 1500)):
+        base = rng.standard_normal((n, fs)).astype(np.float32)
+        ncache = n // 3
+        cache = rng.standard_normal((ncache, fs)).astype(np.float32)
+        where = np.full(n, -1, dtype=np.int64)
+        where[rng.choice(n, ncache, replace=False)] = rng.permutation(ncache)
+        logical = base.copy()
+        logical[where >= 0] = cache[where[where >= 0]]
+        indices, offsets = make_bags(rng, nbags, n, 30)
+        cases.append((base, cache, where, indices, offsets, ref_bag_sum(logical, indices, offsets)))
+
+    def run(case):
+        base, cache, where, indices, offsets, want = case
+        got = K.lookup_sum_indirect(base, cache, where, indices, offsets)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+    for case in cases + cases[::-1]:
+        run(case)
+    errors = []
+
+    def worker(k):
+        try:
+            for _ in range(20):
+                run(cases[k % len(cases)])
+        except BaseException as e:      # reported below: a thread's assert does not fail the test
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+
+
 def test_lookup_many_matches_per_table_and_keeps_prepended_columns(rng):
     sizes, fss, batch = [50, 7, 300], [16, 8, 33], 37
     tables = [rng.standard_normal((n, f)).astype(np.float32) for n, f in zip(sizes, fss)]

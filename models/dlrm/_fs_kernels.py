@@ -628,16 +628,17 @@ def make_kernels(FS):
         return served
 
     @njit(**PARALLEL)
-    def bag_sum_cached(base, where, indices, offsets, nbags, out, ostride, ocol, missed, delta):
+    def bag_sum_cached(base, where, indices, offsets, nbags, out, ostride, ocol, missed, delta,
+                       pos):
         """``bag_sum`` of an indirect table in two passes: translate every index to where its
         row lives (independent iterations, so many ``where`` misses are in flight at once),
         then sum over the translated positions, reading the pool ``delta`` elements from the
-        base through the base's flat buffer.  Same sums, same order of additions.  Returns
-        (cached indices, missed rows listed at the front of ``missed``)."""
+        base through the base's flat buffer.  Same sums, same order of additions.  ``pos``
+        (uint64, one per index) is the caller's scratch for the positions.  Returns (cached
+        indices, missed rows listed at the front of ``missed``)."""
         fs = FS or base.shape[1]
         bflat = base.reshape(-1)
         nidx = indices.shape[0]
-        pos = np.empty(nidx, dtype=np.uint64)
         nitems = (nidx + IPI - 1) // IPI
         cached = np.empty(nitems, dtype=np.int64)  # per item: no parfor reduction
         for it in prange(nitems):

@@ -38,6 +38,7 @@ from cachedarrays import costmodel
 
 from . import kernels
 from ._fs_kernels import at, prefetch_row, span
+from ._intrinsics import prefetch_write
 
 __all__ = [
     "FORWARD", "UPDATE", "EmbeddingTable", "SimpleTable", "CachedEmbeddingTable",
@@ -58,6 +59,8 @@ DEFAULT_PAGE_ROWS = 1024
 #: Rows one parallel work item of ``_place_rows`` copies, and how far ahead it prefetches.
 _PLACE_PER_ITEM = 256
 _PLACE_AHEAD = 8
+#: Indices ahead whose ``where`` entries the miss scan prefetches.
+_SCAN_AHEAD = 16
 
 
 # ---- numba helpers for the cache (kernels.py owns lookup and SGD) -------------------------
@@ -69,7 +72,10 @@ def _scan_misses(indices, where, miss_rows):
     Marks a listed row with ``where[r] = -2 - k``; ``_place_rows`` restores every mark."""
     hits = 0
     nmiss = 0
-    for j in range(indices.shape[0]):
+    n = indices.shape[0]
+    for j in range(n):
+        if j + _SCAN_AHEAD < n:
+            prefetch_write(where, np.uint64(indices[j + _SCAN_AHEAD]))
         r = indices[j]
         w = where[r]
         if w >= 0:
@@ -528,7 +534,7 @@ class CachedEmbeddingTable(EmbeddingTable):
 
         The miss rows stay marked in ``where`` (see ``_scan_misses``) until ``_place`` runs;
         on an error before that, ``_unmark`` restores them."""
-        miss_rows = np.empty(idx.shape[0], dtype=np.int64)
+        miss_rows = kernels.scratch("miss_rows", idx.shape[0], np.int64)
         hits, nmiss = _scan_misses(idx, self.where, miss_rows)
         misses = miss_rows[:nmiss]
         try:
@@ -604,7 +610,7 @@ class CachedEmbeddingTable(EmbeddingTable):
         # while there is room.  The sums are those of caching first: a cached row is a copy
         # of its base row.
         room = cache and (self._insert < self.page_rows or bool(self._free_pages))
-        missed = np.empty(idx.shape[0], dtype=np.int64) if room else None
+        missed = kernels.scratch("missed", idx.shape[0], np.int64) if room else None
         with _kernel("embedding_lookup", (self.base, self.cache), (out,)) as (b, c, o):
             _, hits = kernels.lookup_sum_indirect_hits(b, c, self.where, idx, off, o, missed,
                                                        name=self.name, check=False)
