@@ -39,7 +39,7 @@ import numpy as np  # noqa: E402
 import cachedarrays as ca  # noqa: E402
 from cachedarrays.models.dlrm import configs  # noqa: E402
 from cachedarrays import costmodel  # noqa: E402
-from cachedarrays.models.dlrm.embedding import (TABLE_KINDS, TRAFFIC_KEYS,  # noqa: E402
+from cachedarrays.models.dlrm.embedding import (FLUSH_POLICIES, TABLE_KINDS, TRAFFIC_KEYS,  # noqa: E402
                                                 traffic_time)
 from cachedarrays.models.dlrm.model import PHASES, DLRM, synthetic_dataset  # noqa: E402
 
@@ -160,7 +160,7 @@ def _traffic(model):
 
 
 def run(cfg, table_kinds, distribution, iterations, cache, backend, seed, peer=None,
-        progress=True, slow_profile="optane"):
+        progress=True, slow_profile="optane", flush_policy="oldest"):
     """Train every kind (and the peer) on the same ``iterations + 1`` batches, in turn per
     batch; one result dict per kind (``peer_*`` entries on each when a peer ran).
     ``modelled_table_times``: per timed iteration, the tables' traffic in seconds at the
@@ -173,7 +173,7 @@ def run(cfg, table_kinds, distribution, iterations, cache, backend, seed, peer=N
             m = _manager_for(cfg, kind, cache)
             managers.append(m)
             models.append(DLRM(cfg, manager=m, table_kind=kind, cache=cache, backend=backend,
-                               seed=seed))
+                               seed=seed, flush_policy=flush_policy))
         torch_model = TorchDLRM(cfg, models[0].state_dict()) if peer == "torch" else None
         for m in managers:
             m.reset_stats()
@@ -363,6 +363,10 @@ def main(argv=None):
                    choices=["uniform", "zipf"], help="index distributions")
     p.add_argument("--cache", type=float, default=0.25,
                    help="cached tables' cachelower as a fraction of each table")
+    p.add_argument("--flush-policy", default="oldest", choices=list(FLUSH_POLICIES),
+                   help="what the dynamic tables' flush keeps: the newest pages (oldest "
+                        "dropped first) or, with second-chance, also the rows looked up since "
+                        "they were cached")
     p.add_argument("--backend", default="onednn", choices=["onednn", "numpy"],
                    help="dense-layer backend of our MLPs")
     p.add_argument("--lr", type=float, default=None, help="learning rate (default: the config's)")
@@ -390,7 +394,8 @@ def main(argv=None):
     print(f"backend {args.backend}; config {cfg.name} scale {d['scale']} width_scale "
           f"{d['width_scale']}: {cfg.ntables} tables, {sum(cfg.table_sizes):,} rows, fs "
           f"{cfg.featuresize}, {cfg.table_bytes / 2**20:.0f} MiB of tables, bottom {cfg.bottom}, "
-          f"top {cfg.top}, batch {cfg.batch_size}, {cfg.bag_size} lookups per table, lr {cfg.lr}")
+          f"top {cfg.top}, batch {cfg.batch_size}, {cfg.bag_size} lookups per table, lr {cfg.lr}; "
+          f"cached tables: cachelower {args.cache:.0%}, flush policy {args.flush_policy}")
     print(f"step times: medians [min-max, n] over {args.iterations} iterations (one more runs first, "
           f"with JIT and allocation, and is dropped); every kind{' and the peer' if args.peer else ''}"
           f" trains on each batch in turn")
@@ -398,7 +403,7 @@ def main(argv=None):
     for dist in args.distributions:
         rs = run(cfg, args.table_kinds, dist, args.iterations, args.cache, args.backend,
                  args.seed, args.peer, progress=not args.no_progress,
-                 slow_profile=args.slow_profile)
+                 slow_profile=args.slow_profile, flush_policy=args.flush_policy)
         report(rs, dist, args.peer, args.slow_profile)
         results.extend(rs)
     if args.plot:

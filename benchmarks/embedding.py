@@ -127,7 +127,8 @@ def build(args, init, m):
                                                     placement="slow", name="slow"))]
     for frac in args.cache:
         t = E.CachedEmbeddingTable(*init.shape, manager=m, init=init, cachelower=frac,
-                                   cacheslack=args.slack, name=f"cached{frac:.2f}")
+                                   cacheslack=args.slack, name=f"cached{frac:.2f}",
+                                   flush_policy=args.flush_policy)
         impls.append(Ours(f"Cached {frac:.0%} (+{args.slack:.0%})", t, cache=frac))
     for impl in impls:
         if isinstance(impl, Ours):
@@ -281,6 +282,10 @@ def main(argv=None):
                    help="cachelower of each cached table, as a fraction of the table")
     p.add_argument("--slack", type=float, default=0.05,
                    help="cacheslack of the cached tables, as a fraction of the table")
+    p.add_argument("--flush-policy", default="oldest", choices=list(E.FLUSH_POLICIES),
+                   help="what the cached tables' flush keeps: the newest pages (oldest dropped "
+                        "first) or, with second-chance, also the rows looked up since they were "
+                        "cached")
     p.add_argument("--distributions", nargs="+", default=["uniform", "zipf"],
                    choices=["uniform", "zipf"], help="index distributions to run")
     p.add_argument("--repeats", type=int, default=7,
@@ -298,7 +303,8 @@ def main(argv=None):
     print(_common.thread_line())
     print(f"table {args.rows:,} x {args.fs} float32 ({args.rows * args.fs * 4 / 2**20:.0f} MiB), "
           f"batch {args.batch}, {args.bag} per bag; {args.repeats} interleaved repetitions "
-          f"with fresh indices; cached tables warmed by {args.warmup} lookups")
+          f"with fresh indices; cached tables warmed by {args.warmup} lookups, flush policy "
+          f"{args.flush_policy}")
     rng = np.random.default_rng(0)
     init = rng.uniform(-0.05, 0.05, (args.rows, args.fs)).astype(np.float32)
     results = {}

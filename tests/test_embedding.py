@@ -343,6 +343,8 @@ NROWS, FS = 40, 3
 class CachedMatchesSimple(RuleBasedStateMachine):
     """Random lookups, updates, flushes and resizes leave both tables with equal values."""
 
+    flush_policy = "oldest"
+
     def __init__(self):
         super().__init__()
         self.m = ca.Manager(fast="8MiB", slow="32MiB")
@@ -350,7 +352,7 @@ class CachedMatchesSimple(RuleBasedStateMachine):
         self.simple = E.SimpleTable(NROWS, FS, manager=self.m, init=init, name="simple")
         self.cached = E.CachedEmbeddingTable(NROWS, FS, manager=self.m, init=init,
                                              cachelower=0.2, cacheslack=0.1, page_rows=3,
-                                             name="cached")
+                                             name="cached", flush_policy=self.flush_policy)
 
     def teardown(self):
         self.m.close()
@@ -383,6 +385,18 @@ class CachedMatchesSimple(RuleBasedStateMachine):
         self.cached.flush_clean()
 
     @rule()
+    def flush_clean_or_refuse(self):
+        """flush_clean with dirty rows either drops none of them or refuses, changing nothing."""
+        before = (self.cached.snapshot(), self.cached.where.copy(), self.cached.cache_bytes)
+        try:
+            self.cached.flush_clean()
+        except RuntimeError as e:
+            assert "flush_dirty" in str(e)
+            np.testing.assert_array_equal(before[0], self.cached.snapshot())
+            np.testing.assert_array_equal(before[1], self.cached.where)
+            assert before[2] == self.cached.cache_bytes
+
+    @rule()
     def writeback(self):
         self.cached.writeback()
 
@@ -403,3 +417,17 @@ class CachedMatchesSimple(RuleBasedStateMachine):
 TestCachedMatchesSimple = CachedMatchesSimple.TestCase
 TestCachedMatchesSimple.settings = settings(max_examples=40, stateful_step_count=25, deadline=None,
                                             suppress_health_check=[HealthCheck.too_slow])
+
+
+class SecondChanceMatchesSimple(CachedMatchesSimple):
+    """The same with flushes that move the rows looked up since they were cached."""
+
+    flush_policy = "second-chance"
+
+    @invariant()
+    def only_held_slots_are_marked(self):
+        assert not self.cached.refs[self.cached.where < 0].any()
+
+
+TestSecondChanceMatchesSimple = SecondChanceMatchesSimple.TestCase
+TestSecondChanceMatchesSimple.settings = settings(TestCachedMatchesSimple.settings, max_examples=80)

@@ -69,6 +69,15 @@ def bag_bounds(offsets, b, nidx):
 
 
 @njit(**SERIAL)
+def mark_refs(where, indices, refs):
+    """refs[r] = 1 for every cached row r among indices (see ``translate``)."""
+    for j in range(indices.shape[0]):
+        r = indices[j]
+        if where[r] >= 0 and refs[r] == 0:
+            refs[r] = 1
+
+
+@njit(**SERIAL)
 def reindex(indices, offsets, nbags, slot, rows, bounds, occ):
     """CSR re-indexing of one table's occurrences, grouped by unique row in first-seen order.
 
@@ -294,10 +303,13 @@ def sum_bag_indirect(bflat, cflat, where, indices, start, end, acc, missed, fs, 
 
 
 @njit(**INLINE)
-def translate(where, indices, lo, hi, pos, missed, fs, delta):
+def translate(where, indices, lo, hi, pos, missed, fs, delta, refs):
     """pos[j] = flat start, counted from the base, of row indices[j] where it lives, for j in
     lo..hi; returns how many are cached. The rows of the others go to missed[lo], missed[lo
-    + 1], ... in index order (an empty ``missed``: none listed).
+    + 1], ... in index order (an empty ``missed``: none listed). ``refs`` (one byte per base
+    row, or empty) gets 1 for every cached row read; it is indexed by the row, so it is
+    prefetched with ``where``, and a row already marked is not written again, so its cache
+    line stays shared between the cores.
 
     A cache row's start is its start in the pool plus ``delta``, the pool's distance from
     the base in elements (modulo 2**64): the sums then read every row from one flat buffer,
@@ -307,14 +319,19 @@ def translate(where, indices, lo, hi, pos, missed, fs, delta):
     hits = 0
     listed = lo
     record = missed.shape[0] > 0
+    mark = refs.shape[0] > 0
     for j in range(lo, hi):
         if j + WAHEAD < hi:
             prefetch_read(where, np.uint64(indices[j + WAHEAD]))
+            if mark:
+                prefetch_read(refs, np.uint64(indices[j + WAHEAD]))
         r = indices[j]
         w = where[r]
         if w >= 0:
             pos[j] = at(w, fs) + delta
             hits += 1
+            if mark and refs[r] == 0:
+                refs[r] = 1
         else:
             pos[j] = at(r, fs)
             if record:
@@ -629,13 +646,14 @@ def make_kernels(FS):
 
     @njit(**PARALLEL)
     def bag_sum_cached(base, where, indices, offsets, nbags, out, ostride, ocol, missed, delta,
-                       pos):
+                       pos, refs):
         """``bag_sum`` of an indirect table in two passes: translate every index to where its
         row lives (independent iterations, so many ``where`` misses are in flight at once),
         then sum over the translated positions, reading the pool ``delta`` elements from the
         base through the base's flat buffer.  Same sums, same order of additions.  ``pos``
-        (uint64, one per index) is the caller's scratch for the positions.  Returns (cached
-        indices, missed rows listed at the front of ``missed``)."""
+        (uint64, one per index) is the caller's scratch for the positions; ``refs`` (see
+        ``translate``) marks the pool slots read.  Returns (cached indices, missed rows listed
+        at the front of ``missed``)."""
         fs = FS or base.shape[1]
         bflat = base.reshape(-1)
         nidx = indices.shape[0]
@@ -643,7 +661,7 @@ def make_kernels(FS):
         cached = np.empty(nitems, dtype=np.int64)  # per item: no parfor reduction
         for it in prange(nitems):
             lo, hi = span(it, IPI, nidx)
-            cached[it] = translate(where, indices, lo, hi, pos, missed, fs, delta)
+            cached[it] = translate(where, indices, lo, hi, pos, missed, fs, delta, refs)
         for it in prange((nbags + BPI - 1) // BPI):
             acc = np.empty(fs, dtype=base.dtype)
             lo, hi = span(it, BPI, nbags)

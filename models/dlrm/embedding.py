@@ -53,6 +53,8 @@ UPDATE = "update"
 _CONTEXTS = (None, FORWARD, UPDATE)
 #: Kinds of table ``make_table`` builds (§5.6.1).
 TABLE_KINDS = ("fast", "simple", "static", "dynamic")
+#: What a cached table's flush down to ``cachelower`` keeps (see ``CachedEmbeddingTable``).
+FLUSH_POLICIES = ("oldest", "second-chance")
 _DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 #: Rows per cache page unless the table says otherwise (a page is the unit of flushing).
 DEFAULT_PAGE_ROWS = 1024
@@ -154,6 +156,82 @@ def _copy_home(base, cache, backedge, slots):
         r = backedge[s]
         for f in range(fs):
             base[r, f] = cache[s, f]
+
+
+@njit(cache=True, nogil=True)
+def _pages_after(npages, npop, nkeep, rows, insert):
+    """Pages in use after popping the oldest ``npop`` of ``npages`` and placing ``nkeep`` rows
+    (the newest page's free slots first, if it stays)."""
+    remaining = npages - npop
+    room = rows - insert if remaining > 0 else 0
+    need = nkeep - room if nkeep > room else 0
+    return remaining + (need + rows - 1) // rows
+
+
+@njit(cache=True, nogil=True)
+def _plan_flush(pages, fresh, backedge, refs, rows, insert, target, second_chance, keep):
+    """Pages to pop, oldest first, so that at most ``target`` rows of pages remain; with
+    ``second_chance``, also the slots whose rows are kept (moved to new pages), listed in
+    ``keep``.  Returns (pages popped, rows kept).
+
+    A second chance goes to the rows looked up since they were cached or last moved, in the
+    pages that were in use at the previous flush; the ``fresh`` newest pages, opened since,
+    are not looked at (their rows have not been offered a lookup yet).  When the rows to keep
+    would leave too little room (nearly all were looked up, so the marks tell nothing), and
+    without ``second_chance``, the flush is oldest-first."""
+    n = pages.shape[0]
+    old = n - fresh if second_chance else 0
+    most = max(0, target) // rows                   # pages that may remain
+    npop = 0
+    nkeep = 0
+    while npop < old and _pages_after(n, npop, nkeep, rows, insert) > most:
+        p = pages[npop]
+        npop += 1
+        for s in range(p * rows, (p + 1) * rows):
+            r = backedge[s]
+            if r >= 0 and refs[r] != 0:
+                keep[nkeep] = s
+                nkeep += 1
+    if nkeep and _pages_after(n, npop, nkeep, rows, insert) > most:
+        npop = 0        # nearly every old row was looked up: the marks tell nothing, so
+        nkeep = 0       # this flush is oldest-first (no row moves)
+    while npop < n and _pages_after(n, npop, nkeep, rows, insert) > most:
+        npop += 1
+    return npop, nkeep
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _gather_slots(cache, slots, out):
+    """out[k] = cache[slots[k]] (flat unsigned offsets: a loop LLVM vectorises)."""
+    fs = cache.shape[1]
+    cflat = cache.reshape(-1)
+    oflat = out.reshape(-1)
+    n = slots.shape[0]
+    for it in prange((n + _PLACE_PER_ITEM - 1) // _PLACE_PER_ITEM):
+        lo, hi = span(it, _PLACE_PER_ITEM, n)
+        for k in range(lo, hi):
+            src = at(slots[k], fs)
+            dst = at(k, fs)
+            for f in range(fs):
+                uf = np.uint64(f)
+                oflat[dst + uf] = cflat[src + uf]
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _scatter_slots(cache, slots, rows_in):
+    """cache[slots[k]] = rows_in[k]."""
+    fs = cache.shape[1]
+    cflat = cache.reshape(-1)
+    iflat = rows_in.reshape(-1)
+    n = slots.shape[0]
+    for it in prange((n + _PLACE_PER_ITEM - 1) // _PLACE_PER_ITEM):
+        lo, hi = span(it, _PLACE_PER_ITEM, n)
+        for k in range(lo, hi):
+            src = at(k, fs)
+            dst = at(slots[k], fs)
+            for f in range(fs):
+                uf = np.uint64(f)
+                cflat[dst + uf] = iflat[src + uf]
 
 
 # ---- small utilities ---------------------------------------------------------------------
@@ -402,11 +480,17 @@ class CachedEmbeddingTable(EmbeddingTable):
     bytes of pages remain. ``caching`` is "dynamic" (cache on every FORWARD access) or "static"
     (``prepopulate`` once, then never cache more). The base is created and filled directly
     in slow memory (a ``placement="slow"`` allocation), so building a table evicts nothing.
+
+    ``flush_policy`` says which rows the flush down to ``cachelower`` keeps: "oldest" drops
+    whole pages, oldest first (§5.4); "second-chance" moves the rows of those pages that were
+    looked up since they were cached (or last moved) into the newest pages, and drops only
+    the others, so rows in steady use stay cached (a CLOCK at row grain: fewer misses under
+    skewed indices, for a fast-to-fast copy of the rows kept).
     """
 
     def __init__(self, nvectors, featuresize, dtype=np.float32, *, manager=None,
                  cachelower=0.25, cacheslack=0.05, page_rows=DEFAULT_PAGE_ROWS, caching="dynamic",
-                 init=None, seed=0, name="table"):
+                 init=None, seed=0, name="table", flush_policy="oldest"):
         self.name = str(name)
         self.dtype = _check_dtype(dtype, self.name)
         self.nvectors, self.featuresize = int(nvectors), int(featuresize)
@@ -418,6 +502,10 @@ class CachedEmbeddingTable(EmbeddingTable):
                              f"got {caching!r}")
         if int(page_rows) < 1:
             raise ValueError(f"table {self.name!r}: page_rows must be >= 1, got {page_rows}")
+        if flush_policy not in FLUSH_POLICIES:
+            raise ValueError(f"table {self.name!r}: flush_policy must be one of {FLUSH_POLICIES}, "
+                             f"got {flush_policy!r}")
+        self.flush_policy = flush_policy
         self.manager = manager if manager is not None else ca.default_manager()
         self.caching = caching
         self.frozen = False
@@ -430,7 +518,7 @@ class CachedEmbeddingTable(EmbeddingTable):
         self.cache = None
         self._stats = dict(lookups=0, hits=0, misses=0, rows_cached=0, uncached=0, updates=0,
                            rows_updated=0, update_hits=0, flushes=0, pages_flushed=0,
-                           rows_flushed=0, rows_written_back=0)
+                           rows_flushed=0, rows_written_back=0, rows_retained=0)
         self._lower_rows = _size_to_rows(cachelower, self.nvectors, self.rowbytes, "cachelower",
                                          self.name)
         self._slack_rows = _size_to_rows(cacheslack, self.nvectors, self.rowbytes, "cacheslack",
@@ -461,9 +549,11 @@ class CachedEmbeddingTable(EmbeddingTable):
                 c.fill(0)
         self.backedge = np.full(slots, -1, dtype=np.int64)
         self.dirty_slots = np.zeros(slots, dtype=np.uint8)
+        self.refs = np.zeros(self.nvectors, dtype=np.uint8)  # per row: looked up since cached
         self._pages = deque()                      # pages in use, oldest first
         self._free_pages = list(range(self.npages - 1, -1, -1))
         self._insert = self.page_rows              # bump pointer into the newest page
+        self._fresh_pages = 0                      # pages opened since the last flush
         self._full = False
 
     @property
@@ -514,6 +604,7 @@ class CachedEmbeddingTable(EmbeddingTable):
                     self._full = True
                     break
                 self._pages.append(self._free_pages.pop())
+                self._fresh_pages += 1
                 self._insert = 0
             take = min(need, self.page_rows - self._insert)
             start = self._pages[-1] * self.page_rows + self._insert
@@ -583,7 +674,13 @@ class CachedEmbeddingTable(EmbeddingTable):
             hits = self._cache_rows(np.array([i], dtype=np.int64))
             self._account_lookup(1, hits)
         w = int(self.where[i])
+        if w >= 0 and self._second_chance:
+            self.refs[i] = 1
         return (self.cache, w) if w >= 0 else (self.base, i)
+
+    @property
+    def _second_chance(self):
+        return self.flush_policy == "second-chance"
 
     def access_and_cache(self, indices, offsets=None, out=None):
         """Lookup that first caches the batch's uncached rows while there is room (FORWARD)."""
@@ -612,8 +709,9 @@ class CachedEmbeddingTable(EmbeddingTable):
         room = cache and (self._insert < self.page_rows or bool(self._free_pages))
         missed = kernels.scratch("missed", idx.shape[0], np.int64) if room else None
         with _kernel("embedding_lookup", (self.base, self.cache), (out,)) as (b, c, o):
-            _, hits = kernels.lookup_sum_indirect_hits(b, c, self.where, idx, off, o, missed,
-                                                       name=self.name, check=False)
+            _, hits = kernels.lookup_sum_indirect_hits(
+                b, c, self.where, idx, off, o, missed, name=self.name, check=False,
+                refs=self.refs if self._second_chance else None)
         if missed is not None and hits < idx.shape[0]:
             self._cache_rows(missed[:idx.shape[0] - hits])
         self._account_lookup(idx.shape[0], hits)
@@ -651,39 +749,72 @@ class CachedEmbeddingTable(EmbeddingTable):
 
     def _flush(self, target_rows, writeback):
         target = self._lower_rows if target_rows is None else int(target_rows)
-        popped = []
-        while self._pages and len(self._pages) * self.page_rows > target:
-            popped.append(self._pages.popleft())
-        if not popped:
+        rows = self.page_rows
+        pages = np.fromiter(self._pages, dtype=np.int64, count=len(self._pages))
+        keep = kernels.scratch("flush_keep", pages.shape[0] * rows, np.int64)
+        # a second chance only on the flush down to cachelower: an explicit target is a bound
+        npop, nkeep = _plan_flush(pages, min(self._fresh_pages, pages.shape[0]), self.backedge,
+                                  self.refs, rows, self._insert, target,
+                                  self._second_chance and target_rows is None, keep)
+        if npop == 0:
             self._full = False
+            self._fresh_pages = 0
             return 0
-        slots = np.concatenate([np.arange(p * self.page_rows, (p + 1) * self.page_rows,
-                                          dtype=np.int64) for p in popped])
-        if not writeback and self.dirty_slots[slots].any():
-            self._pages.extendleft(reversed(popped))
-            n = int(np.count_nonzero(self.dirty_slots[slots]))
-            raise RuntimeError(f"table {self.name!r}: flush_clean would drop {n} updated rows "
-                               f"that base memory does not have; use flush_dirty()")
+        popped, keep = pages[:npop].tolist(), keep[:nkeep]
+        slots = (pages[:npop, None] * rows + np.arange(rows, dtype=np.int64)).reshape(-1)
+        if not writeback:
+            n = int(np.count_nonzero(self.dirty_slots[slots])) - \
+                int(np.count_nonzero(self.dirty_slots[keep]))
+            if n:
+                raise RuntimeError(f"table {self.name!r}: flush_clean would drop {n} updated "
+                                   f"rows that base memory does not have; use flush_dirty()")
         held = self.backedge[slots]
-        nrows = int(np.count_nonzero(held >= 0))
-        if writeback:
-            with ca.kernel("embedding_writeback", (self.cache,), (self.base,)) as (c, b):
+        held = held[held >= 0]
+        nrows = held.shape[0] - nkeep
+        moves = nkeep > 0
+        # the pool is written when rows move, read when only written back; base when written back
+        reads = (self.cache,) if writeback and not moves else ()
+        writes = ((self.cache,) if moves else ()) + ((self.base,) if writeback else ())
+        scope = (ca.kernel("embedding_flush" if moves else "embedding_writeback", reads, writes)
+                 if reads or writes else contextlib.nullcontext(()))
+        with scope as views:
+            for _ in popped:
+                self._pages.popleft()
+            c = views[0] if views else None
+            self.refs[held] = 0
+            if moves:    # staged: the new slots may lie in the pages popped
+                kept_rows = self.backedge[keep]
+                kept_dirty = self.dirty_slots[keep]
+                staged = kernels.scratch("flush_rows", nkeep * self.featuresize, self.dtype)
+                staged = staged.reshape(nkeep, self.featuresize)
+                _gather_slots(c, keep, staged)
+                self.backedge[keep] = -1
+                self.dirty_slots[keep] = 0
+            if writeback:
                 drop = _drop_slots_serial if slots.shape[0] < SERIAL_ROWS else _drop_slots
-                copied = drop(b, c, self.where, self.backedge, self.dirty_slots, slots)
-        else:
-            self.where[held[held >= 0]] = -1
-            self.backedge[slots] = -1
-            copied = 0
-        self._free_pages.extend(reversed(popped))
-        if not self._pages:
-            self._insert = self.page_rows
+                copied = drop(views[-1], c, self.where, self.backedge, self.dirty_slots, slots)
+            else:
+                self.where[self.backedge[slots][self.backedge[slots] >= 0]] = -1
+                self.backedge[slots] = -1
+                copied = 0
+            self._free_pages.extend(reversed(popped))
+            if not self._pages:
+                self._insert = self.page_rows
+            if moves:
+                dst = self._allocate(nkeep)             # fits: the popped pages are free again
+                _scatter_slots(c, dst, staged)
+                self.where[kept_rows] = dst
+                self.backedge[dst] = kept_rows
+                self.dirty_slots[dst] = kept_dirty
         self._full = False
+        self._fresh_pages = 0
         self._stats["flushes"] += 1
         self._stats["pages_flushed"] += len(popped)
         self._stats["rows_flushed"] += nrows
         self._stats["rows_written_back"] += int(copied)
-        log.debug("table %r: flushed %d pages (%d rows, %d written back)", self.name,
-                  len(popped), nrows, copied)
+        self._stats["rows_retained"] += nkeep
+        log.debug("table %r: flushed %d pages (%d rows dropped, %d written back, %d kept)",
+                  self.name, len(popped), nrows, copied, nkeep)
         return int(copied)
 
     def flush_clean(self, target_rows=None):
@@ -714,7 +845,8 @@ class CachedEmbeddingTable(EmbeddingTable):
         return out
 
     def check(self, clean=False):
-        """Verify the pointer invariants (and, with ``clean``, that cached rows equal base)."""
+        """Verify the pointer invariants, that cached rows not marked dirty equal their base
+        rows (and, with ``clean``, that every cached row does)."""
         cached = np.flatnonzero(self.where >= 0)
         slots = self.where[cached]
         errors = []
@@ -736,10 +868,15 @@ class CachedEmbeddingTable(EmbeddingTable):
             errors.append("a row sits in a page that is not in use")
         if np.any(self.dirty_slots[self.backedge < 0]):
             errors.append("an empty slot is marked dirty")
-        if clean and slots.size:
+        if np.any(self.refs[self.where < 0]):
+            errors.append("a row not cached is marked as looked up")
+        if slots.size and not errors:
             with ca.readable(self.base) as b, ca.readable(self.cache) as c:
-                if not np.array_equal(b[cached], c[slots]):
+                if clean and not np.array_equal(b[cached], c[slots], equal_nan=True):
                     errors.append("a cached row differs from base")
+                calm = self.dirty_slots[slots] == 0
+                if not np.array_equal(b[cached[calm]], c[slots[calm]], equal_nan=True):
+                    errors.append("a cached row not marked dirty differs from base")
         if errors:
             raise AssertionError(f"table {self.name!r}: " + "; ".join(errors))
 
@@ -754,9 +891,11 @@ class CachedEmbeddingTable(EmbeddingTable):
         s["bytes_written_back"] = s["rows_written_back"] * rb
         slow_updates = s["rows_updated"] - s["update_hits"]
         # lookups, updates (read-modify-write), cache fills (slow -> fast), write-backs (fast -> slow)
-        s["fast_read_bytes"] = (s["hits"] + s["update_hits"]) * rb + s["bytes_written_back"]
+        s["bytes_retained"] = s["rows_retained"] * rb          # moved page to page on a flush
+        s["fast_read_bytes"] = ((s["hits"] + s["update_hits"]) * rb + s["bytes_written_back"]
+                                + s["bytes_retained"])
         s["slow_read_bytes"] = (s["misses"] + slow_updates) * rb + s["bytes_cached"]
-        s["fast_write_bytes"] = s["update_hits"] * rb + s["bytes_cached"]
+        s["fast_write_bytes"] = s["update_hits"] * rb + s["bytes_cached"] + s["bytes_retained"]
         s["slow_write_bytes"] = slow_updates * rb + s["bytes_written_back"]
         s["dirty_bytes"] = int(np.count_nonzero(self.dirty_slots)) * rb   # write-backs owed
         return s
@@ -787,8 +926,10 @@ def traffic_time(stats, slow="optane", fast="dram"):
 # ---- table kinds and ensembles -----------------------------------------------------------
 
 def make_table(kind, nvectors, featuresize, dtype=np.float32, *, manager=None, cache=0.25,
-               slack=0.05, page_rows=DEFAULT_PAGE_ROWS, init=None, seed=0, name="table"):
-    """A table of a §5.6.1 kind: "simple" (slow, uncached), "static", "dynamic", or "fast"."""
+               slack=0.05, page_rows=DEFAULT_PAGE_ROWS, init=None, seed=0, name="table",
+               flush_policy="oldest"):
+    """A table of a §5.6.1 kind: "simple" (slow, uncached), "static", "dynamic", or "fast";
+    ``flush_policy`` is a cached kind's (see ``CachedEmbeddingTable``)."""
     if kind == "fast":
         return SimpleTable(nvectors, featuresize, dtype, manager=manager, placement="fast",
                            init=init, seed=seed, name=name)
@@ -799,7 +940,8 @@ def make_table(kind, nvectors, featuresize, dtype=np.float32, *, manager=None, c
         raise ValueError(f"table {name!r}: unknown table kind {kind!r}; use one of {TABLE_KINDS}")
     t = CachedEmbeddingTable(nvectors, featuresize, dtype, manager=manager, cachelower=cache,
                              cacheslack=0.0 if kind == "static" else slack, page_rows=page_rows,
-                             caching=kind, init=init, seed=seed, name=name)
+                             caching=kind, init=init, seed=seed, name=name,
+                             flush_policy=flush_policy)
     if kind == "static":
         t.prepopulate(seed=seed + 1)
     return t

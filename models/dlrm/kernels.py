@@ -18,7 +18,7 @@ import numpy as np
 from numba.typed import List as TypedList
 
 from ._fs_kernels import BAGS_PER_ITEM as _BAGS_PER_ITEM
-from ._fs_kernels import make_kernels, reindex
+from ._fs_kernels import make_kernels, mark_refs, reindex
 
 __all__ = [
     "lookup",
@@ -347,10 +347,12 @@ def lookup_sum_indirect(base, cache, where, indices, offsets, out=None, *, name=
 
 
 def lookup_sum_indirect_hits(base, cache, where, indices, offsets, out, missed=None, *,
-                             name="table", check=True):
+                             refs=None, name="table", check=True):
     """``lookup_sum_indirect`` that also returns how many indices were served from the cache:
     ``(out, hits)``. Given ``missed`` (int64, one entry per index), its first
-    ``len(indices) - hits`` entries get the rows of the other indices, in index order."""
+    ``len(indices) - hits`` entries get the rows of the other indices, in index order.
+    Given ``refs`` (uint8, one entry per base row), ``refs[r]`` becomes 1 for every cached
+    row r read (a table's record of which cached rows were used since it last looked)."""
     _check_table(base, name, "base")
     _check_table(cache, name, "cache")
     if missed is not None and (not isinstance(missed, np.ndarray) or missed.dtype != np.int64
@@ -358,15 +360,20 @@ def lookup_sum_indirect_hits(base, cache, where, indices, offsets, out, missed=N
                                or not missed.flags.writeable):
         raise ValueError(f"table {name!r}: missed must be a writable int64 array with one entry "
                          "per index")
-    return _lookup_bags(base, cache, where, indices, offsets, out, name, check, missed)
+    if refs is not None and (not isinstance(refs, np.ndarray) or refs.dtype != np.uint8
+                             or refs.shape != (base.shape[0],) or not refs.flags.writeable
+                             or not refs.flags.c_contiguous):
+        raise ValueError(f"table {name!r}: refs must be a writable, contiguous uint8 array with "
+                         "one entry per base row")
+    return _lookup_bags(base, cache, where, indices, offsets, out, name, check, missed, refs)
 
 
-def _lookup_bags(base, cache, where, indices, offsets, out, name, check, missed=None):
+def _lookup_bags(base, cache, where, indices, offsets, out, name, check, missed=None, refs=None):
     """The bag sums of ``lookup_sum`` (``where=None``, ``cache=base``) and ``lookup_sum_indirect``.
 
     ``missed`` (int64, one per index) gets the rows of the indices not served from the
-    cache at its front, in index order.  Returns ``(out, hits)``: hits counts indices served
-    from the cache."""
+    cache at its front, in index order; ``refs`` (uint8, one per base row) marks the cached
+    rows read.  Returns ``(out, hits)``: hits counts indices served from the cache."""
     nbags = _nbags_of(out, offsets)
     idx = _indices(indices, base.shape[0], name, check)
     off = _offsets(offsets, idx.shape[0], nbags, name, check)
@@ -383,27 +390,32 @@ def _lookup_bags(base, cache, where, indices, offsets, out, name, check, missed=
                                                     _NO_MARKS)
         else:
             hits = _indirect_bags(b, _readonly(cache), where, idx, off, nbags, flat, stride,
-                                  missed)
+                                  missed, refs)
     elif where is not None:
         served = where[idx] >= 0
         hits = int(np.count_nonzero(served))
         if missed is not None:
             listed = idx[~served]
             missed[:listed.shape[0]] = listed
+        if refs is not None:
+            mark_refs(where, idx, refs)
     if scratch is not None:
         out[...] = scratch
     return out, int(hits)
 
 
-def _indirect_bags(b, c, where, idx, off, nbags, flat, stride, missed):
+def _indirect_bags(b, c, where, idx, off, nbags, flat, stride, missed, refs):
     """The bag sums of an indirect table (read-only views b and c); returns the hits."""
     fs = b.shape[1]
     delta = _distance(b, c) if _INDIRECT_LOOKUP == "bag_sum_cached" else None
     if delta is not None:
         hits, _ = _pick("bag_sum_cached", fs)(b, where, idx, off, nbags, flat, stride, 0,
                                               _NO_ROWS if missed is None else missed, delta,
-                                              scratch("positions", idx.shape[0], np.uint64))
+                                              scratch("positions", idx.shape[0], np.uint64),
+                                              _NO_MARKS if refs is None else refs)
         return hits
+    if refs is not None:    # the one-pass kernel does not mark: a pass of its own
+        mark_refs(where, idx, refs)
     marks = _NO_MARKS if missed is None else np.zeros(idx.shape[0], dtype=np.uint8)
     hits = _pick("bag_sum", fs)(b, c, where, idx, off, nbags, flat, stride, 0, marks)
     if missed is not None:

@@ -185,11 +185,13 @@ class DLRM:
     """DLRM whose tables are of ``table_kind`` ("fast", "simple", "static", "dynamic").
 
     ``cache`` is each cached table's ``cachelower`` (fraction of the table), ``slack`` its
-    ``cacheslack``; ``backend`` "onednn" or "numpy" runs the MLPs.
+    ``cacheslack`` and ``flush_policy`` its flush policy; ``backend`` "onednn" or "numpy" runs
+    the MLPs.
     """
 
     def __init__(self, config, *, manager=None, table_kind="fast", cache=0.25, slack=0.05,
-                 backend="onednn", seed=51234, page_rows=emb.DEFAULT_PAGE_ROWS):
+                 backend="onednn", seed=51234, page_rows=emb.DEFAULT_PAGE_ROWS,
+                 flush_policy="oldest"):
         if isinstance(config, str):
             config = get_config(config)
         if not isinstance(config, DLRMConfig):
@@ -209,7 +211,7 @@ class DLRM:
                     for i in range(len(cfg.top))]
         self.tables = [emb.make_table(table_kind, n, cfg.featuresize, manager=m, cache=cache,
                                       slack=slack, page_rows=page_rows, seed=seed + 1 + t,
-                                      name=f"emb.{t}")
+                                      name=f"emb.{t}", flush_policy=flush_policy)
                        for t, n in enumerate(cfg.table_sizes)]
         fs = cfg.featuresize
         self.columns = np.arange(1, cfg.ntables + 1, dtype=np.int64) * fs
