@@ -133,7 +133,9 @@ def test_oldest_first_drops_the_oldest_pages_whatever_was_looked_up(m):
     assert t.stats()["rows_retained"] == 0 and not t.refs.any()   # never marked
 
 
-def test_moved_rows_keep_their_updates_and_dirty_marks(m):
+@pytest.mark.parametrize("serial_rows", [0, E.SERIAL_ROWS])   # parallel / serial copies
+def test_moved_rows_keep_their_updates_and_dirty_marks(m, monkeypatch, serial_rows):
+    monkeypatch.setattr(E, "SERIAL_ROWS", serial_rows)
     t, init = _filled(m, "second-chance")
     rows = np.array([0, 2, 7])
     t.lookup(rows, np.arange(3))

@@ -234,6 +234,10 @@ def _scatter_slots(cache, slots, rows_in):
                 cflat[dst + uf] = iflat[src + uf]
 
 
+_gather_slots_serial = njit(cache=True, nogil=True)(_gather_slots.py_func)
+_scatter_slots_serial = njit(cache=True, nogil=True)(_scatter_slots.py_func)
+
+
 # ---- small utilities ---------------------------------------------------------------------
 
 @contextlib.contextmanager
@@ -485,7 +489,9 @@ class CachedEmbeddingTable(EmbeddingTable):
     whole pages, oldest first (§5.4); "second-chance" moves the rows of those pages that were
     looked up since they were cached (or last moved) into the newest pages, and drops only
     the others, so rows in steady use stay cached (a CLOCK at row grain: fewer misses under
-    skewed indices, for a fast-to-fast copy of the rows kept).
+    skewed indices, for a fast-to-fast copy of the rows kept). Pages opened since the last
+    flush are left to the next one, so new rows get a lookup before they are judged; when
+    nearly every row was looked up the flush is oldest-first (see ``_plan_flush``).
     """
 
     def __init__(self, nvectors, featuresize, dtype=np.float32, *, manager=None,
@@ -787,7 +793,7 @@ class CachedEmbeddingTable(EmbeddingTable):
                 kept_dirty = self.dirty_slots[keep]
                 staged = kernels.scratch("flush_rows", nkeep * self.featuresize, self.dtype)
                 staged = staged.reshape(nkeep, self.featuresize)
-                _gather_slots(c, keep, staged)
+                (_gather_slots_serial if nkeep < SERIAL_ROWS else _gather_slots)(c, keep, staged)
                 self.backedge[keep] = -1
                 self.dirty_slots[keep] = 0
             if writeback:
@@ -802,7 +808,7 @@ class CachedEmbeddingTable(EmbeddingTable):
                 self._insert = self.page_rows
             if moves:
                 dst = self._allocate(nkeep)             # fits: the popped pages are free again
-                _scatter_slots(c, dst, staged)
+                (_scatter_slots_serial if nkeep < SERIAL_ROWS else _scatter_slots)(c, dst, staged)
                 self.where[kept_rows] = dst
                 self.backedge[dst] = kept_rows
                 self.dirty_slots[dst] = kept_dirty
