@@ -4,6 +4,7 @@
 
     .venv/bin/python benchmarks/dlrm.py --peer torch --table-kinds simple          # vs PyTorch
     .venv/bin/python benchmarks/dlrm.py --table-kinds static dynamic --plot dlrm.png
+    .venv/bin/python benchmarks/dlrm.py --table-kinds dynamic --flush-policy second-chance
     .venv/bin/python benchmarks/dlrm.py --peer torch --table-kinds simple static dynamic --iterations 8
 
 Every iteration trains each table kind (and the peer) on the same batch in turn, so all of them

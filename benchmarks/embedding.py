@@ -13,7 +13,8 @@ ours and torch see the same load; figures are medians with their spread [min-max
 Cached tables follow the dissertation's protocol: a lookup caches the rows it touches
 (dynamic) and ``flush_clean`` runs after each lookup (untimed, shown as "flush ms"); before
 timing, ``--warmup`` untimed lookups on other batches fill the cache, and the hit rate shown
-is that of the timed lookups.  In the update test the lookup that caches the rows is untimed
+is that of the timed lookups. ``--flush-policy second-chance`` makes the cached tables' flushes
+keep the rows looked up since they were cached (more hits under Zipf, costlier flushes).  In the update test the lookup that caches the rows is untimed
 and ``maintain()`` (flush_dirty when full) follows it.
 
 Goals: SimpleTable (in fast memory, as torch's table is in DRAM) looks up >= 1.2x faster than

@@ -3,6 +3,8 @@ the indirect lookup; ensembles of one feature size run the specialised kernels."
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import cachedarrays as ca
 from cachedarrays.models.dlrm import embedding as E
@@ -253,3 +255,37 @@ def test_a_flush_that_cannot_reach_the_pool_changes_nothing():
     assert list(t._pages) == state[0] and t._insert == state[4]
     for before, now in zip(state[1:4], (t.where, t.refs, t.backedge)):
         np.testing.assert_array_equal(before, now)
+
+
+@settings(max_examples=300, deadline=None)
+@given(npages=st.integers(0, 12), rows=st.integers(1, 6), data=st.data())
+def test_the_flush_plan_reaches_its_target_and_keeps_only_looked_up_rows(npages, rows, data):
+    """Random pools: the plan pops the oldest pages (only the old ones give a second chance),
+    leaves at most ``target`` rows of pages, keeps only marked rows of old popped pages, and
+    without a second chance (or with no marks) is exactly oldest-first."""
+    total = 16
+    pages = np.array(data.draw(st.permutations(range(total)))[:npages], dtype=np.int64)
+    nslots = total * rows
+    backedge = np.array(data.draw(st.lists(st.integers(-1, 99), min_size=nslots,
+                                           max_size=nslots)), dtype=np.int64)
+    refs = np.array(data.draw(st.lists(st.integers(0, 1), min_size=100, max_size=100)),
+                    dtype=np.uint8)
+    fresh = data.draw(st.integers(0, npages))
+    insert = data.draw(st.integers(0 if npages else rows, rows))
+    target = data.draw(st.integers(0, (npages + 1) * rows))
+    second = data.draw(st.booleans())
+    keep = np.empty(max(1, npages * rows), dtype=np.int64)
+    npop, nkeep = E._plan_flush(pages, fresh, backedge, refs, rows, insert, target, second, keep)
+    oldest = 0
+    while oldest < npages and (npages - oldest) * rows > target:
+        oldest += 1
+    assert E._pages_after(npages, npop, nkeep, rows, insert) * rows <= target
+    kept = keep[:nkeep]
+    if not second or nkeep == 0:
+        assert npop == oldest
+    else:
+        old = pages[:min(npop, npages - fresh)]
+        old_slots = (old[:, None] * rows + np.arange(rows)).reshape(-1)
+        assert np.isin(kept, old_slots).all() and np.unique(kept).size == nkeep
+        assert (backedge[kept] >= 0).all() and (refs[backedge[kept]] == 1).all()
+        assert npop <= npages - fresh or nkeep == 0   # fresh pages go only when nothing moves
