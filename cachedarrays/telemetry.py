@@ -34,14 +34,26 @@ EVENTS = (
 )
 
 
+#: Devices whose allocations a Telemetry counts (the C record's counter block holds this many).
+MAX_DEVICES = 4
+_ALLOCS, _FREES, _CURRENT, _PEAK = (k * MAX_DEVICES for k in range(4))
+
+
 class Telemetry(TelemetryRecord):
     """Counters kept by the manager. All updates happen under the manager's lock.
 
-    The allocation counters and the event log live in a C record (``_records``), which the
-    manager's common paths update directly."""
+    The allocation counters (``allocs``, ``frees``, ``current``, ``peak``: dicts by device,
+    built when read) are integers in a C record (``_records``), which the manager's common
+    paths update directly; so is the event log's handle."""
 
     def __init__(self, devices, event_log=None):
         self._devices = list(devices)
+        if len(self._devices) > MAX_DEVICES or len(set(self._devices)) != len(self._devices):
+            raise ValueError(f"telemetry counts at most {MAX_DEVICES} distinct devices, got "
+                             f"{self._devices}")
+        self._names = tuple(self._devices)
+        self._index = {d: i for i, d in enumerate(self._devices)}
+        self._c = memoryview(self).cast("q")    # the C counters: [kind * MAX_DEVICES + device]
         self._log_path = event_log
         self._log = open(event_log, "a", buffering=1 << 16) if event_log else None
         self._log_lock = threading.Lock()
@@ -50,33 +62,58 @@ class Telemetry(TelemetryRecord):
 
     def reset(self):
         """Zero every counter (current bytes in use are kept, peaks restart from them)."""
-        prev = getattr(self, "current", {d: 0 for d in self._devices})
+        c = self._c
+        for i in range(len(self._devices)):
+            c[_ALLOCS + i] = c[_FREES + i] = 0
+            c[_PEAK + i] = c[_CURRENT + i]
         self.moved_bytes = defaultdict(int)      # "fast->slow" -> bytes
         self.moved_copies = defaultdict(int)
         self.copy_seconds = 0.0
         self.stall_seconds = 0.0                 # time uses waited for background copies
-        self.allocs = {d: 0 for d in self._devices}
-        self.frees = {d: 0 for d in self._devices}
-        self.current = dict(prev)
-        self.peak = dict(prev)
         self.events = defaultdict(int, dict.fromkeys(EVENTS, 0))   # named counters (EVENTS)
         self.event_bytes = defaultdict(int, dict.fromkeys(EVENTS, 0))
+
+    def _counts(self, kind):
+        c = self._c
+        return {d: c[kind + i] for d, i in self._index.items()}
+
+    @property
+    def allocs(self):
+        """Allocations per device since the last reset."""
+        return self._counts(_ALLOCS)
+
+    @property
+    def frees(self):
+        """Frees per device since the last reset."""
+        return self._counts(_FREES)
+
+    @property
+    def current(self):
+        """Bytes in use per device."""
+        return self._counts(_CURRENT)
+
+    @property
+    def peak(self):
+        """Most bytes in use per device since the last reset."""
+        return self._counts(_PEAK)
 
     # Updates -------------------------------------------------------------------------------
 
     # The manager's common allocation and free paths (native/records.c: create_fast, drain)
     # inline on_alloc and on_free when no event log is open: keep those copies in step.
     def on_alloc(self, device, nbytes, obj_id):
-        self.allocs[device] += 1
-        cur = self.current[device] = self.current[device] + nbytes
-        if cur > self.peak[device]:
-            self.peak[device] = cur
+        i, c = self._index[device], self._c
+        c[_ALLOCS + i] += 1
+        cur = c[_CURRENT + i] = c[_CURRENT + i] + nbytes
+        if cur > c[_PEAK + i]:
+            c[_PEAK + i] = cur
         if self._log:
             self.emit("alloc", device=device, id=obj_id, nbytes=nbytes, used=cur)
 
     def on_free(self, device, nbytes, obj_id):
-        self.frees[device] += 1
-        cur = self.current[device] = self.current[device] - nbytes
+        i, c = self._index[device], self._c
+        c[_FREES + i] += 1
+        cur = c[_CURRENT + i] = c[_CURRENT + i] - nbytes
         if self._log:
             self.emit("free", device=device, id=obj_id, nbytes=nbytes, used=cur)
 
@@ -121,9 +158,10 @@ class Telemetry(TelemetryRecord):
                        sorted(self.events.items())},
             "devices": {},
         }
+        allocs, frees, current, peak = self.allocs, self.frees, self.current, self.peak
         for d in self._devices:
-            rec = {"allocs": self.allocs[d], "frees": self.frees[d],
-                   "current_bytes": self.current[d], "peak_bytes": self.peak[d]}
+            rec = {"allocs": allocs[d], "frees": frees[d],
+                   "current_bytes": current[d], "peak_bytes": peak[d]}
             if device_stats and d in device_stats:
                 rec.update({"heap_" + k: v for k, v in device_stats[d].items()})
             out["devices"][d] = rec

@@ -84,7 +84,7 @@ static const char *const manager_names[] = {
     "closed", "_gate", "_closing", "_lock", "_cond", "_dropped", "_dependents", "_debug",
     "_deferred", "_copies", "_reading", "_ids", "_last_id", "_objects", "_ref", "_observers",
     "fast", "_by_offset", "telemetry", "policy"};
-static const char *const telemetry_names[] = {"allocs", "frees", "current", "peak", "_log"};
+static const char *const telemetry_names[] = {"_names", "_log"};
 static const char *const device_names[] = {"name", "heap", "_mm"};
 static const char *const heap_names[] = {"_addr"};
 static const char *const lru_names[] = {"recent", "soft"};
@@ -105,8 +105,39 @@ static const char *const lru_names[] = {"recent", "soft"};
 #define COUNT(a) ((int)(sizeof a / sizeof *a))
 STATE_TYPE(ManagerRecordType, "ManagerRecord", "The manager's state the hot path reads.",
            COUNT(manager_names));
-STATE_TYPE(TelemetryRecordType, "TelemetryRecord", "The telemetry counters of allocations.",
-           COUNT(telemetry_names));
+/* Telemetry's allocation counters, per device (at most TEL_DEVICES, in the order of the
+ * record's _names): plain integers after the record's fields, so the common allocation and free
+ * paths count without a dict or an int object. Python reads and writes them through a
+ * memoryview of the record. */
+#define TEL_DEVICES 4
+enum { TC_ALLOCS, TC_FREES, TC_CURRENT, TC_PEAK, TC_KINDS };
+typedef struct { long long n[TC_KINDS][TEL_DEVICES]; } TelCounts;
+#define TEL_FIELDS_SIZE (sizeof(PyObject) + (COUNT(telemetry_names) + 1) * sizeof(PyObject *))
+#define TEL_COUNTS(o) ((TelCounts *)((char *)(o) + TEL_FIELDS_SIZE))
+
+/* The buffer protocol: memoryview(telemetry) is the counter block (writable int64 bytes:
+ * [allocs, frees, current, peak] x TEL_DEVICES), and it keeps the telemetry alive. */
+static int
+telemetry_getbuffer(PyObject *self, Py_buffer *view, int flags)
+{
+    return PyBuffer_FillInfo(view, self, (void *)TEL_COUNTS(self), sizeof(TelCounts), 0, flags);
+}
+
+static PyBufferProcs telemetry_buffer = {.bf_getbuffer = telemetry_getbuffer};
+
+static PyTypeObject TelemetryRecordType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "cachedarrays._records.TelemetryRecord",
+    .tp_doc = "The telemetry counters of allocations.",
+    .tp_basicsize = TEL_FIELDS_SIZE + sizeof(TelCounts),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .tp_new = PyType_GenericNew,
+    .tp_dealloc = record_dealloc,
+    .tp_traverse = record_traverse,
+    .tp_clear = record_clear,
+    .tp_weaklistoffset = sizeof(PyObject) + COUNT(telemetry_names) * sizeof(PyObject *),
+    .tp_as_buffer = &telemetry_buffer,
+};
 STATE_TYPE(DeviceRecordType, "DeviceRecord", "A device's name, heap and mapping.",
            COUNT(device_names));
 STATE_TYPE(HeapRecordType, "HeapRecord", "A native heap's handle.", COUNT(heap_names));
@@ -116,7 +147,7 @@ enum { K_MANAGER, K_TELEMETRY, K_DEVICE, K_HEAP, K_LRU };             /* kinds[]
 enum { M_CLOSED, M_GATE, M_CLOSING, M_LOCK, M_COND, M_DROPPED, M_DEPENDENTS, M_DEBUG, M_DEFERRED,
        M_COPIES, M_READING, M_IDS, M_LAST_ID, M_OBJECTS, M_REF, M_OBSERVERS, M_FAST, M_BY_OFFSET,
        M_TELEMETRY, M_POLICY };                  /* manager_names order */
-enum { TEL_ALLOCS, TEL_FREES, TEL_CURRENT, TEL_PEAK, TEL_LOG };
+enum { TEL_NAMES, TEL_LOG };
 enum { D_NAME, D_HEAP, D_MM };
 enum { H_ADDR };
 enum { L_RECENT, L_SOFT };
@@ -512,8 +543,7 @@ static heap_free_fn heap_free;
 static PyObject *region_cls, *object_cls;        /* cachedarrays.manager.Region and Object */
 
 static PyObject *s_fast, *s_heap, *s_addr, *s_last_id, *s_ids, *s_name, *s_mm, *s_ref,
-                *s_objects, *s_by_offset, *s_telemetry, *s_log, *s_allocs, *s_frees, *s_current,
-                *s_peak, *s_on_alloc, *s_on_free, *s_try_alloc, *s_free, *s_quick_free,
+                *s_objects, *s_by_offset, *s_telemetry, *s_log, *s_on_alloc, *s_on_free, *s_try_alloc, *s_free, *s_quick_free,
                 *s_popleft, *s_copies, *s_observers, *s_dropped, *s_dependents, *s_debug,
                 *s_policy, *s_forget, *s_release, *one, *s_lock, *s_acquire, *s_release_lock,
                 *s_gate, *s_kernels_in_fast, *s_reading, *s_read_use, *s_write_use,
@@ -529,8 +559,7 @@ intern_names(void)
     NAME(s_fast, "fast"); NAME(s_heap, "heap"); NAME(s_addr, "_addr");
     NAME(s_last_id, "_last_id"); NAME(s_ids, "_ids"); NAME(s_name, "name"); NAME(s_mm, "_mm");
     NAME(s_ref, "_ref"); NAME(s_objects, "_objects"); NAME(s_by_offset, "_by_offset");
-    NAME(s_telemetry, "telemetry"); NAME(s_log, "_log"); NAME(s_allocs, "allocs");
-    NAME(s_frees, "frees"); NAME(s_current, "current"); NAME(s_peak, "peak");
+    NAME(s_telemetry, "telemetry"); NAME(s_log, "_log");
     NAME(s_on_alloc, "on_alloc"); NAME(s_on_free, "on_free"); NAME(s_try_alloc, "try_alloc");
     NAME(s_free, "free"); NAME(s_quick_free, "quick_free"); NAME(s_popleft, "popleft");
     NAME(s_copies, "_copies"); NAME(s_observers, "_observers"); NAME(s_dropped, "_dropped");
@@ -577,61 +606,53 @@ bind(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE;
 }
 
-/* d[key] += delta (delta may be negative); returns the new value (a new reference). */
-static PyObject *
-add_to_item(PyObject *d, PyObject *key, PyObject *delta, int subtract)
-{
-    int exact = PyDict_CheckExact(d);
-    PyObject *old = exact ? Py_XNewRef(PyDict_GetItemWithError(d, key)) : PyObject_GetItem(d, key);
-    if (old == NULL) {
-        if (exact && !PyErr_Occurred())
-            PyErr_SetObject(PyExc_KeyError, key);
-        return NULL;
-    }
-    PyObject *now = subtract ? PyNumber_Subtract(old, delta) : PyNumber_Add(old, delta);
-    Py_DECREF(old);
-    if (now == NULL || (exact ? PyDict_SetItem(d, key, now) : PyObject_SetItem(d, key, now)) < 0) {
-        Py_XDECREF(now);
-        return NULL;
-    }
-    return now;
-}
-
-/* Telemetry.on_alloc / on_free, inlined when no event log is open. */
+/* Telemetry.on_alloc / on_free, done on the record's counters when no event log is open (and
+ * the telemetry is a plain record that knows the device); else the Python method runs. */
 static int
 count(PyObject *m, PyObject *name, PyObject *nbytes, PyObject *oid, int alloc)
 {
     int rc = -1;
-    PyObject *tel = getf(m, K_MANAGER, M_TELEMETRY, s_telemetry), *log = NULL, *d = NULL, *v = NULL,
-             *cur = NULL, *peak = NULL, *top = NULL;
+    PyObject *tel = getf(m, K_MANAGER, M_TELEMETRY, s_telemetry), *log = NULL, *names = NULL,
+             *v = NULL;
     if (tel == NULL || (log = getf(tel, K_TELEMETRY, TEL_LOG, s_log)) == NULL)
         goto out;
-    if (log != Py_None) {
+    Py_ssize_t dev = -1;
+    if (log == Py_None && state_kind(tel) == &kinds[K_TELEMETRY] &&
+            (names = ((StateRecord *)tel)->f[TEL_NAMES]) != NULL && PyTuple_CheckExact(names)) {
+        Py_ssize_t n = PyTuple_GET_SIZE(names);
+        for (Py_ssize_t i = 0; i < n && i < TEL_DEVICES && dev < 0; i++)
+            if (PyTuple_GET_ITEM(names, i) == name)
+                dev = i;
+        for (Py_ssize_t i = 0; i < n && i < TEL_DEVICES && dev < 0; i++) {
+            int eq = PyObject_RichCompareBool(PyTuple_GET_ITEM(names, i), name, Py_EQ);
+            if (eq < 0)
+                goto out;
+            if (eq)
+                dev = i;
+        }
+    }
+    if (dev < 0) {
         v = PyObject_CallMethodObjArgs(tel, alloc ? s_on_alloc : s_on_free, name, nbytes, oid,
                                        NULL);
         rc = v == NULL ? -1 : 0;
         goto out;
     }
-    if ((d = alloc ? getf(tel, K_TELEMETRY, TEL_ALLOCS, s_allocs)
-                   : getf(tel, K_TELEMETRY, TEL_FREES, s_frees)) == NULL ||
-            (v = add_to_item(d, name, one, 0)) == NULL)
+    long long nb = PyLong_AsLongLong(nbytes);
+    if (nb == -1 && PyErr_Occurred())
         goto out;
-    Py_CLEAR(d);
-    if ((d = getf(tel, K_TELEMETRY, TEL_CURRENT, s_current)) == NULL ||
-            (cur = add_to_item(d, name, nbytes, !alloc)) == NULL)
-        goto out;
+    TelCounts *c = TEL_COUNTS(tel);
     if (alloc) {
-        if ((peak = getf(tel, K_TELEMETRY, TEL_PEAK, s_peak)) == NULL ||
-                (top = PyObject_GetItem(peak, name)) == NULL)
-            goto out;
-        int above = PyObject_RichCompareBool(cur, top, Py_GT);
-        if (above < 0 || (above && PyObject_SetItem(peak, name, cur) < 0))
-            goto out;
+        c->n[TC_ALLOCS][dev] += 1;
+        c->n[TC_CURRENT][dev] += nb;
+        if (c->n[TC_CURRENT][dev] > c->n[TC_PEAK][dev])
+            c->n[TC_PEAK][dev] = c->n[TC_CURRENT][dev];
+    } else {
+        c->n[TC_FREES][dev] += 1;
+        c->n[TC_CURRENT][dev] -= nb;
     }
     rc = 0;
 out:
-    Py_XDECREF(tel); Py_XDECREF(log); Py_XDECREF(d); Py_XDECREF(v); Py_XDECREF(cur);
-    Py_XDECREF(peak); Py_XDECREF(top);
+    Py_XDECREF(tel); Py_XDECREF(log); Py_XDECREF(v);
     return rc;
 }
 

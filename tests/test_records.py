@@ -231,6 +231,50 @@ def test_create_fast_and_drain_write_the_event_log(tmp_path):
     assert mine == ["alloc", "free"]
 
 
+def _workload(m):
+    x = ca.asarray(np.arange(1000.0), manager=m)
+    for k in range(20):
+        y = x * k + 1                              # C paths: create_fast, drain
+        z = ca.empty((k + 1, 7), manager=m)
+        del y, z
+    w = ca.zeros(50, manager=m, placement="slow")  # the Python paths
+    ca.evict(x)
+    del w
+    m.drain()
+    return _snapshot(m)
+
+
+def test_allocation_counters_are_the_same_from_c_and_from_python(tmp_path):
+    """With an event log open every count goes through Telemetry.on_alloc / on_free in
+    Python; without one the C paths count on the record's integers: the same figures."""
+    with ca.Manager(fast=1 << 20, slow=1 << 20) as m:
+        c_side = _workload(m)
+    with ca.Manager(fast=1 << 20, slow=1 << 20, event_log=str(tmp_path / "log")) as m:
+        py_side = _workload(m)
+    for key in ("allocs", "frees", "current", "peak"):
+        assert c_side[key] == py_side[key], key
+    assert c_side["allocs"]["fast"] >= 40 and c_side["peak"]["fast"] > 0
+
+
+def test_telemetry_counters_reset_keep_current_and_refuse_too_many_devices():
+    from cachedarrays.telemetry import MAX_DEVICES, Telemetry
+    with ca.Manager(fast=1 << 20, slow=1 << 20) as m:
+        x = ca.ones(100, manager=m)
+        tel = m.telemetry
+        used = tel.current["fast"]
+        tel.reset()
+        assert tel.allocs == {"fast": 0, "slow": 0} and tel.frees == {"fast": 0, "slow": 0}
+        assert tel.current["fast"] == used == tel.peak["fast"] > 0
+        view = memoryview(tel)                      # the counters, holding the record alive
+        del x
+    del tel, m
+    assert view.nbytes == 4 * MAX_DEVICES * 8 and not view.readonly
+    with pytest.raises(ValueError, match="at most"):
+        Telemetry([f"d{i}" for i in range(MAX_DEVICES + 1)])
+    with pytest.raises(ValueError, match="distinct"):
+        Telemetry(["fast", "fast"])
+
+
 def test_drain_sends_entries_off_the_common_path_to_release():
     with ca.Manager(fast=1 << 20, slow=1 << 20) as m:
         x = ca.asarray(np.arange(1000.0), manager=m)
