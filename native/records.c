@@ -549,6 +549,7 @@ static PyObject *s_fast, *s_heap, *s_addr, *s_last_id, *s_ids, *s_name, *s_mm, *
                 *s_gate, *s_kernels_in_fast, *s_reading, *s_read_use, *s_write_use,
                 *s_new_in_fast, *s_fast_first, *s_allocate, *s_live, *s_kview, *s_closing,
                 *s_cond, *s_notify_all, *s_call, *s_recent, *s_soft, *s_move_to_end,
+                *odict_move_to_end,
                 *s_recomputing, *s_nout, *s_signature, *s_dunder_name, *s_use,
                 *out_kw;                                                /* out_kw: ("out",) */
 
@@ -576,7 +577,8 @@ intern_names(void)
     NAME(s_nout, "nout"); NAME(s_use, "use"); NAME(s_signature, "signature");
     NAME(s_dunder_name, "__name__");
 #undef NAME
-    if ((out_kw = Py_BuildValue("(s)", "out")) == NULL)
+    if ((out_kw = Py_BuildValue("(s)", "out")) == NULL ||
+            (odict_move_to_end = PyObject_GetAttr((PyObject *)&PyODict_Type, s_move_to_end)) == NULL)
         return -1;
     return (one = PyLong_FromLong(1)) == NULL ? -1 : 0;
 }
@@ -731,7 +733,8 @@ lru_hook(PyObject *policy, int which, PyObject *arg)
         rc = PyODict_SetItem(recent, oid, Py_None) < 0 ? -1 : 1;
     } else if (which == HOOK_READ_USE) {                /* move to the most recent end */
         if (in_recent) {
-            t = PyObject_CallMethodOneArg(recent, s_move_to_end, oid);
+            PyObject *args[2] = {recent, oid};      /* OrderedDict.move_to_end(recent, oid) */
+            t = PyObject_Vectorcall(odict_move_to_end, args, 2, NULL);
             rc = t == NULL ? -1 : 1;
             Py_XDECREF(t);
         } else {
