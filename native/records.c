@@ -549,7 +549,7 @@ static PyObject *s_fast, *s_heap, *s_addr, *s_last_id, *s_ids, *s_name, *s_mm, *
                 *s_gate, *s_kernels_in_fast, *s_reading, *s_read_use, *s_write_use,
                 *s_new_in_fast, *s_fast_first, *s_allocate, *s_live, *s_kview, *s_closing,
                 *s_cond, *s_notify_all, *s_call, *s_recent, *s_soft, *s_move_to_end,
-                *odict_move_to_end,
+                *odict_move_to_end, *deque_type, *deque_popleft,
                 *s_recomputing, *s_nout, *s_signature, *s_dunder_name, *s_use,
                 *out_kw;                                                /* out_kw: ("out",) */
 
@@ -579,6 +579,13 @@ intern_names(void)
 #undef NAME
     if ((out_kw = Py_BuildValue("(s)", "out")) == NULL ||
             (odict_move_to_end = PyObject_GetAttr((PyObject *)&PyODict_Type, s_move_to_end)) == NULL)
+        return -1;
+    PyObject *collections = PyImport_ImportModule("collections");
+    if (collections == NULL)
+        return -1;
+    deque_type = PyObject_GetAttrString(collections, "deque");
+    Py_DECREF(collections);
+    if (deque_type == NULL || (deque_popleft = PyObject_GetAttr(deque_type, s_popleft)) == NULL)
         return -1;
     return (one = PyLong_FromLong(1)) == NULL ? -1 : 0;
 }
@@ -1025,7 +1032,9 @@ drain(PyObject *module, PyObject *m)
                 return NULL;
             Py_RETURN_NONE;
         }
-        PyObject *entry = PyObject_CallMethodNoArgs(deferred, s_popleft);
+        PyObject *entry = Py_IS_TYPE(deferred, (PyTypeObject *)deque_type)
+                              ? PyObject_Vectorcall(deque_popleft, &deferred, 1, NULL)
+                              : PyObject_CallMethodNoArgs(deferred, s_popleft);
         if (entry == NULL)
             break;
         if (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 3) {
