@@ -38,7 +38,6 @@ from cachedarrays import costmodel
 
 from . import kernels
 from ._fs_kernels import at, prefetch_row, span
-from ._intrinsics import prefetch_write
 
 __all__ = [
     "FORWARD", "UPDATE", "EmbeddingTable", "SimpleTable", "CachedEmbeddingTable",
@@ -61,8 +60,6 @@ DEFAULT_PAGE_ROWS = 1024
 #: Rows one parallel work item of ``_place_rows`` copies, and how far ahead it prefetches.
 _PLACE_PER_ITEM = 256
 _PLACE_AHEAD = 8
-#: Indices ahead whose ``where`` entries the miss scan prefetches.
-_SCAN_AHEAD = 16
 
 
 # ---- numba helpers for the cache (kernels.py owns lookup and SGD) -------------------------
@@ -74,10 +71,7 @@ def _scan_misses(indices, where, miss_rows):
     Marks a listed row with ``where[r] = -2 - k``; ``_place_rows`` restores every mark."""
     hits = 0
     nmiss = 0
-    n = indices.shape[0]
-    for j in range(n):
-        if j + _SCAN_AHEAD < n:
-            prefetch_write(where, np.uint64(indices[j + _SCAN_AHEAD]))
+    for j in range(indices.shape[0]):
         r = indices[j]
         w = where[r]
         if w >= 0:
