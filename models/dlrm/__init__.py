@@ -34,11 +34,12 @@ __all__ = [
 
 # Embedding tables, CachedEmbeddings and the DLRM model.
 from .configs import DLRMConfig, get_config  # noqa: E402
-from .embedding import (FORWARD, UPDATE, CachedEmbeddingTable, EmbeddingTable,  # noqa: E402
-                        SimpleTable, lookup_tables, make_table, traffic_time,
+from .embedding import (FLUSH_POLICIES, FORWARD, UPDATE, CachedEmbeddingTable,  # noqa: E402
+                        EmbeddingTable, SimpleTable, lookup_tables, make_table, traffic_time,
                         update_tables)
 from .model import DLRM, demo, synthetic_dataset  # noqa: E402
-__all__ += ["DLRMConfig", "get_config", "FORWARD", "UPDATE", "EmbeddingTable", "SimpleTable",
+__all__ += ["DLRMConfig", "get_config", "FLUSH_POLICIES", "FORWARD", "UPDATE", "EmbeddingTable",
+            "SimpleTable",
             "CachedEmbeddingTable", "make_table", "lookup_tables", "update_tables", "traffic_time",
             "DLRM", "demo",
             "synthetic_dataset"]

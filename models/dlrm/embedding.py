@@ -41,7 +41,8 @@ from ._fs_kernels import at, prefetch_row, span
 
 __all__ = [
     "FORWARD", "UPDATE", "EmbeddingTable", "SimpleTable", "CachedEmbeddingTable",
-    "make_table", "lookup_tables", "update_tables", "TABLE_KINDS", "traffic_time",
+    "make_table", "lookup_tables", "update_tables", "TABLE_KINDS", "FLUSH_POLICIES",
+    "traffic_time",
 ]
 
 log = logging.getLogger(__name__)
