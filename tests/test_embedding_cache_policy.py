@@ -213,9 +213,13 @@ def test_second_chance_raises_the_hit_rate_under_zipf(m):
     assert rates["second-chance"] > rates["oldest"] + 0.05, rates
 
 
-def test_flush_policy_must_be_known(m):
+def test_flush_policy_must_be_known_and_is_fixed(m):
     with pytest.raises(ValueError, match="flush_policy must be one of"):
         E.CachedEmbeddingTable(10, 2, manager=m, flush_policy="lru")
+    t = E.CachedEmbeddingTable(10, 2, manager=m, flush_policy="second-chance")
+    with pytest.raises(AttributeError):
+        t.flush_policy = "oldest"      # an "oldest" table never clears marks it never makes
+    assert t.flush_policy == "second-chance"
 
 
 @pytest.mark.parametrize("kernel", ["bag_sum", "bag_sum_cached"])

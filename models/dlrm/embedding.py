@@ -506,7 +506,7 @@ class CachedEmbeddingTable(EmbeddingTable):
         if flush_policy not in FLUSH_POLICIES:
             raise ValueError(f"table {self.name!r}: flush_policy must be one of {FLUSH_POLICIES}, "
                              f"got {flush_policy!r}")
-        self.flush_policy = flush_policy
+        self._flush_policy = flush_policy
         self.manager = manager if manager is not None else ca.default_manager()
         self.caching = caching
         self.frozen = False
@@ -680,8 +680,13 @@ class CachedEmbeddingTable(EmbeddingTable):
         return (self.cache, w) if w >= 0 else (self.base, i)
 
     @property
+    def flush_policy(self):
+        """What the flush down to ``cachelower`` keeps (fixed when the table is built)."""
+        return self._flush_policy
+
+    @property
     def _second_chance(self):
-        return self.flush_policy == "second-chance"
+        return self._flush_policy == "second-chance"
 
     def access_and_cache(self, indices, offsets=None, out=None):
         """Lookup that first caches the batch's uncached rows while there is room (FORWARD)."""
@@ -751,6 +756,10 @@ class CachedEmbeddingTable(EmbeddingTable):
     def _flush(self, target_rows, writeback):
         target = self._lower_rows if target_rows is None else int(target_rows)
         rows = self.page_rows
+        if len(self._pages) * rows <= target:          # nothing to pop
+            self._full = False
+            self._fresh_pages = 0
+            return 0
         pages = np.fromiter(self._pages, dtype=np.int64, count=len(self._pages))
         keep = kernels.scratch("flush_keep", pages.shape[0] * rows, np.int64)
         # a second chance only on the flush down to cachelower: an explicit target is a bound
@@ -763,9 +772,9 @@ class CachedEmbeddingTable(EmbeddingTable):
             return 0
         popped, keep = pages[:npop].tolist(), keep[:nkeep]
         slots = (pages[:npop, None] * rows + np.arange(rows, dtype=np.int64)).reshape(-1)
-        if not writeback:
-            n = int(np.count_nonzero(self.dirty_slots[slots])) - \
-                int(np.count_nonzero(self.dirty_slots[keep]))
+        dirty = self.dirty_slots[slots]
+        if not writeback and dirty.any():
+            n = int(np.count_nonzero(dirty)) - int(np.count_nonzero(self.dirty_slots[keep]))
             if n:
                 raise RuntimeError(f"table {self.name!r}: flush_clean would drop {n} updated "
                                    f"rows that base memory does not have; use flush_dirty()")
@@ -782,7 +791,8 @@ class CachedEmbeddingTable(EmbeddingTable):
             for _ in popped:
                 self._pages.popleft()
             c = views[0] if views else None
-            self.refs[held] = 0
+            if self._second_chance:                 # (other tables never mark a row)
+                self.refs[held] = 0
             if moves:    # staged: the new slots may lie in the pages popped
                 kept_rows = self.backedge[keep]
                 kept_dirty = self.dirty_slots[keep]
@@ -795,7 +805,7 @@ class CachedEmbeddingTable(EmbeddingTable):
                 drop = _drop_slots_serial if slots.shape[0] < SERIAL_ROWS else _drop_slots
                 copied = drop(views[-1], c, self.where, self.backedge, self.dirty_slots, slots)
             else:
-                self.where[self.backedge[slots][self.backedge[slots] >= 0]] = -1
+                self.where[held] = -1                    # the kept rows get new slots below
                 self.backedge[slots] = -1
                 copied = 0
             self._free_pages.extend(reversed(popped))
