@@ -229,6 +229,45 @@ def _scatter_slots(cache, slots, rows_in):
                 cflat[dst + uf] = iflat[src + uf]
 
 
+@njit(cache=True, nogil=True)
+def _release_slots(where, backedge, dirty, refs, slots, keep, kept_rows, kept_dirty, clear_refs,
+                   forget):
+    """The bookkeeping of a flush before its pages are freed: the kept slots' rows and dirty
+    marks go to kept_rows / kept_dirty and the slots are emptied; the marks of every row in
+    ``slots`` are cleared (``clear_refs``); with ``forget`` (no write-back to do) every row
+    left in ``slots`` goes home (``where`` -1) and its slot is emptied. Returns the rows left
+    to drop."""
+    for k in range(keep.shape[0]):
+        s = keep[k]
+        kept_rows[k] = backedge[s]
+        kept_dirty[k] = dirty[s]
+        backedge[s] = -1
+        dirty[s] = 0
+        if clear_refs:
+            refs[kept_rows[k]] = 0
+    dropped = 0
+    for k in range(slots.shape[0]):
+        s = slots[k]
+        r = backedge[s]
+        if r >= 0:
+            dropped += 1
+            if clear_refs:
+                refs[r] = 0
+            if forget:
+                where[r] = -1
+                backedge[s] = -1
+    return dropped
+
+
+@njit(cache=True, nogil=True)
+def _place_kept(where, backedge, dirty, dst, rows, marks):
+    """Point kept rows at their new slots (their data already copied there)."""
+    for k in range(dst.shape[0]):
+        where[rows[k]] = dst[k]
+        backedge[dst[k]] = rows[k]
+        dirty[dst[k]] = marks[k]
+
+
 _gather_slots_serial = njit(cache=True, nogil=True)(_gather_slots.py_func)
 _scatter_slots_serial = njit(cache=True, nogil=True)(_scatter_slots.py_func)
 
@@ -778,9 +817,6 @@ class CachedEmbeddingTable(EmbeddingTable):
             if n:
                 raise RuntimeError(f"table {self.name!r}: flush_clean would drop {n} updated "
                                    f"rows that base memory does not have; use flush_dirty()")
-        held = self.backedge[slots]
-        held = held[held >= 0]
-        nrows = held.shape[0] - nkeep
         moves = nkeep > 0
         # the pool is written when rows move, read when only written back; base when written back
         reads = (self.cache,) if writeback and not moves else ()
@@ -791,22 +827,19 @@ class CachedEmbeddingTable(EmbeddingTable):
             for _ in popped:
                 self._pages.popleft()
             c = views[0] if views else None
-            if self._second_chance:                 # (other tables never mark a row)
-                self.refs[held] = 0
+            kept_rows = np.empty(nkeep, dtype=np.int64)
+            kept_dirty = np.empty(nkeep, dtype=np.uint8)
             if moves:    # staged: the new slots may lie in the pages popped
-                kept_rows = self.backedge[keep]
-                kept_dirty = self.dirty_slots[keep]
                 staged = kernels.scratch("flush_rows", nkeep * self.featuresize, self.dtype)
                 staged = staged.reshape(nkeep, self.featuresize)
                 (_gather_slots_serial if nkeep < SERIAL_ROWS else _gather_slots)(c, keep, staged)
-                self.backedge[keep] = -1
-                self.dirty_slots[keep] = 0
+            # (an oldest-first table never marks a row: no marks to clear)
+            nrows = _release_slots(self.where, self.backedge, self.dirty_slots, self.refs, slots,
+                                   keep, kept_rows, kept_dirty, self._second_chance, not writeback)
             if writeback:
                 drop = _drop_slots_serial if slots.shape[0] < SERIAL_ROWS else _drop_slots
                 copied = drop(views[-1], c, self.where, self.backedge, self.dirty_slots, slots)
             else:
-                self.where[held] = -1                    # the kept rows get new slots below
-                self.backedge[slots] = -1
                 copied = 0
             self._free_pages.extend(reversed(popped))
             if not self._pages:
@@ -814,9 +847,7 @@ class CachedEmbeddingTable(EmbeddingTable):
             if moves:
                 dst = self._allocate(nkeep)             # fits: the popped pages are free again
                 (_scatter_slots_serial if nkeep < SERIAL_ROWS else _scatter_slots)(c, dst, staged)
-                self.where[kept_rows] = dst
-                self.backedge[dst] = kept_rows
-                self.dirty_slots[dst] = kept_dirty
+                _place_kept(self.where, self.backedge, self.dirty_slots, dst, kept_rows, kept_dirty)
         self._full = False
         self._fresh_pages = 0
         self._stats["flushes"] += 1
