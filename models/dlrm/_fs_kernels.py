@@ -652,7 +652,7 @@ def make_kernels(FS):
         then sum over the translated positions, reading the pool ``delta`` elements from the
         base through the base's flat buffer.  Same sums, same order of additions.  ``pos``
         (uint64, one per index) is the caller's scratch for the positions; ``refs`` (see
-        ``translate``) marks the pool slots read.  Returns (cached indices, missed rows listed
+        ``translate``) marks the cached rows read.  Returns (cached indices, missed rows listed
         at the front of ``missed``)."""
         fs = FS or base.shape[1]
         bflat = base.reshape(-1)
