@@ -77,25 +77,12 @@ class Telemetry(TelemetryRecord):
         c = self._c
         return {d: c[kind + i] for d, i in self._index.items()}
 
-    @property
-    def allocs(self):
-        """Allocations per device since the last reset."""
-        return self._counts(_ALLOCS)
-
-    @property
-    def frees(self):
-        """Frees per device since the last reset."""
-        return self._counts(_FREES)
-
-    @property
-    def current(self):
-        """Bytes in use per device."""
-        return self._counts(_CURRENT)
-
-    @property
-    def peak(self):
-        """Most bytes in use per device since the last reset."""
-        return self._counts(_PEAK)
+    allocs = property(lambda self: self._counts(_ALLOCS),
+                      doc="Allocations per device since the last reset.")
+    frees = property(lambda self: self._counts(_FREES), doc="Frees per device since the last reset.")
+    current = property(lambda self: self._counts(_CURRENT), doc="Bytes in use per device.")
+    peak = property(lambda self: self._counts(_PEAK),
+                    doc="Most bytes in use per device since the last reset.")
 
     # Updates -------------------------------------------------------------------------------
 

@@ -196,37 +196,24 @@ def _plan_flush(pages, fresh, backedge, refs, rows, insert, target, second_chanc
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _gather_slots(cache, slots, out):
-    """out[k] = cache[slots[k]] (flat unsigned offsets: a loop LLVM vectorises)."""
-    fs = cache.shape[1]
-    cflat = cache.reshape(-1)
-    oflat = out.reshape(-1)
-    n = slots.shape[0]
+def _copy_slots(src, src_slots, dst, dst_slots):
+    """dst[dst_slots[k]] = src[src_slots[k]] for every k (flat unsigned offsets: a loop LLVM
+    vectorises); a flush stages its kept rows out of the pool and back with it."""
+    fs = src.shape[1]
+    sflat = src.reshape(-1)
+    dflat = dst.reshape(-1)
+    n = src_slots.shape[0]
     for it in prange((n + _PLACE_PER_ITEM - 1) // _PLACE_PER_ITEM):
         lo, hi = span(it, _PLACE_PER_ITEM, n)
         for k in range(lo, hi):
-            src = at(slots[k], fs)
-            dst = at(k, fs)
+            a = at(src_slots[k], fs)
+            b = at(dst_slots[k], fs)
             for f in range(fs):
                 uf = np.uint64(f)
-                oflat[dst + uf] = cflat[src + uf]
+                dflat[b + uf] = sflat[a + uf]
 
 
-@njit(parallel=True, cache=True, nogil=True)
-def _scatter_slots(cache, slots, rows_in):
-    """cache[slots[k]] = rows_in[k]."""
-    fs = cache.shape[1]
-    cflat = cache.reshape(-1)
-    iflat = rows_in.reshape(-1)
-    n = slots.shape[0]
-    for it in prange((n + _PLACE_PER_ITEM - 1) // _PLACE_PER_ITEM):
-        lo, hi = span(it, _PLACE_PER_ITEM, n)
-        for k in range(lo, hi):
-            src = at(k, fs)
-            dst = at(slots[k], fs)
-            for f in range(fs):
-                uf = np.uint64(f)
-                cflat[dst + uf] = iflat[src + uf]
+_copy_slots_serial = njit(cache=True, nogil=True)(_copy_slots.py_func)
 
 
 @njit(cache=True, nogil=True)
@@ -266,10 +253,6 @@ def _place_kept(where, backedge, dirty, dst, rows, marks):
         where[rows[k]] = dst[k]
         backedge[dst[k]] = rows[k]
         dirty[dst[k]] = marks[k]
-
-
-_gather_slots_serial = njit(cache=True, nogil=True)(_gather_slots.py_func)
-_scatter_slots_serial = njit(cache=True, nogil=True)(_scatter_slots.py_func)
 
 
 # ---- small utilities ---------------------------------------------------------------------
@@ -805,14 +788,11 @@ class CachedEmbeddingTable(EmbeddingTable):
         npop, nkeep = _plan_flush(pages, min(self._fresh_pages, pages.shape[0]), self.backedge,
                                   self.refs, rows, self._insert, target,
                                   self._second_chance and target_rows is None, keep)
-        if npop == 0:
-            self._full = False
-            self._fresh_pages = 0
-            return 0
+        # (npop >= 1: more than target rows of pages are in use)
         popped, keep = pages[:npop].tolist(), keep[:nkeep]
         slots = (pages[:npop, None] * rows + np.arange(rows, dtype=np.int64)).reshape(-1)
-        dirty = self.dirty_slots[slots]
-        if not writeback and dirty.any():
+        dirty = None if writeback else self.dirty_slots[slots]
+        if dirty is not None and dirty.any():
             n = int(np.count_nonzero(dirty)) - int(np.count_nonzero(self.dirty_slots[keep]))
             if n:
                 raise RuntimeError(f"table {self.name!r}: flush_clean would drop {n} updated "
@@ -832,7 +812,9 @@ class CachedEmbeddingTable(EmbeddingTable):
             if moves:    # staged: the new slots may lie in the pages popped
                 staged = kernels.scratch("flush_rows", nkeep * self.featuresize, self.dtype)
                 staged = staged.reshape(nkeep, self.featuresize)
-                (_gather_slots_serial if nkeep < SERIAL_ROWS else _gather_slots)(c, keep, staged)
+                order = np.arange(nkeep, dtype=np.int64)
+                copy = _copy_slots_serial if nkeep < SERIAL_ROWS else _copy_slots
+                copy(c, keep, staged, order)
             # (an oldest-first table never marks a row: no marks to clear)
             nrows = _release_slots(self.where, self.backedge, self.dirty_slots, self.refs, slots,
                                    keep, kept_rows, kept_dirty, self._second_chance, not writeback)
@@ -846,7 +828,7 @@ class CachedEmbeddingTable(EmbeddingTable):
                 self._insert = self.page_rows
             if moves:
                 dst = self._allocate(nkeep)             # fits: the popped pages are free again
-                (_scatter_slots_serial if nkeep < SERIAL_ROWS else _scatter_slots)(c, dst, staged)
+                copy(staged, order, c, dst)
                 _place_kept(self.where, self.backedge, self.dirty_slots, dst, kept_rows, kept_dirty)
         self._full = False
         self._fresh_pages = 0
