@@ -13,6 +13,8 @@
 #define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION
 #include <numpy/arrayobject.h>
 
+#include "select.h"
+
 /* ---- garbage collection, shared by both records ---------------------------------------------- */
 
 /* A record is PyObject_HEAD, then PyObject * fields only, then the weak-reference list: its
@@ -2344,6 +2346,110 @@ make_getitem(PyObject *module, PyObject *fallback)
     return method_with_fallback("getitem", &getitem_def, &getitem_fallback, fallback);
 }
 
+/* ---- np.where's select -------------------------------------------------------------------- */
+
+/* An operand of select: a C-contiguous array of out's dtype with n elements (step 1) or one
+ * (step 0, a scalar); its data, or NULL with an exception set. */
+static const void *
+select_operand(PyObject *a, PyArrayObject *out, npy_intp n, const char *what, int *step)
+{
+    if (!PyArray_Check(a) || !PyArray_IS_C_CONTIGUOUS((PyArrayObject *)a) ||
+            !PyArray_EquivTypes(PyArray_DESCR((PyArrayObject *)a), PyArray_DESCR(out))) {
+        PyErr_Format(PyExc_TypeError, "select: %s must be a C-contiguous array of out's dtype",
+                     what);
+        return NULL;
+    }
+    npy_intp size = PyArray_SIZE((PyArrayObject *)a);
+    if (size != n && size != 1) {
+        PyErr_Format(PyExc_ValueError, "select: %s has %zd elements; out has %zd (give as many, "
+                     "or one for a scalar)", what, (Py_ssize_t)size, (Py_ssize_t)n);
+        return NULL;
+    }
+    *step = size == n && n != 1;
+    return PyArray_DATA((PyArrayObject *)a);
+}
+
+/* Whether [a, a + an) and [b, b + bn) share a byte. */
+static int
+overlaps(const char *a, npy_intp an, const char *b, npy_intp bn)
+{
+    return an > 0 && bn > 0 && a < b + bn && b < a + an;
+}
+
+/* select(cond, x, y, *, out): out[i] = x[i] if cond[i] else y[i], branch-free (np.where's
+ * three-argument form). cond: a C-contiguous bool array of out's size; x and y: C-contiguous
+ * arrays of out's dtype, of out's size or of one element (a scalar). out may be x or y; no
+ * other overlap with out. Returns out. */
+static PyObject *
+select_entry(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    if (nargs != 3 || kwnames == NULL || PyTuple_GET_SIZE(kwnames) != 1 ||
+            PyUnicode_CompareWithASCIIString(PyTuple_GET_ITEM(kwnames, 0), "out") != 0) {
+        PyErr_SetString(PyExc_TypeError, "select(cond, x, y, *, out)");
+        return NULL;
+    }
+    PyObject *o = args[3];
+    if (!PyArray_Check(o) || !PyArray_IS_C_CONTIGUOUS((PyArrayObject *)o) ||
+            !PyArray_ISWRITEABLE((PyArrayObject *)o) ||
+            PyDataType_REFCHK(PyArray_DESCR((PyArrayObject *)o))) {
+        PyErr_SetString(PyExc_TypeError, "select: out must be a writable, C-contiguous array "
+                        "without object fields");
+        return NULL;
+    }
+    PyArrayObject *out = (PyArrayObject *)o, *c = (PyArrayObject *)args[0];
+    npy_intp n = PyArray_SIZE(out), size = PyArray_ITEMSIZE(out);
+    if (!PyArray_Check(args[0]) || PyArray_TYPE(c) != NPY_BOOL || !PyArray_IS_C_CONTIGUOUS(c) ||
+            PyArray_SIZE(c) != n) {
+        PyErr_Format(PyExc_TypeError, "select: cond must be a C-contiguous bool array of %zd "
+                     "elements", (Py_ssize_t)n);
+        return NULL;
+    }
+    int xstep, ystep;
+    const void *x = select_operand(args[1], out, n, "x", &xstep);
+    if (x == NULL)
+        return NULL;
+    const void *y = select_operand(args[2], out, n, "y", &ystep);
+    if (y == NULL)
+        return NULL;
+    const char *od = PyArray_DATA(out);
+    npy_intp ob = n * size;
+    if (overlaps(od, ob, PyArray_DATA(c), n) ||
+            (x != od && overlaps(od, ob, x, xstep ? ob : size)) ||
+            (y != od && overlaps(od, ob, y, ystep ? ob : size))) {
+        PyErr_SetString(PyExc_ValueError, "select: out overlaps an operand");
+        return NULL;
+    }
+    if (ob >= (1 << 16)) {
+        Py_BEGIN_ALLOW_THREADS
+        ca_select(PyArray_DATA(out), PyArray_DATA(c), x, xstep, y, ystep, (uint64_t)n,
+                  (uint64_t)size);
+        Py_END_ALLOW_THREADS
+    } else {
+        ca_select(PyArray_DATA(out), PyArray_DATA(c), x, xstep, y, ystep, (uint64_t)n,
+                  (uint64_t)size);
+    }
+    return Py_NewRef(o);
+}
+
+static PyObject *
+select_isa(PyObject *module, PyObject *unused)
+{
+    return PyUnicode_FromString(ca_select_isa());
+}
+
+static PyObject *
+set_select_isa(PyObject *module, PyObject *name)
+{
+    const char *s = PyUnicode_Check(name) ? PyUnicode_AsUTF8(name) : NULL;
+    if (s == NULL || ca_select_set_isa(s) != 0) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_ValueError, "select ISA %R is not available on this CPU (use "
+                     "'avx512', 'avx2' or 'sse2')", name);
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef records_methods[] = {
     {"bind", (PyCFunction)(void (*)(void))bind, METH_FASTCALL,
      "bind(alloc_address, free_address, Region, Object): the native heap's alloc and free "
@@ -2379,6 +2485,13 @@ static PyMethodDef records_methods[] = {
      "run_ufunc(manager, ufunc, inputs, objs, shape, dtype, strides, nbytes, short): a ufunc "
      "into a new, policy-placed CachedArray (Manager.run's common path); None when the "
      "manager's general path must run it."},
+    {"select", (PyCFunction)(void (*)(void))select_entry, METH_FASTCALL | METH_KEYWORDS,
+     "select(cond, x, y, *, out): out[i] = x[i] if cond[i] else y[i], branch-free (np.where's "
+     "three-argument form; x and y of out's dtype, each of out's size or one element)."},
+    {"select_isa", (PyCFunction)select_isa, METH_NOARGS,
+     "select_isa(): the instruction set select's loops use: 'avx512', 'avx2' or 'sse2'."},
+    {"set_select_isa", (PyCFunction)set_select_isa, METH_O,
+     "set_select_isa(name): force select's instruction set (for tests and benchmarks)."},
     {"region", (PyCFunction)(void (*)(void))make_region, METH_FASTCALL,
      "region(cls, device, offset, nbytes, owner, buffer): cls(device, offset, nbytes, owner, "
      "buffer), made without the generic call machinery (the manager's hot path)."},

@@ -7,8 +7,9 @@ package's ``__init__`` imports this package); NumPy functions without one take t
 - ``creation``: the *_like forms and ``like=`` (NEP 35)
 - ``joining``: concatenate
 - ``ordering``: sort, cumsum, cumprod
+- ``selection``: where
 """
 
-from . import creation, joining, ordering
+from . import creation, joining, ordering, selection
 
-__all__ = ["creation", "joining", "ordering"]
+__all__ = ["creation", "joining", "ordering", "selection"]

@@ -6,6 +6,7 @@ array is never built in ordinary memory and copied in.
 
 import numpy as np
 
+from .._records import run_ufunc
 from ..array import CachedArray, new_pinned, unpin
 from ..dispatch import _call_on_views, implements
 from ..layout import c_strides
@@ -41,7 +42,18 @@ def concatenate(arrays, axis=0, out=None, *, dtype=None, casting="same_kind"):
         n = dt.itemsize
         for d in shape:
             n *= d
-        nbytes = sum(a._obj.nbytes for a in arrays)
+        objs = tuple(a._obj for a in arrays)
+        nbytes = n
+        for o in objs:
+            nbytes += o.nbytes
+        short = nbytes <= SHORT_BYTES
+        if len(arrays) <= 8:         # in C (run_ufunc) unless the manager is busy
+
+            def fill(*views, out):
+                return np.concatenate(views, axis=axis, out=out, dtype=dtype, casting=casting)
+            res = run_ufunc(m, fill, tuple(arrays), objs, shape, dt, strides, n, short)
+            if res is not None:
+                return res
 
         def kernel(obj):
             record_new(obj)
@@ -49,8 +61,7 @@ def concatenate(arrays, axis=0, out=None, *, dtype=None, casting="same_kind"):
             np.concatenate([a._kview() for a in arrays], axis=axis, out=res._kview(),
                            dtype=dtype, casting=casting)
             return res
-        return m.run(kernel, [a._obj for a in arrays], (), n, "concatenate",
-                     n + nbytes <= SHORT_BYTES)
+        return m.run(kernel, objs, (), n, "concatenate", short)
     res = new_pinned(first.manager, tuple(shape), dt)
     try:
         return _call_on_views(np.concatenate, (arrays,), dict(axis=axis, out=res,

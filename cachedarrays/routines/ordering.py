@@ -5,8 +5,11 @@ in place, as NumPy's own np.sort does; the running totals take ``out=``), so the
 never built in ordinary memory and copied in.
 """
 
+import functools
+
 import numpy as np
 
+from .._records import run_ufunc
 from ..array import CachedArray
 from ..dispatch import _call_on_views, implements
 from ..layout import c_strides
@@ -15,19 +18,29 @@ from ..pinning import SHORT_BYTES, record_new
 
 def _into_new(a, shape, dt, name, fill):
     """A new CachedArray of shape and dt placed by a's manager's policy, filled by
-    fill(view of a, view of the result) while both are pinned (one Manager.run)."""
+    fill(view of a, out=view of the result) while both are pinned: in C (``run_ufunc``) unless
+    the manager is busy, else through Manager.run."""
     m = a._m
     strides = c_strides(shape, dt.itemsize)
     n = dt.itemsize
     for d in shape:
         n *= d
+    short = n + a._obj.nbytes <= SHORT_BYTES
+    res = run_ufunc(m, fill, (a,), (a._obj,), shape, dt, strides, n, short)
+    if res is not None:
+        return res
 
     def kernel(obj):
         record_new(obj)
         res = CachedArray._make(obj, m, shape, dt, strides, 0)
-        fill(a._kview(), res._kview())
+        fill(a._kview(), out=res._kview())
         return res
-    return m.run(kernel, (a._obj,), (), n, name, n + a._obj.nbytes <= SHORT_BYTES)
+    return m.run(kernel, (a._obj,), (), n, name, short)
+
+
+def _sorted_into(axis, kind, order, stable, src, out):
+    np.copyto(out, src, casting="no")
+    out.sort(axis=axis, kind=kind, order=order, stable=stable)
 
 
 @implements(np.sort)
@@ -38,11 +51,8 @@ def sort(a, axis=-1, kind=None, order=None, *, stable=None):
             a._strides != c_strides(a._shape, a._dtype.itemsize):
         return _call_on_views(np.sort, (a,), dict(axis=axis, kind=kind, order=order,
                                                    stable=stable))
-
-    def fill(src, dst):
-        np.copyto(dst, src, casting="no")
-        dst.sort(axis=axis, kind=kind, order=order, stable=stable)
-    return _into_new(a, a._shape, a._dtype, "sort", fill)
+    return _into_new(a, a._shape, a._dtype, "sort",
+                     functools.partial(_sorted_into, axis, kind, order, stable))
 
 
 _ACC_DTYPES = {}       # (ufunc, input dtype, dtype argument) -> the running total's dtype
@@ -73,10 +83,7 @@ def _accumulated(func, ufunc, a, axis, dtype, out):
             _check_axis(axis, len(shape))
         except ValueError:
             return _call_on_views(func, (a,), dict(axis=axis, dtype=dtype, out=out))
-
-    def fill(src, dst):
-        func(src, axis=axis, dtype=dtype, out=dst)
-    return _into_new(a, shape, dt, func.__name__, fill)
+    return _into_new(a, shape, dt, func.__name__, functools.partial(func, axis=axis, dtype=dtype))
 
 
 def _check_axis(axis, ndim):
