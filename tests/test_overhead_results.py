@@ -128,3 +128,23 @@ def test_sort_and_running_totals_match_numpy(m, call):
     np.testing.assert_array_equal(np.asarray(x), a)
     with pytest.raises(np.exceptions.AxisError):
         np.cumsum(x, axis=2)
+
+
+@pytest.mark.parametrize("name, call", [
+    ("sort", lambda np_, x, y: np_.sort(x, axis=0)),
+    ("cumsum", lambda np_, x, y: np_.cumsum(x, axis=1)),
+    ("cumprod", lambda np_, x, y: np_.cumprod(x)),
+    ("concatenate", lambda np_, x, y: np_.concatenate([x, y], axis=1)),
+    ("where", lambda np_, x, y: np_.where(x > y, x, y))])
+def test_routines_give_the_same_result_quick_or_traced(m, name, call):
+    rng = np.random.default_rng(2)
+    a, b = rng.random((4, 5)), rng.random((4, 5))
+    x, y = ca.asarray(a, manager=m), ca.asarray(b, manager=m)
+    want = call(np, a, b)
+    quick = call(np, x, y)                       # the C step
+    with ca.trace(m) as t:                       # an observer: Manager.run's general path
+        traced = call(np, x, y)
+    for got in (quick, traced):
+        assert isinstance(got, ca.CachedArray)
+        np.testing.assert_array_equal(np.asarray(got), want)
+    assert name in [k[0] for k in t.kernels]
