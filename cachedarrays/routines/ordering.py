@@ -83,7 +83,10 @@ def _accumulated(func, ufunc, a, axis, dtype, out):
             _check_axis(axis, len(shape))
         except ValueError:
             return _call_on_views(func, (a,), dict(axis=axis, dtype=dtype, out=out))
-    return _into_new(a, shape, dt, func.__name__, functools.partial(func, axis=axis, dtype=dtype))
+    # the ndarray method np.cumsum itself ends in, without its Python frames
+    method = np.ndarray.cumsum if func is np.cumsum else np.ndarray.cumprod
+    return _into_new(a, shape, dt, func.__name__,
+                     functools.partial(method, axis=axis, dtype=dtype))
 
 
 def _check_axis(axis, ndim):
