@@ -7,10 +7,12 @@ in-place function changes) acquired as a write, and its result wrapped as Cached
 Importing this module installs its handler behind ``CachedArray.__array_function__``.
 """
 
+import functools
 import inspect
 
 import numpy as np
 
+from ._records import run_read as _run_read
 from .array import CachedArray, set_function_handler
 from .pinning import SHORT_BYTES, acquire_grouped, first_manager, objects_in, release_grouped
 from .wrapping import wrap
@@ -193,9 +195,13 @@ def _read_only_call(func, args, kwargs):
     m = None
     reads = []
     nbytes = 0
-    for x in (*args, *kwargs.values()) if kwargs else args:
+    flat = True                 # every CachedArray a positional argument
+    npos = len(args)
+    for i, x in enumerate((*args, *kwargs.values()) if kwargs else args):
         tx = type(x)
         if tx is CachedArray:
+            if i >= npos:
+                flat = False
             if m is None:
                 m = x._m
             elif x._m is not m:
@@ -205,6 +211,7 @@ def _read_only_call(func, args, kwargs):
         elif tx is list or tx is tuple:
             for y in x:
                 if type(y) is CachedArray:
+                    flat = False
                     if m is None:
                         m = y._m
                     elif y._m is not m:
@@ -217,6 +224,12 @@ def _read_only_call(func, args, kwargs):
             return _GENERAL
     if m is None or "like" in kwargs:
         return _GENERAL
+    short = nbytes <= SHORT_BYTES and func not in _CALLBACKS
+    if flat and len(reads) <= 8:    # in C (run_read) unless the manager is busy
+        res = _run_read(m, functools.partial(_call_wrap, func, m, args, kwargs), args,
+                        tuple(reads), short)
+        if res is not None:
+            return res
 
     def kernel(_):
         views = []
@@ -224,8 +237,17 @@ def _read_only_call(func, args, kwargs):
         nkwargs = {k: _to_views_recording(v, views) for k, v in kwargs.items()} \
             if kwargs else kwargs
         return wrap(m, func(*nargs, **nkwargs), views)
-    return m.run(kernel, reads, (), None, getattr(func, "__name__", "function"),
-                 nbytes <= SHORT_BYTES and func not in _CALLBACKS)
+    return m.run(kernel, reads, (), None, getattr(func, "__name__", "function"), short)
+
+
+def _call_wrap(func, m, args, kwargs, *kviews):
+    """func on args, each CachedArray replaced by a view of its kernel view (run_read passes
+    those, pinned), its result wrapped while they still are. func gets views of its own, as on
+    the general path: a NumPy function may change the shape or flags of an array it is given,
+    which the cached kernel views must never see."""
+    views = [v.view() if type(a) is CachedArray else v for a, v in zip(args, kviews)]
+    return wrap(m, func(*views, **kwargs),
+                [(a, v) for a, v in zip(args, views) if type(a) is CachedArray])
 
 
 set_function_handler(_array_function)

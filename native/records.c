@@ -1793,6 +1793,28 @@ run_call(PyObject *m, PyObject *fn, PyObject *inputs, PyObject *objs, PyObject *
     return res;
 }
 
+/* run_read(manager, fn, inputs, objs, short): fn(*inputs), with the CachedArrays among inputs
+ * replaced by their kernel views, objs (their objects) pinned and reported read, as
+ * Manager.run(kernel, objs, (), None, name, short) does; fn's result as it is. None when the
+ * manager is busy (Manager.run's general path must run it). */
+static PyObject *
+run_read(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "run_read(manager, fn, inputs, objs, short)");
+        return NULL;
+    }
+    if (view_cls == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "run_read: bind_views() was not called");
+        return NULL;
+    }
+    int is_short = PyObject_IsTrue(args[4]);
+    if (is_short < 0)
+        return NULL;
+    return none_if_not_taken(run_core(module, args[0], args[1], args[2], args[3], NULL, NULL,
+                                      NULL, NULL, NULL, NULL, NULL, is_short));
+}
+
 /* ---- a ufunc into an existing array (out=, x op= y) ----------------------------------------- */
 
 static PyObject *simple_ufuncs;         /* ufunc -> its __name__ if nout == 1 and no signature,
@@ -2492,6 +2514,10 @@ static PyMethodDef records_methods[] = {
      "select_isa(): the instruction set select's loops use: 'avx512', 'avx2' or 'sse2'."},
     {"set_select_isa", (PyCFunction)set_select_isa, METH_O,
      "set_select_isa(name): force select's instruction set (for tests and benchmarks)."},
+    {"run_read", (PyCFunction)(void (*)(void))run_read, METH_FASTCALL,
+     "run_read(manager, fn, inputs, objs, short): fn(*inputs) on the CachedArrays' views with "
+     "objs pinned and reported read (Manager.run's common path, no new array); None when the "
+     "manager's general path must run it."},
     {"region", (PyCFunction)(void (*)(void))make_region, METH_FASTCALL,
      "region(cls, device, offset, nbytes, owner, buffer): cls(device, offset, nbytes, owner, "
      "buffer), made without the generic call machinery (the manager's hot path)."},

@@ -837,3 +837,71 @@ def test_random_in_place_calls_and_reductions_match_numpy(shape, op, value, dtyp
             assert type(got) is type(want) and (got == want or (got != got and want != want))
         np.testing.assert_array_equal(np.asarray(x), a)   # in place: the same values
         assert x.object._pins == 0 and y.object._pins == 0
+
+
+# ---- other NumPy functions: run_read --------------------------------------------------------
+
+@pytest.mark.parametrize("call", [
+    lambda np_, x, y: np_.inner(x, y), lambda np_, x, y: np_.median(x),
+    lambda np_, x, y: np_.transpose(x), lambda np_, x, y: np_.clip(x, 2.0, y),
+    lambda np_, x, y: np_.atleast_2d(x), lambda np_, x, y: np_.unique(x, return_counts=True)])
+def test_other_functions_run_in_c_and_match_numpy(m, monkeypatch, call):
+    a, b = np.arange(10.0)[::-1].reshape(2, 5).copy(), np.full((2, 5), 6.0)
+    x, y = _arr(m, a), _arr(m, b)
+    want = call(np, a, b)
+    run = type(m).run
+
+    def refuse(self, fn, reads=(), writes=(), nbytes=None, *args, **kwargs):
+        if nbytes is None:             # a kernel that makes no array: the call itself
+            raise AssertionError("Manager.run ran the call: run_read was not taken")
+        return run(self, fn, reads, writes, nbytes, *args, **kwargs)
+    monkeypatch.setattr(type(m), "run", refuse)
+    got = call(np, x, y)
+    monkeypatch.undo()
+    for w, g in zip(want, got) if isinstance(want, tuple) else [(want, got)]:
+        if isinstance(w, np.ndarray) and w.ndim:
+            assert isinstance(g, ca.CachedArray)
+            g = np.asarray(g)
+        np.testing.assert_array_equal(g, w)
+    assert x.object._pins == 0 and y.object._pins == 0
+    m.check()
+
+
+def test_a_view_result_follows_its_array_when_it_moves(m):
+    x = _arr(m, np.arange(12.0).reshape(3, 4))
+    t = np.transpose(x)
+    m.evict(x.object)
+    m.prefetch(x.object)
+    x[0, 0] = 100.0
+    np.testing.assert_array_equal(np.asarray(t)[0], [100.0, 4.0, 8.0])
+
+
+def test_a_function_that_reshapes_its_argument_leaves_the_array_whole(m):
+    from cachedarrays import dispatch
+    x = _arr(m, np.arange(10.0))
+
+    def reshaping(a):                  # some NumPy code sets the shape of what it is given
+        a.shape = (2, 5)
+        a.flags.writeable = False
+        return float(a.sum())
+    assert dispatch._read_only_call(reshaping, (x,), {}) == 45.0
+    np.testing.assert_array_equal(np.asarray(x + 1), np.arange(10.0) + 1)
+    x[3] = -1.0
+    assert x.shape == (10,) and float(x[3]) == -1.0
+
+
+def test_an_error_in_the_function_leaves_nothing_pinned(m):
+    x, z = _arr(m, np.arange(10.0)), _arr(m, np.arange(3.0))
+    with pytest.raises(ValueError):
+        np.dot(x, z)
+    assert x.object._pins == 0 and z.object._pins == 0
+    m.evict(x.object)                          # nothing holds it
+    m.check()
+
+
+def test_a_traced_function_is_one_kernel_with_its_name(m):
+    x, y = _arr(m, np.arange(10.0)), _arr(m, np.ones(10))
+    with ca.trace(m) as t:
+        d = np.dot(x, y)
+    assert d == 45.0
+    assert [k[0] for k in t.kernels] == ["dot"]
