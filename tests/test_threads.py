@@ -204,3 +204,24 @@ def test_kernels_on_many_threads_with_background_moves():
             assert_eq(x, np.full(2000, i + 60.0), exact=True)
         stats = m.stats()
         assert stats["events"]["copy_async"]["count"] > 0
+
+
+def test_routines_and_functions_read_whole_arrays_during_eviction():
+    """np.where, concatenate, sort, cumsum and a general function (np.dot) pin their inputs
+    in C: an evictor moving and defragmenting the arrays meanwhile never shows them torn."""
+    with ca.Manager(fast="256KiB", slow="8MiB", granularity=256) as m:
+        base = np.arange(3000.0)
+        x, y = ca.asarray(base, manager=m), ca.asarray(-base, manager=m)
+        c = ca.asarray(base % 3 == 0, manager=m)
+
+        def body():
+            for _ in range(40):
+                np.testing.assert_array_equal(np.asarray(np.where(c, x, y)),
+                                              np.where(base % 3 == 0, base, -base))
+                np.testing.assert_array_equal(np.asarray(np.concatenate([x, y])),
+                                              np.concatenate([base, -base]))
+                np.testing.assert_array_equal(np.asarray(np.sort(y)), np.sort(-base))
+                assert float(np.asarray(np.cumsum(x))[-1]) == base.sum()
+                assert float(np.dot(x, y)) == -float(base @ base)
+        run_with_evictor(m, [x, y, c], body)
+        m.check()
