@@ -39,6 +39,7 @@ def _into_new(a, shape, dt, name, fill):
 
 
 def _sorted_into(axis, kind, order, stable, src, out):
+    """np.sort(src) written into out: a copy, sorted in place."""
     np.copyto(out, src, casting="no")
     out.sort(axis=axis, kind=kind, order=order, stable=stable)
 
