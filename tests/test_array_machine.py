@@ -85,6 +85,23 @@ class ArrayMachine(RuleBasedStateMachine):
             assert np.subtract(arr, y[0], out=arr) is arr
             np.subtract(model, y[1], out=model)
 
+    @rule(i=st.integers(0, 50), j=st.integers(0, 50), t=st.floats(0, 1),
+          how=st.sampled_from(["where", "where0", "concatenate", "sort", "cumsum", "clip"]))
+    def routine(self, i, j, t, how):
+        """NumPy functions with a C step (where's select, the placed results of concatenate,
+        sort and cumsum, run_read for clip): new arrays equal to NumPy's, inputs untouched."""
+        x, y = self.pick(i), self.pick(j)
+        if x is None or (how == "where" and x[0].shape != y[0].shape):
+            return
+        f = {"where": lambda a, b, c: np.where(c, a, b),
+             "where0": lambda a, b, c: np.where(c, a, 0.0),
+             "concatenate": lambda a, b, c: np.concatenate([a, b]),
+             "sort": lambda a, b, c: np.sort(a), "cumsum": lambda a, b, c: np.cumsum(a),
+             "clip": lambda a, b, c: np.clip(a, t / 2, t)}[how]
+        got = f(x[0], y[0], x[0] > t)
+        assert isinstance(got, ca.CachedArray)
+        self.arrays.append((got, f(x[1], y[1], x[1] > t)))
+
     @rule(i=st.integers(0, 50), how=st.sampled_from(["sum", "max0", "argmin", "mean"]))
     def reduce(self, i, how):
         """Reductions (the C path): scalars and arrays equal to NumPy's."""
