@@ -2435,9 +2435,9 @@ select_entry(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject
         return NULL;
     const char *od = PyArray_DATA(out);
     npy_intp ob = n * size;
-    if (overlaps(od, ob, PyArray_DATA(c), n) ||
-            (x != od && overlaps(od, ob, x, xstep ? ob : size)) ||
-            (y != od && overlaps(od, ob, y, ystep ? ob : size))) {
+    if (overlaps(od, ob, PyArray_DATA(c), n) ||                 /* out may be x or y itself */
+            ((x != od || !xstep) && overlaps(od, ob, x, xstep ? ob : size)) ||
+            ((y != od || !ystep) && overlaps(od, ob, y, ystep ? ob : size))) {
         PyErr_SetString(PyExc_ValueError, "select: out overlaps an operand");
         return NULL;
     }

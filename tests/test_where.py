@@ -218,6 +218,8 @@ def test_select_refuses_what_it_cannot_read():
             ((c, x, y), {"out": np.empty(8)[::2]}, TypeError),
             ((c, x, y), {"out": np.empty(4, object)}, TypeError),
             ((c[:3], out[1:], y[1:]), {"out": out[:3]}, ValueError),  # overlapping
+            ((c, out[:1], y), {"out": out}, ValueError),              # a scalar inside out
+            ((c, x, out[3:]), {"out": out}, ValueError),
     ]:
         with pytest.raises(err):
             sel(*args, **kw)
