@@ -10,11 +10,15 @@ NumPy's speed (our time <= 1.05x), a basic slice costs at most 1 us more, and ev
 enters CachedArray.__array_function__ once per call (no nested dispatch).
 """
 
+import os
 import statistics
 import sys
 import time
 
-import _common  # noqa: I001  (first: sets the OpenMP wait policy before NumPy loads)
+_HERE = os.path.dirname(os.path.abspath(__file__))
+if _HERE not in sys.path:
+    sys.path.insert(0, _HERE)
+import _common  # noqa: E402,I001  (first: sets the OpenMP wait policy before NumPy loads)
 
 import numpy as np
 
@@ -97,6 +101,25 @@ def dispatch_entries(checks):
     finally:
         ca.CachedArray.__array_function__ = original
     return out
+
+
+def where_on_a_random_mask(m, n, args, clock):
+    """np.where on a mask NumPy's loop cannot predict (the 20 operations' np.where sees a
+    mostly predictable one): NumPy's time and ours, interleaved."""
+    rng = np.random.default_rng(1)
+    na, nb = rng.random(n), rng.random(n)
+    mask = rng.random(n) > 0.5
+    x, y, c = (ca.asarray(v, manager=m) for v in (na, nb, mask))
+
+    def f_np():
+        return np.where(mask, na, nb)
+
+    def f_ca():
+        return np.where(c, x, y)
+    number = _common.calls_for(f_np, args.budget)
+    t_np, t_ca = samples_of([f_np, f_ca], args.repeats, number, clock)
+    return dict(n=n, numpy=_common.Stat(t_np), ours=_common.Stat(t_ca),
+                speedup=_common.speedups(t_np, t_ca))
 
 
 def clock_of(name):
@@ -182,6 +205,7 @@ def main(argv=None):
             assert x.device == "fast" and y.device == "fast"
         bar.close()
         checks = dispatch_entries(dispatch_checks(x, y))
+        where_row = where_on_a_random_mask(m, max(args.sizes), args, clock)
 
     print("\nsummary (median over the 20 operations):")
     for n in args.sizes:
@@ -191,6 +215,11 @@ def main(argv=None):
         print(f"  n={n:>9}: extra {extra:7.2f} us per call, speedup {sp:5.2f}x (numpy time / "
               "ours)")
         _common.headline(f"median extra per call (n={n})", extra, " us")
+    print(f"\nnp.where(mask, a, b) on a random mask, n={where_row['n']}: numpy "
+          f"{where_row['numpy'].fmt(1e6, 'us')}, ours {where_row['ours'].fmt(1e6, 'us')}")
+    _common.headline(f"np.where speedup vs numpy, random mask (n={where_row['n']})",
+                     where_row["speedup"].median, "x",
+                     detail="a branch-free select against NumPy's loop")
     print("\n__array_function__ entries per call: " +
           ", ".join(f"{name} {k}" for name, k in checks))
     print()

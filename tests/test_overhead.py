@@ -187,3 +187,14 @@ def test_a_dropped_input_takes_the_general_path(m):
     ca.compute("double", lambda v, out: np.multiply(v, 2, out=out), [x], [y])
     m.drop(y)
     assert_eq(y + 1.0, a * 2 + 1.0)    # rebuilt before use
+
+
+def test_the_benchmark_times_where_on_a_random_mask_side_by_side(m):
+    import argparse
+    from helpers import load_benchmark
+    bench = load_benchmark("overhead")
+    row = bench.where_on_a_random_mask(m, 1000, argparse.Namespace(budget=0.001, repeats=3),
+                                       bench.clock_of("cpu"))
+    assert row["n"] == 1000
+    assert len(row["numpy"].samples) == len(row["ours"].samples) == 3
+    assert row["speedup"].median > 0
