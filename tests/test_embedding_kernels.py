@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cachedarrays.models.dlrm import kernels as K
+from helpers import run_threads
 
 
 def make_bags(rng, nbags, nrows, lmax, allow_empty=True):
@@ -215,11 +216,7 @@ def test_cached_lookups_of_tables_of_other_sizes_and_threads_share_no_positions(
         except BaseException as e:      # reported below: a thread's assert does not fail the test
             errors.append(e)
 
-    threads = [threading.Thread(target=worker, args=(k,)) for k in range(6)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_threads(worker, 6)
     assert not errors, errors[0]
 
 
