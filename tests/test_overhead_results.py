@@ -148,3 +148,10 @@ def test_routines_give_the_same_result_quick_or_traced(m, name, call):
         assert isinstance(got, ca.CachedArray)
         np.testing.assert_array_equal(np.asarray(got), want)
     assert name in [k[0] for k in t.kernels]
+
+
+def test_concatenate_of_more_arrays_than_the_c_step_takes(m):
+    parts = [np.arange(5.0) + i for i in range(10)]
+    got = np.concatenate([ca.asarray(p, manager=m) for p in parts])
+    assert isinstance(got, ca.CachedArray)
+    np.testing.assert_array_equal(np.asarray(got), np.concatenate(parts))

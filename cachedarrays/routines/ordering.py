@@ -9,33 +9,10 @@ import functools
 
 import numpy as np
 
-from .._records import run_ufunc
 from ..array import CachedArray
 from ..dispatch import _call_on_views, implements
 from ..layout import c_strides
-from ..pinning import SHORT_BYTES, record_new
-
-
-def _into_new(a, shape, dt, name, fill):
-    """A new CachedArray of shape and dt placed by a's manager's policy, filled by
-    fill(view of a, out=view of the result) while both are pinned: in C (``run_ufunc``) unless
-    the manager is busy, else through Manager.run."""
-    m = a._m
-    strides = c_strides(shape, dt.itemsize)
-    n = dt.itemsize
-    for d in shape:
-        n *= d
-    short = n + a._obj.nbytes <= SHORT_BYTES
-    res = run_ufunc(m, fill, (a,), (a._obj,), shape, dt, strides, n, short)
-    if res is not None:
-        return res
-
-    def kernel(obj):
-        record_new(obj)
-        res = CachedArray._make(obj, m, shape, dt, strides, 0)
-        fill(a._kview(), out=res._kview())
-        return res
-    return m.run(kernel, (a._obj,), (), n, name, short)
+from ._placed import into_new
 
 
 def _sorted_into(axis, kind, order, stable, src, out):
@@ -52,8 +29,8 @@ def sort(a, axis=-1, kind=None, order=None, *, stable=None):
             a._strides != c_strides(a._shape, a._dtype.itemsize):
         return _call_on_views(np.sort, (a,), dict(axis=axis, kind=kind, order=order,
                                                    stable=stable))
-    return _into_new(a, a._shape, a._dtype, "sort",
-                     functools.partial(_sorted_into, axis, kind, order, stable))
+    return into_new(a._m, functools.partial(_sorted_into, axis, kind, order, stable), (a,),
+                    (a._obj,), a._shape, a._dtype, "sort")
 
 
 _ACC_DTYPES = {}       # (ufunc, input dtype, dtype argument) -> the running total's dtype
@@ -86,8 +63,8 @@ def _accumulated(func, ufunc, a, axis, dtype, out):
             return _call_on_views(func, (a,), dict(axis=axis, dtype=dtype, out=out))
     # the ndarray method np.cumsum itself ends in, without its Python frames
     method = np.ndarray.cumsum if func is np.cumsum else np.ndarray.cumprod
-    return _into_new(a, shape, dt, func.__name__,
-                     functools.partial(method, axis=axis, dtype=dtype))
+    return into_new(a._m, functools.partial(method, axis=axis, dtype=dtype), (a,), (a._obj,),
+                    shape, dt, func.__name__)
 
 
 def _check_axis(axis, ndim):

@@ -1,9 +1,9 @@
 """Picking elements: np.where(condition, x, y) on CachedArrays.
 
 The result is allocated by the policy first and filled by a branch-free select in C
-(``cachedarrays._records.select``, native/select.c), so it is never built in ordinary memory and copied in, and its time does
-not depend on the pattern of the condition (NumPy's own loop branches per element, which costs
-several times more on an unpredictable mask). The result's dtype and the value of a scalar
+(``cachedarrays._records.select``, native/select.c), so it is never built in ordinary memory
+and copied in, and its time does not depend on the pattern of the condition (NumPy's own loop
+branches per element, which costs several times more on an unpredictable mask). The result's dtype and the value of a scalar
 operand come from NumPy itself (np.where on two elements), with its promotion rules, errors and
 warnings. Other forms (one argument, broadcasting, casts, non-contiguous operands, object dtypes)
 take the general path.
@@ -11,11 +11,11 @@ take the general path.
 
 import numpy as np
 
-from .._records import run_ufunc, select
+from .._records import select
 from ..array import CachedArray
 from ..dispatch import _call_on_views, implements
 from ..layout import c_strides
-from ..pinning import SHORT_BYTES, record_new
+from ._placed import into_new
 
 _PICK = np.array([True, False])     # the probe's condition: x's value first, then y's
 _ONE = {}                           # dtype -> a one-element array of it (probe operands)
@@ -101,25 +101,4 @@ def where(condition, *xy):
             y = picked[1:]
     if dt.hasobject or not dt.itemsize or (xs and xdt != dt) or (ys and ydt != dt):
         return _call_on_views(np.where, (condition, *xy), {})
-    count = 1
-    for d in shape:
-        count *= d
-    size = dt.itemsize
-    nbytes = count * size
-    short = nbytes <= SHORT_BYTES
-    if short:
-        for o in reads:
-            short = short and o.nbytes <= SHORT_BYTES
-    strides = c_strides(shape, size)
-    operands = (condition, x, y)
-    res = run_ufunc(m, select, operands, tuple(reads), shape, dt, strides, nbytes, short)  # in C
-    if res is not None:
-        return res
-
-    def kernel(obj):                     # the same, while the manager is busy
-        record_new(obj)
-        res = CachedArray._make(obj, m, shape, dt, strides, 0)
-        select(*[a._kview() if type(a) is CachedArray else a for a in operands],
-               out=res._kview())
-        return res
-    return m.run(kernel, reads, (), nbytes, "where", short)
+    return into_new(m, select, (condition, x, y), tuple(reads), shape, dt, "where")
