@@ -48,6 +48,8 @@ CONV_CASES = [
     (2, 3, 5, 5, 2, 1, 1, 1, 0),
     (2, 5, 9, 6, 6, 3, 3, (2, 1), (1, 0)),
     (1, 16, 12, 12, 8, 3, 3, 2, 1),
+    (2, 32, 4, 4, 48, 1, 1, 1, 0),      # 1x1 kernels with blocked weights: 2-D weight reorders
+    (1, 64, 5, 5, 32, 1, 1, 2, 0),
 ]
 
 POOL_CASES = [
@@ -302,7 +304,7 @@ def test_onednn_batchnorm_matches_reference(dnnl, layouts, shape, impl):
 def test_onednn_sgd_update_is_bitwise_numpys(dnnl):
     """The threaded numba update equals NumPy's float32 ``param -= float32(lr) * grad`` bitwise."""
     rng = np.random.default_rng(21)
-    for n in (1, 5, 4099, (1 << 16) - 1, 1 << 16, 300_001):
+    for n in (1, 5, 4099, (1 << 16) - 1, 1 << 16, (1 << 18) - 1, 1 << 18, 300_001):
         for lr in (0.01, 0.1, 1 / 3, 2.5e-4):
             p = rng.standard_normal(n, dtype=F32) * F32(10)
             g = rng.standard_normal(n, dtype=F32) * F32(rng.uniform(0, 1e3))
@@ -311,6 +313,40 @@ def test_onednn_sgd_update_is_bitwise_numpys(dnnl):
             got = p.copy().reshape(-1, 1)
             assert dnnl.sgd_update(got, g.reshape(-1, 1), lr) is got
             assert np.array_equal(got.reshape(-1).view(np.int32), want.view(np.int32)), (n, lr)
+
+
+@pytest.mark.parametrize("n", [0, 1, 15, 16, 17, 1000, 4099])
+@pytest.mark.parametrize("chunks", [1, 2, 3, 7, 64])
+def test_sgd_parallel_chunks_cover_every_element_once(n, chunks):
+    """Every element is updated exactly once, whatever the chunk count (chunks of 16-element
+    multiples, the last ones short or empty)."""
+    from cachedarrays.models.backend import _sgd
+    if _sgd.numba is None:
+        pytest.skip("numba not installed")
+    rng = np.random.default_rng(n + chunks)
+    p, g = rng.standard_normal(n, dtype=F32), rng.standard_normal(n, dtype=F32)
+    want = p.copy()
+    want -= F32(0.25) * g
+    _sgd._sgd_parallel(p, g, F32(0.25), chunks)
+    assert np.array_equal(p.view(np.int32), want.view(np.int32))
+
+
+def test_onednn_1x1_weight_reorders_are_two_dimensional(dnnl):
+    """A 1x1 convolution's weights reorder as (K, C) matrices, not (K, C, 1, 1) tensors: oneDNN
+    has a fast blocked transpose for the first and only generic code for the second."""
+    from cachedarrays.models.backend import onednn
+    rng = np.random.default_rng(3)
+    dnnl.clear_cache()
+    x, w, _, stride, pad, oshape = conv_arrays(rng, (2, 32, 4, 4, 48, 1, 1, 1, 0))
+    dy = rand(rng, *oshape)
+    dnnl.conv2d_forward(x, w, None, stride, pad, np.empty(oshape, F32))
+    dnnl.conv2d_backward_data(dy, w, stride, pad, np.empty_like(x))
+    dnnl.conv2d_backward_weights(x, dy, stride, pad, np.empty_like(w), None)
+    dims = [onednn._md_dims(r.md(onednn.api.ARG_FROM))
+            for p in onednn._cache.values() for p in (p[0] if isinstance(p, tuple) else p,)
+            for _, r in p.reorders.values()]
+    assert [48, 32] in dims or [32, 48] in dims, dims
+    assert not any(d[-2:] == [1, 1] for d in dims if len(d) == 4), dims
 
 
 def _check_batchnorm(dnnl, shape):

@@ -69,6 +69,8 @@ dnnl_status_t dnnl_memory_desc_create_with_tag(dnnl_memory_desc_t *memory_desc, 
 dnnl_status_t dnnl_memory_desc_create_with_strides(dnnl_memory_desc_t *memory_desc, int ndims,
         const dnnl_dims_t dims, dnnl_data_type_t data_type, const dnnl_dims_t strides);
 dnnl_status_t dnnl_memory_desc_destroy(dnnl_memory_desc_t memory_desc);
+dnnl_status_t dnnl_memory_desc_reshape(dnnl_memory_desc_t *out_memory_desc,
+        const_dnnl_memory_desc_t in_memory_desc, int ndims, const dnnl_dims_t dims);
 size_t dnnl_memory_desc_get_size(const_dnnl_memory_desc_t memory_desc);
 int dnnl_memory_desc_equal(const_dnnl_memory_desc_t lhs, const_dnnl_memory_desc_t rhs);
 dnnl_status_t dnnl_memory_desc_query(const_dnnl_memory_desc_t memory_desc, dnnl_query_t what,

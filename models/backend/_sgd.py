@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-PARALLEL_MIN = 1 << 16          # elements; below this the serial kernel is faster
+PARALLEL_MIN = 1 << 18          # elements; below this the serial kernel is faster
 
 try:
     import numba
@@ -21,20 +21,21 @@ except ImportError:             # pragma: no cover - numba is a dependency of th
 
 
 if numba is not None:
-    @njit(parallel=True, fastmath=False, nogil=True, cache=True)
-    def _sgd_parallel(p, g, lr, nchunks):
-        n = p.size
-        chunk = (n + nchunks - 1) // nchunks
-        for c in prange(nchunks):
-            lo = c * chunk
-            hi = min(n, lo + chunk)
-            for i in range(lo, hi):
-                p[i] = p[i] - lr * g[i]
-
     @njit(fastmath=False, nogil=True, cache=True)
     def _sgd_serial(p, g, lr):
         for i in range(p.size):
             p[i] = p[i] - lr * g[i]
+
+    @njit(parallel=True, fastmath=False, nogil=True, cache=True)
+    def _sgd_parallel(p, g, lr, nchunks):
+        # Each chunk runs the serial kernel on its slices: LLVM vectorizes that loop, which it
+        # does not for the same loop written inline in the prange body (4-5x slower).
+        n = p.size
+        chunk = ((n + nchunks - 1) // nchunks + 15) // 16 * 16
+        for c in prange(nchunks):
+            lo = min(n, c * chunk)
+            hi = min(n, lo + chunk)
+            _sgd_serial(p[lo:hi], g[lo:hi], lr)
 
 
 def set_threads(n: int) -> None:

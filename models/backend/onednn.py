@@ -209,6 +209,43 @@ def set_numba_batchnorm(enabled: bool) -> bool:
     return old
 
 
+def _md_dims(md) -> list:
+    """The dimensions of a memory descriptor."""
+    n = ffi.new("int *")
+    api.check(_lib, "dnnl_memory_desc_query", md, api.QUERY_NDIMS_S32, n)
+    dims = ffi.new("dnnl_dim_t **")
+    api.check(_lib, "dnnl_memory_desc_query", md, api.QUERY_DIMS, dims)
+    return [int(dims[0][i]) for i in range(n[0])]
+
+
+def _squeezed(md, ndims):
+    """md with its last dimensions (all of size 1) dropped down to ndims, or None if oneDNN
+    cannot describe it so (a blocked or padded unit dimension)."""
+    dims = _md_dims(md)[:ndims]
+    out = ffi.new("dnnl_memory_desc_t *")
+    if _lib.dnnl_memory_desc_reshape(out, md, ndims, _dims(dims)) != _SUCCESS:
+        return None
+    return ffi.gc(out[0], _lib.dnnl_memory_desc_destroy)
+
+
+def _reorder_pd(src, dst, detail=""):
+    """A reorder from src to dst. Trailing unit dimensions (a 1x1 kernel's weights) are dropped
+    first: oneDNN then picks its blocked-transpose kernel, 6-10x faster for ResNet-50's 1x1
+    weights than the generic one it takes for the same memory described in four dimensions."""
+    dims = _md_dims(src)
+    keep = len(dims)
+    while keep > 2 and dims[keep - 1] == 1:
+        keep -= 1
+    if keep < len(dims):
+        s2, d2 = _squeezed(src, keep), _squeezed(dst, keep)
+        if s2 is not None and d2 is not None:
+            pd_p = ffi.new("dnnl_primitive_desc_t *")
+            if _lib.dnnl_reorder_primitive_desc_create(pd_p, s2, _engine, d2, _engine, _attr) == _SUCCESS:
+                return ffi.gc(pd_p[0], _lib.dnnl_primitive_desc_destroy)
+    return _create_pd("dnnl_reorder_primitive_desc_create", src, _engine, dst, _engine, _attr,
+                      detail=detail)
+
+
 class _Primitive:
     """One primitive, its descriptor, and one unbound memory object per execution argument.
 
@@ -224,8 +261,7 @@ class _Primitive:
             if _lib.dnnl_memory_desc_equal(user_md, inner):
                 continue
             src, dst = (inner, user_md) if arg in outputs else (user_md, inner)
-            rpd = _create_pd("dnnl_reorder_primitive_desc_create", src, _engine, dst, _engine, _attr,
-                             detail=f"{label} argument {arg}")
+            rpd = _reorder_pd(src, dst, detail=f"{label} argument {arg}")
             self.reorders[arg] = (arg in outputs, _Primitive(f"reorder for {label} argument {arg}", rpd,
                                                              [api.ARG_FROM, api.ARG_TO]))
         self.pd = pd
