@@ -215,6 +215,7 @@ DT_F32, DT_S32, DT_S8, DT_U8 = 3, 4, 5, 6
 TAG_ANY, TAG_A, TAG_AB, TAG_ABCD = 1, 2, 3, 5
 TAG_X, TAG_NC, TAG_OI, TAG_NCHW, TAG_OIHW = TAG_A, TAG_AB, TAG_AB, TAG_ABCD, TAG_ABCD
 TAG_NCHW16C = 78  # dnnl_nChw16c == dnnl_aBcd16b: channels blocked by 16
+TAG_NHWC = 22  # dnnl_nhwc == dnnl_acdb: channels last
 # dnnl_engine_kind_t, stream flags
 ENGINE_CPU = 1
 STREAM_DEFAULT_FLAGS = 1
