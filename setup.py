@@ -5,7 +5,7 @@ from setuptools import Extension, setup
 
 setup(
     cffi_modules=["native/build.py:ffibuilder"],
-    ext_modules=[Extension("cachedarrays._records", ["native/records.c", "native/select.c"],
+    ext_modules=[Extension("cachedarrays._records", ["native/records.c", "native/select.c", "native/walk.c"],
                            include_dirs=[numpy.get_include(), "native"],
                            extra_compile_args=["-O2", "-Wall", "-Wextra", "-Wno-unused-parameter",
                                                "-Wno-missing-field-initializers"])],

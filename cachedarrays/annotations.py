@@ -16,6 +16,7 @@ import types
 
 import numpy as np
 
+from ._records import walk as _c_walk
 from .array import CachedArray, pop_scope, push_scope
 from .devices import Device
 from .errors import UseAfterFreeError
@@ -97,113 +98,14 @@ def _walk(xs, found, containers=None):
     values, closure cells, attributes); ``containers`` gets the same for every container that
     holds anything to walk. Each reference is counted at most once (cells are containers of
     their own, as closures may share them), so n never exceeds the references that exist.
+
+    The walk runs in C (``native/walk.c``), depth first from the first of xs, with an explicit
+    stack: lists, tuples and dict values item by item; a function's keyword defaults, defaults
+    and closure cells; cells, sets, bound methods (function, then instance), partials
+    (keywords, args, func); any other object's ``__dict__``, then its slots. Leaves (see
+    ``_kind``) are never pushed, and everything on the stack is kept alive until visited.
     """
-    seen = set()
-    bare = []                   # containers holding nothing to walk: their counts do not matter
-    stack = list(reversed(xs))
-    kinds = _KINDS
-    # An explicit stack rather than a recursive closure: a closure that refers to itself is a
-    # reference cycle, which would keep the arrays it saw alive until the cyclic collector ran.
-    while stack:
-        x = stack.pop()
-        t = type(x)
-        k = kinds.get(t)
-        if k is None:
-            k = _kind(t)
-        if k == _ARRAY:
-            if containers is None:
-                if id(x._obj) not in found:
-                    found[id(x._obj)] = x
-            else:
-                e = found.get(id(x))
-                if e is None:
-                    found[id(x)] = [x, 1]
-                else:
-                    e[1] += 1
-            continue
-        if k == _LEAF:
-            continue
-        key = id(x)
-        if containers is not None:
-            e = containers.get(key)
-            if e is None:
-                containers[key] = [x, 1]
-            else:
-                e[1] += 1
-        if key in seen:
-            continue
-        seen.add(key)
-        if k == _FUNC:
-            if x.__kwdefaults__:
-                stack.append(x.__kwdefaults__)
-            if x.__defaults__:
-                stack.append(x.__defaults__)
-            for cell in reversed(x.__closure__ or ()):
-                # A cell is a container of its own (closures may share one): count it, and
-                # follow it once, here as when met on the stack.
-                key = id(cell)
-                if containers is not None:
-                    e = containers.get(key)
-                    if e is None:
-                        containers[key] = [cell, 1]
-                    else:
-                        e[1] += 1
-                if key in seen:
-                    continue
-                seen.add(key)
-                try:
-                    y = cell.cell_contents
-                except ValueError:      # empty cell
-                    continue
-                ky = kinds.get(type(y))
-                if ky is None:
-                    ky = _kind(type(y))
-                if ky != _LEAF:         # a captured session, module or flag: nothing to walk
-                    stack.append(y)
-        elif k == _SEQ or k == _DICT:
-            n = len(stack)
-            for y in reversed(x.values() if k == _DICT else x):
-                ky = kinds.get(type(y))
-                if ky is None:
-                    ky = _kind(type(y))
-                if ky != _LEAF:
-                    stack.append(y)
-            if containers is not None and len(stack) == n:
-                bare.append(key)
-        elif k == _CELL:
-            try:
-                stack.append(x.cell_contents)
-            except ValueError:      # empty cell
-                pass
-        elif k == _SET:
-            stack.extend(x)
-        elif k == _METHOD:
-            stack.append(x.__func__)
-            stack.append(x.__self__)
-        elif k == _PARTIAL:
-            stack.extend((x.keywords, x.args, x.func))
-        elif k == _SKIP:
-            continue
-        else:
-            # Instance attributes live in __dict__ or in slots (dataclasses included); a slot
-            # is read through its own descriptor, so a property of the same name is not
-            # mistaken for it.
-            if t.__dictoffset__:
-                d = getattr(x, "__dict__", None)
-                if type(d) is dict:
-                    stack.append(d)
-            for descr in _slots(t):
-                try:
-                    y = descr.__get__(x, t)
-                except AttributeError:      # an unset slot
-                    continue
-                ky = kinds.get(type(y))
-                if ky is None:
-                    ky = _kind(type(y))
-                if ky != _LEAF:             # a name, a number, None: nothing to walk
-                    stack.append(y)
-    for key in bare:
-        del containers[key]
+    _c_walk(xs, found, containers, _KINDS, _kind, _slots)
 
 
 _PLAIN = frozenset((list, tuple, dict, types.FunctionType, types.CellType))

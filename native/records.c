@@ -14,6 +14,7 @@
 #include <numpy/arrayobject.h>
 
 #include "select.h"
+#include "walk.h"
 
 /* ---- garbage collection, shared by both records ---------------------------------------------- */
 
@@ -2510,6 +2511,9 @@ static PyMethodDef records_methods[] = {
     {"select", (PyCFunction)(void (*)(void))select_entry, METH_FASTCALL | METH_KEYWORDS,
      "select(cond, x, y, *, out): out[i] = x[i] if cond[i] else y[i], branch-free (np.where's "
      "three-argument form; x and y of out's dtype, each of out's size or one element)."},
+    {"walk", (PyCFunction)(void (*)(void))ca_walk, METH_FASTCALL,
+     "walk(xs, found, containers, kinds, kind_of, slots_of): the annotation walkers' object "
+     "walk (cachedarrays.annotations._walk)."},
     {"select_isa", (PyCFunction)select_isa, METH_NOARGS,
      "select_isa(): the instruction set select's loops use: 'avx512', 'avx2' or 'sse2'."},
     {"set_select_isa", (PyCFunction)set_select_isa, METH_O,
