@@ -50,6 +50,7 @@ CONV_CASES = [
     (1, 16, 12, 12, 8, 3, 3, 2, 1),
     (2, 32, 4, 4, 48, 1, 1, 1, 0),      # 1x1 kernels with blocked weights: 2-D weight reorders
     (1, 64, 5, 5, 32, 1, 1, 2, 0),
+    (1, 16, 32, 32, 16, 3, 3, 1, 1),    # 32x32 output pixels, 16 channels: channels-last
 ]
 
 POOL_CASES = [
@@ -347,6 +348,37 @@ def test_onednn_1x1_weight_reorders_are_two_dimensional(dnnl):
             for _, r in p.reorders.values()]
     assert [48, 32] in dims or [32, 48] in dims, dims
     assert not any(d[-2:] == [1, 1] for d in dims if len(d) == 4), dims
+
+
+def test_onednn_layout_rule_picks_plain_nhwc_and_blocked(dnnl):
+    """The fixed rule: plain for 1x1 kernels with >= 64 output pixels, channels-last for other
+    kernels with >= 32x32 output pixels and >= 16 input channels, else blocked; each of the
+    three gives the reference's result."""
+    from cachedarrays.models.backend import onednn
+    rule = onednn._rule_layout
+    assert rule((16, 64, 16, 16), (64, 64, 1, 1), (1, 1)) == "plain"
+    assert rule((16, 64, 64, 64), (64, 64, 3, 3), (1, 1)) == "nhwc"
+    assert rule((16, 64, 64, 64), (64, 64, 3, 3), (2, 2)) == "blocked"     # 32x32 / 4
+    assert rule((16, 3, 64, 64), (64, 3, 3, 3), (1, 1)) == "blocked"       # 3 channels
+    assert rule((16, 512, 4, 4), (512, 512, 3, 3), (1, 1)) == "blocked"
+    rng = np.random.default_rng(5)
+    x, w, b, stride, pad, oshape = conv_arrays(rng, (1, 16, 32, 32, 16, 3, 3, 1, 1))
+    dy = rand(rng, *oshape)
+    for layout in onednn.LAYOUTS:
+        old = onednn._rule_layout
+        onednn._rule_layout = lambda *a, _l=layout: _l
+        try:
+            close(dnnl.conv2d_forward(x, w, b, stride, pad, np.empty(oshape, F32)),
+                  ref.conv2d_forward(x, w, b, stride, pad, np.empty(oshape, F32)))
+            close(dnnl.conv2d_backward_data(dy, w, stride, pad, np.empty_like(x)),
+                  ref.conv2d_backward_data(dy, w, stride, pad, np.empty_like(x)))
+            dw, dw_ref = np.empty_like(w), np.empty_like(w)
+            dnnl.conv2d_backward_weights(x, dy, stride, pad, dw, None)
+            ref.conv2d_backward_weights(x, dy, stride, pad, dw_ref, None)
+            close(dw, dw_ref)
+        finally:
+            onednn._rule_layout = old
+        assert any(k[0] == "conv_fwd" and k[-1] == layout for k in onednn._cache), layout
 
 
 def _check_batchnorm(dnnl, shape):

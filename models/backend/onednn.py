@@ -10,7 +10,8 @@ batch norm with >= 16 channels (nChw16c) by default run in blocked layouts, reor
 from them around each call, which is faster despite the copies; those internal tensors and
 all scratchpads live in library-owned grow-only buffers (see ``buffer_bytes``), guarded by the
 module's execution lock, so nothing of the caller's is retained. Convolutions run blocked
-except large 1x1 ones, which run plain; ``set_conv_layouts("auto")`` instead times both on the
+except large 1x1 ones, which run plain, and large others, which run channels-last (nhwc);
+``set_conv_layouts("auto")`` instead times the three on the
 first call of each shape and keeps the clearly faster; training batch
 norm runs as numba kernels on NCHW directly (``set_numba_batchnorm``; inference batch norm stays
 oneDNN's); ``sgd_update`` is a threaded numba pass, bitwise NumPy's float32 result (``_sgd``); the dense
