@@ -358,7 +358,8 @@ def test_onednn_layout_rule_picks_plain_nhwc_and_blocked(dnnl):
     rule = onednn._rule_layout
     assert rule((16, 64, 16, 16), (64, 64, 1, 1), (1, 1)) == "plain"
     assert rule((16, 64, 64, 64), (64, 64, 3, 3), (1, 1)) == "nhwc"
-    assert rule((16, 64, 64, 64), (64, 64, 3, 3), (2, 2)) == "blocked"     # 32x32 / 4
+    assert rule((16, 64, 64, 64), (64, 64, 3, 3), (2, 2)) == "nhwc"        # 32x32 output
+    assert rule((16, 64, 62, 62), (64, 64, 3, 3), (2, 2)) == "blocked"     # 31x31
     assert rule((16, 3, 64, 64), (64, 3, 3, 3), (1, 1)) == "blocked"       # 3 channels
     assert rule((16, 512, 4, 4), (512, 512, 3, 3), (1, 1)) == "blocked"
     rng = np.random.default_rng(5)
