@@ -20,8 +20,9 @@ def _c_layout(shape, dtype):
     """new_layout(shape, dtype) of a C-order array, cached per (shape, dtype) as given; None
     for spellings that are not cached (a list shape, an unusual dtype argument)."""
     ts = type(shape)
+    # isinstance: a dtype object's type is a subclass of np.dtype (np.dtypes.Float32DType...)
     if not (ts is int or (ts is tuple and all(type(d) is int for d in shape))) or \
-            type(dtype) not in _KEY_DTYPES:
+            not isinstance(dtype, _KEY_DTYPES):
         return None
     key = (shape, dtype)
     lay = _LAYOUTS.get(key)

@@ -496,8 +496,13 @@ def test_results_are_recorded_in_open_noescape_scopes(m):
 
 @pytest.mark.parametrize("shape, dtype", [(5, float), ((3, 4), np.float32), ((2, 0, 3), "i2"),
                                           ((), np.complex128), ((7,), np.dtype(">u4")),
-                                          ((4, 70_000), np.float64)])
-def test_empty_in_c_makes_the_same_arrays(m, shape, dtype):
+                                          ((4, 70_000), np.float64),
+                                          ((16, 8, 4, 4), np.dtype(np.float32))])
+def test_empty_in_c_makes_the_same_arrays(m, shape, dtype, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("ca.empty took Manager.new_pinned, not the C step")
+
+    monkeypatch.setattr(m, "new_pinned", refuse)     # dtype objects too (np.dtypes.*DType)
     x = ca.empty(shape, dtype, manager=m)
     want = np.empty(shape, dtype)
     assert type(x) is ca.CachedArray
