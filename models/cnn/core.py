@@ -116,9 +116,10 @@ class Session:
         only: freeing a view frees the storage it shares."""
         if not self.frees_early:
             return
-        for a in arrays:
-            if a is not None and not a.is_freed and not a.manager.pinned(a.object):
-                ca.unsafe_free(a)
+        live = [a for a in arrays
+                if a is not None and not a.is_freed and not a.manager.pinned(a.object)]
+        if live:
+            ca.unsafe_free(*live)
 
     def grads_ready(self, *params):
         """Called by a pullback once these parameters' gradients are written and nothing else in
