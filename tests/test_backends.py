@@ -382,6 +382,42 @@ def test_onednn_layout_rule_picks_plain_nhwc_and_blocked(dnnl):
         assert any(k[0] == "conv_fwd" and k[-1] == layout for k in onednn._cache), layout
 
 
+def test_onednn_small_primitives_run_on_one_thread_and_restore_the_count(dnnl, monkeypatch):
+    """Small reorders and convolutions run on one OpenMP thread (SERIAL_BYTES, SERIAL_FLOPS);
+    the caller's thread count is back afterwards, also after an exception, and the results
+    match the reference with the rule on and off."""
+    from cachedarrays.models.backend import onednn
+    old = dnnl.get_threads()
+    dnnl.set_threads(2)
+    try:
+        seen = []
+        real = onednn._primitive_execute
+
+        def spy(*args):
+            seen.append(onednn.get_threads())
+            return real(*args)
+
+        monkeypatch.setattr(onednn, "_primitive_execute", spy)
+        rng = np.random.default_rng(8)
+        case = (2, 16, 6, 6, 16, 3, 3, 1, 1)       # 2 * 2*36*16*16*9 flops: one thread
+        x, w, b, stride, pad, oshape = conv_arrays(rng, case)
+        want = ref.conv2d_forward(x, w, b, stride, pad, np.empty(oshape, F32))
+        close(dnnl.conv2d_forward(x, w, b, stride, pad, np.empty(oshape, F32)), want)
+        assert seen and set(seen) == {1} and dnnl.get_threads() == 2
+        seen.clear()
+        monkeypatch.setattr(onednn, "SERIAL_FLOPS", 0)
+        monkeypatch.setattr(onednn, "SERIAL_BYTES", 0)
+        close(dnnl.conv2d_forward(x, w, b, stride, pad, np.empty(oshape, F32)), want)
+        assert seen and set(seen) == {2}
+        with pytest.raises(RuntimeError, match="inside"):
+            with onednn._OneThread():
+                assert dnnl.get_threads() == 1
+                raise RuntimeError("inside")
+        assert dnnl.get_threads() == 2
+    finally:
+        dnnl.set_threads(old)
+
+
 def _check_batchnorm(dnnl, shape):
     rng = np.random.default_rng(13)
     x = rand(rng, *shape) * 2 + 1

@@ -128,6 +128,32 @@ def get_threads() -> int:
     return int(_openmp().omp_get_max_threads())
 
 
+# Primitives that move little data, and convolutions with little arithmetic (their reorders
+# included), run on one OpenMP thread. Under OMP_WAIT_POLICY=PASSIVE each parallel region wakes
+# the sleeping threads, about 18 us on the 2-core benchmark machine: more than such a
+# primitive's whole work (a 128 KiB reorder took 28 us on two threads and 11 us on one; most
+# of DenseNet-121's 4x4 and 2x2 convolutions are 10-25% faster on one). The choice depends on
+# shapes alone, so a given call always runs the same way. 0 turns either off.
+SERIAL_BYTES = 256 << 10       # a primitive's arguments, in bytes
+SERIAL_FLOPS = 20_000_000      # a convolution's multiply-adds times two
+
+
+class _OneThread:
+    """Context: the calling thread's OpenMP parallel regions use one thread (restored after)."""
+
+    __slots__ = ("n",)
+
+    def __enter__(self):
+        gomp = _openmp()
+        self.n = gomp.omp_get_max_threads()
+        if self.n != 1:
+            gomp.omp_set_num_threads(1)
+
+    def __exit__(self, *exc):
+        if self.n != 1:
+            _openmp().omp_set_num_threads(self.n)
+
+
 # --- descriptors, memories and cached primitives -----------------------------------------
 
 _TAGS = {1: api.TAG_A, 2: api.TAG_AB, 4: api.TAG_ABCD}
@@ -276,6 +302,7 @@ class _Primitive:
             self.mems.append(self._memory(md))
             self.nbytes.append(int(_lib.dnnl_memory_desc_get_size(md)))
         scratch_md = _lib.dnnl_primitive_desc_query_md(pd, api.QUERY_SCRATCHPAD_MD, 0)
+        self.total_bytes = sum(self.nbytes)
         self.scratch_bytes = int(_lib.dnnl_memory_desc_get_size(scratch_md)) if scratch_md != _NULL else 0
         self.scratch_mem = self._memory(scratch_md) if self.scratch_bytes else None
         n = len(self.mems) + (1 if self.scratch_mem is not None else 0)
@@ -331,7 +358,11 @@ class _Primitive:
                     raise OneDNNError("dnnl_memory_set_data_handle", status, self.label)
             if self.scratch_mem is not None:
                 api.check(_lib, "dnnl_memory_set_data_handle", self.scratch_mem, _scratchpad(self.scratch_bytes))
-            status = _primitive_execute(self.prim, _stream, len(self.exec_args), self.exec_args)
+            if self.total_bytes <= SERIAL_BYTES:
+                with _OneThread():
+                    status = _primitive_execute(self.prim, _stream, len(self.exec_args), self.exec_args)
+            else:
+                status = _primitive_execute(self.prim, _stream, len(self.exec_args), self.exec_args)
             if status != _SUCCESS:
                 raise OneDNNError("dnnl_primitive_execute", status, self.label)
             status = _stream_wait(_stream)
@@ -451,7 +482,16 @@ def _rule_layout(xs, ws, st):
 
 
 def _conv_run(key, xs, ws, st, run):
-    """run(layout) with the layout chosen for convolution key (timing each the first time)."""
+    """run(layout) with the layout chosen for convolution key (timing each the first time), on
+    one thread for a small convolution (SERIAL_FLOPS)."""
+    p, q = (xs[2] - 1) // st[0] + 1, (xs[3] - 1) // st[1] + 1
+    if 2 * xs[0] * p * q * ws[0] * ws[1] * ws[2] * ws[3] <= SERIAL_FLOPS:
+        with _OneThread():
+            return _conv_choose(key, xs, ws, st, run)
+    return _conv_choose(key, xs, ws, st, run)
+
+
+def _conv_choose(key, xs, ws, st, run):
     if not _blocked:
         return run("plain")
     if _conv_layouts != "auto":
