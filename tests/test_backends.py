@@ -418,6 +418,34 @@ def test_onednn_small_primitives_run_on_one_thread_and_restore_the_count(dnnl, m
         dnnl.set_threads(old)
 
 
+@pytest.mark.parametrize("shape", [(3, 130, 2, 2), (16, 64, 4, 4), (2, 65, 3, 1), (1, 1, 1, 1),
+                                   (4, 200, 5, 6)])
+def test_batchnorm_small_plane_kernels_agree_with_the_per_channel_ones(monkeypatch, shape):
+    """The small-plane kernels (channel blocks crossed, a channel slice of a larger array for
+    x, relu, the mask and acc) give the per-channel kernels' results to float32 rounding."""
+    from cachedarrays.models.backend import _bnorm
+    rng = np.random.default_rng(sum(shape))
+    n, c, h, w = shape
+    x = rng.standard_normal((n, c + 7, h, w), dtype=F32)[:, 4:4 + c]
+    dy, g, b = rand(rng, *shape), rand(rng, c), rand(rng, c)
+    acc = rand(rng, n, c + 3, h, w)
+    results = []
+    for plane in (0, 64):                  # every plane per channel, then in channel blocks
+        monkeypatch.setattr(_bnorm, "SMALL_PLANE", plane)
+        out = []
+        for relu in (False, True):
+            y, mean, var = np.empty(shape, F32), np.empty(c, F32), np.empty(c, F32)
+            _bnorm.forward(x, g, b, 1e-5, y, mean, var, relu=relu)
+            out += [y, mean, var]
+        for kw in ({}, {"y": y}, {"y": y, "acc": acc}):
+            dx, dg, db = np.empty(shape, F32), np.empty(c, F32), np.empty(c, F32)
+            _bnorm.backward(dy, x, g, mean, var, 1e-5, dx, dg, db, **kw)
+            out += [dx, dg, db]
+        results.append(out)
+    for a, b in zip(*results):
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5)
+
+
 def _check_batchnorm(dnnl, shape):
     rng = np.random.default_rng(13)
     x = rand(rng, *shape) * 2 + 1
