@@ -1,6 +1,7 @@
 """Compute backends: NumPy reference against finite differences, oneDNN against the reference."""
 
 import threading
+import weakref
 
 import numpy as np
 import pytest
@@ -697,8 +698,11 @@ def test_onednn_blocked_layouts_use_library_buffers_that_clear_cache_releases(dn
     dnnl.conv2d_forward(x, w, b, stride, pad, np.empty(oshape, F32))
     assert dnnl.cache_size() >= 1
     assert all(isinstance(name, str) and name for name in dnnl.impl_info().values())
+    from cachedarrays.models.backend import onednn
+    held = [weakref.ref(onednn._arena), weakref.ref(onednn._scratch)]
     dnnl.clear_cache()
     assert dnnl.buffer_bytes() == 0
+    assert [r() for r in held] == [None, None]      # nothing (a cached pointer) keeps them
 
 
 def test_onednn_impl_info_names_every_kind_of_cached_primitive(dnnl):

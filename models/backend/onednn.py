@@ -28,6 +28,7 @@ depends on the machine's load would make two runs' floating-point results differ
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import threading
 import time
@@ -57,7 +58,8 @@ _CACHE_LIMIT = 2048
 _set_handle = _lib.dnnl_memory_set_data_handle
 _primitive_execute = _lib.dnnl_primitive_execute
 _stream_wait = _lib.dnnl_stream_wait
-_from_buffer = ffi.from_buffer
+# ffi.from_buffer(a) without its Python frame: the backend call it makes ('char[]' cdata).
+_from_buffer = functools.partial(ffi._backend.from_buffer, ffi.BCharA)
 _SUCCESS = api.SUCCESS
 
 _dnnl_lock = threading.RLock()
@@ -141,17 +143,17 @@ SERIAL_FLOPS = 20_000_000      # a convolution's multiply-adds times two
 class _OneThread:
     """Context: the calling thread's OpenMP parallel regions use one thread (restored after)."""
 
-    __slots__ = ("n",)
+    __slots__ = ("n", "gomp")
 
     def __enter__(self):
-        gomp = _openmp()
+        self.gomp = gomp = _gomp if _gomp is not None else _openmp()
         self.n = gomp.omp_get_max_threads()
         if self.n != 1:
             gomp.omp_set_num_threads(1)
 
     def __exit__(self, *exc):
         if self.n != 1:
-            _openmp().omp_set_num_threads(self.n)
+            self.gomp.omp_set_num_threads(self.n)
 
 
 # --- descriptors, memories and cached primitives -----------------------------------------
@@ -185,13 +187,18 @@ def _md_dtype(md) -> int:
     return out[0]
 
 
+_scratch_ptr = [None, None]      # (the _scratch array, its 64-byte aligned pointer)
+_arena_base = [None, 0]          # (the _arena array, the offset of its first aligned byte)
+
+
 def _scratchpad(nbytes: int):
     """Pointer to at least nbytes of 64-byte aligned scratch memory (caller holds _dnnl_lock)."""
     global _scratch
     if _scratch.nbytes < nbytes + 64:
         _scratch = np.empty(max(nbytes + 64, 2 * _scratch.nbytes), dtype=np.uint8)
-    address = _scratch.ctypes.data
-    return ffi.cast("void *", (address + 63) & ~63)
+    if _scratch_ptr[0] is not _scratch:          # computed once per buffer (.ctypes is slow)
+        _scratch_ptr[:] = _scratch, ffi.cast("void *", (_scratch.ctypes.data + 63) & ~63)
+    return _scratch_ptr[1]
 
 
 def _align(n: int) -> int:
@@ -204,7 +211,9 @@ def _arena_views(sizes):
     total = sum(_align(n) for n in sizes) + 64
     if _arena.nbytes < total:
         _arena = np.empty(max(total, _arena.nbytes + _arena.nbytes // 2), dtype=np.uint8)
-    offset = (-_arena.ctypes.data) % 64
+    if _arena_base[0] is not _arena:             # computed once per buffer (.ctypes is slow)
+        _arena_base[:] = _arena, (-_arena.ctypes.data) % 64
+    offset = _arena_base[1]
     views = []
     for n in sizes:
         views.append(_arena[offset:offset + n])
@@ -357,7 +366,9 @@ class _Primitive:
                 if status != _SUCCESS:
                     raise OneDNNError("dnnl_memory_set_data_handle", status, self.label)
             if self.scratch_mem is not None:
-                api.check(_lib, "dnnl_memory_set_data_handle", self.scratch_mem, _scratchpad(self.scratch_bytes))
+                status = _set_handle(self.scratch_mem, _scratchpad(self.scratch_bytes))
+                if status != _SUCCESS:
+                    raise OneDNNError("dnnl_memory_set_data_handle", status, f"{self.label} scratchpad")
             if self.total_bytes <= SERIAL_BYTES:
                 with _OneThread():
                     status = _primitive_execute(self.prim, _stream, len(self.exec_args), self.exec_args)
@@ -398,6 +409,8 @@ def clear_cache() -> None:
         _cache.clear()
         _scratch = np.empty(0, dtype=np.uint8)
         _arena = np.empty(0, dtype=np.uint8)
+        _scratch_ptr[:] = None, None            # let the old buffers go
+        _arena_base[:] = None, 0
 
 
 def cache_size() -> int:
