@@ -21,15 +21,7 @@ from cachedarrays import annotations
 
 
 def reference_walk(xs, found, containers=None):
-    """Walk everything reachable from xs (see onobjects), each container once.
-
-    Without ``containers``: ``found[id(obj)]`` = the first CachedArray found on each object.
-    With it (for cleanup): ``found[id(a)] = [a, n]`` for every CachedArray found, n the
-    references to it the walk met: slots of xs and of the walked containers (list items, dict
-    values, closure cells, attributes); ``containers`` gets the same for every container that
-    holds anything to walk. Each reference is counted at most once (cells are containers of
-    their own, as closures may share them), so n never exceeds the references that exist.
-    """
+    """``annotations._walk`` as it was defined in Python: same arguments, same results."""
     seen = set()
     bare = []                   # containers holding nothing to walk: their counts do not matter
     stack = list(reversed(xs))
