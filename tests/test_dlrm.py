@@ -335,6 +335,32 @@ def test_fma_rounds_once(dtype):
     assert (one + e) * (one - e) - one == 0         # what two roundings give
 
 
+@pytest.mark.parametrize("hint, rw, locality", [("prefetch_read", 0, 3), ("prefetch_write", 1, 3),
+                                                ("prefetch_read_l2", 0, 2)])
+def test_prefetch_hints_emit_their_cache_level_and_never_fault(hint, rw, locality):
+    """Each hint is one ``llvm.prefetch`` with its read/write flag and cache level (the row
+    prefetches of the lookups go to L2: keeping them in L1 stalls on its few miss buffers),
+    and a hint past the end of the array is harmless."""
+    import re
+
+    from numba import njit
+
+    from cachedarrays.models.dlrm import _intrinsics
+
+    fn = getattr(_intrinsics, hint)
+
+    @njit(cache=False)
+    def touch(a, i):
+        fn(a, i)
+        return a[0]
+
+    a = np.ones(16, dtype=np.float32)
+    assert touch(a, np.uint64(1 << 40)) == 1.0       # far outside the array: no fault
+    ir = next(iter(touch.inspect_llvm().values()))
+    calls = re.findall(r"call void @llvm\.prefetch\.p0\(ptr [^,]+, i32 (\d), i32 (\d), i32 1\)", ir)
+    assert calls == [(str(rw), str(locality))]
+
+
 @pytest.mark.parametrize("n, h", [(1, 1), (255, 7), (256, 64), (257, 33), (1000, 16)])
 def test_output_layer_backward_equals_the_separate_kernels(n, h):
     """One pass gives what the weight and data gradients and the ReLU's backward pass give

@@ -10,10 +10,10 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-__all__ = ["fma", "prefetch_read", "prefetch_write"]
+__all__ = ["fma", "prefetch_read", "prefetch_read_l2", "prefetch_write"]
 
 
-def _make_prefetch(rw):
+def _make_prefetch(rw, locality=3):
     @intrinsic
     def prefetch(typingctx, arr, idx):
         sig = types.void(arr, idx)
@@ -29,7 +29,7 @@ def _make_prefetch(rw):
             ptr = builder.bitcast(ptr, cgutils.voidptr_t)
             fnty = ir.FunctionType(ir.VoidType(), [cgutils.voidptr_t, i32, i32, i32])
             fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
-            builder.call(fn, [ptr, i32(rw), i32(3), i32(1)])  # locality 3, data cache
+            builder.call(fn, [ptr, i32(rw), i32(locality), i32(1)])  # data cache
             return context.get_dummy_value()
 
         return sig, codegen
@@ -38,9 +38,15 @@ def _make_prefetch(rw):
 
 
 #: ``prefetch_read(arr, i)`` / ``prefetch_write(arr, i)``: an ``llvm.prefetch`` hint for
-#: ``arr[i]``; a hint never faults, so no bounds check is needed.
+#: ``arr[i]`` into the first-level cache (``prefetcht0`` / ``prefetchw`` on x86); a hint never
+#: faults, so no bounds check is needed.
 prefetch_read = _make_prefetch(0)
 prefetch_write = _make_prefetch(1)
+#: ``prefetch_read_l2(arr, i)``: the same hint into the second-level cache (``prefetcht1``).
+#: A core has few first-level miss buffers (16 here) and many more second-level ones: random
+#: rows fetched far ahead into L2 keep several times more misses in flight, where a
+#: ``prefetcht0`` as far ahead stalls on the full buffers.
+prefetch_read_l2 = _make_prefetch(0, locality=2)
 
 
 @intrinsic
