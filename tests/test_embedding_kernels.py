@@ -952,3 +952,34 @@ def test_ensemble_errors_name_the_table_and_the_problem(offsets, pattern, op):
         call([good, np.array([0, 10, 2], dtype=np.int64)], [good, good])
     for t, b in zip(tables, before):
         np.testing.assert_array_equal(t, b)         # nothing written before the check
+
+
+@settings(max_examples=60, deadline=None)
+@given(dtype=st.sampled_from([np.int64, np.int32, np.uint64, np.uint32, np.int16]),
+       n=st.integers(K._ONE_PASS_MIN - 2, K._ONE_PASS_MIN + 70), step=st.sampled_from([1, 2]),
+       bad=st.one_of(st.none(), st.tuples(st.integers(0, 10**6), st.sampled_from(
+           ["low", "high", "max"]))))
+def test_the_one_pass_index_check_finds_what_min_and_max_find(dtype, n, step, bad):
+    """check_indices (one compiled pass from _ONE_PASS_MIN indices, NumPy's min and max below)
+    accepts exactly the arrays whose values are in [0, nrows), across dtypes, strided views and
+    the sizes either side of the switch, and names the first bad position and its value."""
+    nrows = 1000
+    raw = np.random.default_rng(n).integers(0, nrows, n * step).astype(dtype)
+    if bad is not None:
+        pos, kind = bad
+        pos = (pos % n) * step
+        info = np.iinfo(dtype)
+        value = {"low": -1 if info.min < 0 else None, "high": nrows,
+                 "max": info.max}[kind]
+        if value is not None:
+            raw[pos] = value
+    idx = raw[::step]
+    assert K._index_bounds(idx) == (idx.min(), idx.max())
+    outside = np.flatnonzero((idx.astype(np.float64) < 0) | (idx.astype(np.float64) >= nrows))
+    if outside.size:
+        first = int(outside[0])
+        with pytest.raises(IndexError, match=rf"index {int(idx[first])} at position {first} "):
+            K.check_indices(idx, nrows)
+    else:
+        got = K.check_indices(idx, nrows)
+        assert got.dtype == np.int64 and np.array_equal(got, idx.astype(np.int64))
