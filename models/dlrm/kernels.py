@@ -180,7 +180,8 @@ def _index_bounds(idx):
 
 
 #: Index arrays from this many elements are checked in one pass (``_index_bounds``); shorter
-#: ones by NumPy, whose two calls cost less than a numba dispatch there.
+#: ones by NumPy, whose two calls cost less than a numba dispatch there (and so are arrays in
+#: a non-native byte order, which numba does not take).
 _ONE_PASS_MIN = 1024
 
 
@@ -192,7 +193,7 @@ def check_indices(indices, nrows: int, name: str = "table") -> np.ndarray:
     """
     raw = _index_input(indices, name, "indices")
     if raw.size:
-        if raw.shape[0] >= _ONE_PASS_MIN and raw.dtype.itemsize >= 4:
+        if raw.shape[0] >= _ONE_PASS_MIN and raw.dtype.itemsize >= 4 and raw.dtype.isnative:
             lo, hi = _index_bounds(raw)
         else:
             lo, hi = raw.min(), raw.max()
