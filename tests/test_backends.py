@@ -339,7 +339,7 @@ def test_onednn_1x1_weight_reorders_are_two_dimensional(dnnl):
     from cachedarrays.models.backend import onednn
     rng = np.random.default_rng(3)
     dnnl.clear_cache()
-    x, w, _, stride, pad, oshape = conv_arrays(rng, (2, 32, 4, 4, 48, 1, 1, 1, 0))
+    x, w, _, stride, pad, oshape = conv_arrays(rng, (2, 32, 2, 2, 48, 1, 1, 1, 0))   # blocked
     dy = rand(rng, *oshape)
     dnnl.conv2d_forward(x, w, None, stride, pad, np.empty(oshape, F32))
     dnnl.conv2d_backward_data(dy, w, stride, pad, np.empty_like(x))
@@ -352,12 +352,19 @@ def test_onednn_1x1_weight_reorders_are_two_dimensional(dnnl):
 
 
 def test_onednn_layout_rule_picks_plain_nhwc_and_blocked(dnnl):
-    """The fixed rule: plain for 1x1 kernels with >= 64 output pixels, channels-last for other
-    kernels with >= 32x32 output pixels and >= 16 input channels, else blocked; each of the
-    three gives the reference's result."""
+    """The fixed rule: plain for 1x1 kernels with >= 64 output pixels (>= 16 with at most 128
+    output channels), channels-last for other kernels with >= 32x32 output pixels and >= 16
+    input channels, else blocked; each of the three gives the reference's result."""
     from cachedarrays.models.backend import onednn
     rule = onednn._rule_layout
     assert rule((16, 64, 16, 16), (64, 64, 1, 1), (1, 1)) == "plain"
+    assert rule((16, 64, 8, 8), (1024, 64, 1, 1), (1, 1)) == "plain"       # 64 pixels
+    assert rule((16, 512, 4, 4), (128, 512, 1, 1), (1, 1)) == "plain"      # 16 pixels, K 128
+    assert rule((16, 512, 8, 8), (128, 512, 1, 1), (2, 2)) == "plain"      # 4x4 output
+    assert rule((16, 512, 4, 4), (129, 512, 1, 1), (1, 1)) == "blocked"    # K 129
+    assert rule((16, 1024, 4, 4), (256, 1024, 1, 1), (1, 1)) == "blocked"
+    assert rule((16, 512, 2, 2), (128, 512, 1, 1), (1, 1)) == "blocked"    # 4 pixels
+    assert rule((16, 512, 4, 3), (128, 512, 1, 1), (1, 1)) == "blocked"    # 12 pixels
     assert rule((16, 64, 64, 64), (64, 64, 3, 3), (1, 1)) == "nhwc"
     assert rule((16, 64, 64, 64), (64, 64, 3, 3), (2, 2)) == "nhwc"        # 32x32 output
     assert rule((16, 64, 62, 62), (64, 64, 3, 3), (2, 2)) == "blocked"     # 31x31

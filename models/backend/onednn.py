@@ -444,6 +444,13 @@ def _conv_geometry(stride, pad, op):
 # kernels beat the blocked ones plus the reorders of src, weights and dst (measured on
 # ResNet-50's 16x16 and 8x8 bottleneck 1x1 convolutions, 2 threads, AVX-512). 0 disables it.
 PLAIN_1X1_MIN_PIXELS = 64
+# Below that, down to PLAIN_1X1_NARROW_MIN_PIXELS output pixels, a 1x1 convolution with at most
+# PLAIN_1X1_NARROW_MAX_K output channels runs plain too: DenseNet-121's 4x4 bottlenecks (C up
+# to 1024 -> 128) were 1-25% faster plain in all three passes, while ResNet-50's 4x4 1x1
+# convolutions (256 to 2048 outputs) were up to 1.6x slower plain, and at 2x2 plain is slower
+# for every shape measured (2x2 leaves a GEMM of 4 columns per image).
+PLAIN_1X1_NARROW_MIN_PIXELS = 16
+PLAIN_1X1_NARROW_MAX_K = 128
 # Larger convolutions with at least this many output pixels and NHWC_MIN_CHANNELS input channels
 # run channels-last (nhwc activations): oneDNN then takes its brgemm kernels, 10-30% faster in
 # all three passes than the nChw16c ones for VGG-16's 64x64 and 32x32 layers (2 threads,
@@ -483,11 +490,15 @@ def conv_layout_choices() -> dict:
 
 
 def _rule_layout(xs, ws, st):
-    """The fixed rule: plain for 1x1 convolutions with many output pixels, nhwc for other
-    convolutions with many output pixels and channels, else blocked."""
+    """The fixed rule: plain for 1x1 convolutions with many output pixels (or fewer, with few
+    output channels), nhwc for other convolutions with many output pixels and channels, else
+    blocked."""
     p, q = (xs[2] - 1) // st[0] + 1, (xs[3] - 1) // st[1] + 1      # output pixels (an upper
     if tuple(ws[2:]) == (1, 1):                                    # bound with padding)
         if PLAIN_1X1_MIN_PIXELS and p * q >= PLAIN_1X1_MIN_PIXELS:
+            return "plain"
+        if PLAIN_1X1_NARROW_MIN_PIXELS and p * q >= PLAIN_1X1_NARROW_MIN_PIXELS and \
+                ws[0] <= PLAIN_1X1_NARROW_MAX_K:
             return "plain"
     elif NHWC_MIN_PIXELS and p * q >= NHWC_MIN_PIXELS and xs[1] >= NHWC_MIN_CHANNELS:
         return "nhwc"
