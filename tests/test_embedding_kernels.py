@@ -985,3 +985,25 @@ def test_the_one_pass_index_check_finds_what_min_and_max_find(dtype, n, step, ba
     else:
         got = K.check_indices(idx, nrows)
         assert got.dtype == np.int64 and np.array_equal(got, idx.astype(np.int64))
+
+
+def test_updates_of_shrinking_and_growing_batches_reuse_scratch_correctly(rng):
+    """The re-index keeps its group bounds and occurrences in per-thread scratch: updates of a
+    large batch, a small one, then a mid-sized one (the scratch reused, then grown) each give
+    the reference's rows and table, and the unique rows a call returned are not overwritten
+    by later calls."""
+    nrows, fs = 300, 8
+    table = rng.standard_normal((nrows, fs)).astype(np.float32)
+    kept = []
+    for nbags in (700, 20, 400, 1200):
+        lengths = rng.integers(1, 6, nbags)
+        offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+        indices = rng.integers(0, nrows, int(lengths.sum()))
+        dout = rng.standard_normal((nbags, fs)).astype(np.float32)
+        expect = table.astype(np.float64) - 0.25 * ref_dense_grad(nrows, indices, offsets, dout)
+        rows = K.sgd_update(table, indices, offsets, dout, 0.25)
+        _, first = np.unique(indices, return_index=True)
+        assert np.array_equal(rows, indices[np.sort(first)])       # first-seen order
+        np.testing.assert_allclose(table, expect, rtol=1e-5, atol=1e-5)
+        kept.append((rows, rows.copy()))
+    assert all(np.array_equal(a, b) for a, b in kept)

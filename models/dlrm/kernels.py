@@ -460,10 +460,13 @@ def _prepare_update(nrows, indices, offsets, dout, dtype, fs, name, check=True):
 
 
 def _reindexed(nrows, idx, off, nbags):
+    """``reindex`` of one table's indices: (rows, bounds, occ, nu). ``rows[:nu]`` is a new
+    array (callers return it); ``bounds`` and ``occ`` are the thread's scratch, valid until its
+    next update (fresh, their page faults cost ~1 ms per 327,680 indices)."""
     n = idx.shape[0]
     rows = np.empty(n, dtype=np.int64)
-    bounds = np.empty(n + 2, dtype=np.int64)
-    occ = np.empty(n, dtype=np.int64)
+    bounds = scratch("reindex_bounds", n + 2, np.int64)
+    occ = scratch("reindex_occ", n, np.int64)
     nu = 0
     if n:
         slot = _slots.take(1, nrows)
