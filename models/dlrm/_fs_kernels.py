@@ -45,7 +45,7 @@ ROWS_PER_ITEM = 256
 #: Rows ahead that the update prefetches (with write intent): halves the random RMW time.
 PREFETCH_AHEAD = 16
 #: Indices ahead whose rows the lookups prefetch, into L2 (``prefetch_read_l2``): 16 ahead
-#: into L1 left a uniform 1M x 64 lookup latency-bound (8.4 ms; 5.3-6.3 ms now).
+#: into L1 left a uniform 1M x 64 lookup latency-bound (8.4 ms; 6.3-7.2 ms now).
 ROW_PREFETCH = 64
 #: Indices ahead whose ``where`` entries the translation pass prefetches (into L2).
 WHERE_PREFETCH = 96
