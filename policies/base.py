@@ -391,8 +391,10 @@ class Policy:
                 return True
             return self.evict(owner) if wait else self.evict(owner, wait=False)
 
+        # a walk starts at a victim's heap block: an empty array has none (and frees nothing)
         starts = [v.primary for v in victims
-                  if not v.freed and v.primary is not None and v.primary.device is fast]
+                  if not v.freed and v.primary is not None and v.primary.device is fast
+                  and v.primary.nbytes > 0]
         starts.append(None)
         for start in starts:
             if start is not None and start.freed:

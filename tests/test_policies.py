@@ -368,3 +368,32 @@ def test_every_registered_policy_copies_and_pickles_with_its_state():
     for q in (copy.deepcopy(lru), pickle.loads(pickle.dumps(lru))):
         assert list(q.recent) == [3] and list(q.soft) == [4] and q.recent is not lru.recent
         assert (q.lookahead, q.writeback, q.local_alloc) == (4, 0.2, True)
+
+
+@pytest.mark.parametrize("local_alloc", [True, False])
+def test_making_room_walks_past_empty_arrays(local_alloc):
+    """Empty arrays hold no heap block: making room for a large array, when fast memory is
+    full and fragmented, must not start an eviction walk from one (it raised
+    ``evictfrom needs a live region``) and must keep every value."""
+    with ca.Manager(fast="32KiB", slow="2MiB", granularity=256, policy="lru",
+                    policy_options={"local_alloc": local_alloc}) as m:
+        kept = []
+
+        def read_all():                 # every array used, newest last, as a reader would
+            for x, a in kept:
+                assert_eq(x, a)
+            m.check()
+
+        def create(n):
+            a = np.random.default_rng(0).random(n)
+            kept.append((ca.asarray(a, manager=m), a))
+            read_all()
+
+        def double():
+            x, a = kept[0]
+            kept.append((x + x, a + a))
+            read_all()
+
+        for step in (700, 0, 0, 700, 0, 0, "+", 0, 0, 0, 0, 0, "+", 0, 0, "+", 0, "+", 0, 0, 0,
+                     1500):
+            double() if step == "+" else create(step)
