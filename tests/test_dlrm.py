@@ -361,6 +361,46 @@ def test_prefetch_hints_emit_their_cache_level_and_never_fault(hint, rw, localit
     assert calls == [(str(rw), str(locality))]
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("k", [1, 4, 8])
+def test_row_sums_are_512_bit_vectors_with_a_scalar_loops_sums(dtype, k):
+    """``add_rows<k>`` adds k rows to an accumulator in 512-bit vectors (16 float32 or 8
+    float64 lanes) and in the order a scalar loop adds them, so every sum is bit for bit
+    that loop's; it touches exactly the first n elements."""
+    import re
+
+    from numba import njit
+
+    from cachedarrays.models.dlrm import _intrinsics
+
+    fn = getattr(_intrinsics, f"add_rows{k}")
+    lanes = _intrinsics.ROW_LANES[np.dtype(dtype).itemsize]
+
+    @njit(cache=False)
+    def add(acc, t, p, n):
+        if k == 1:
+            fn(acc, t, p[0], n)
+        elif k == 4:
+            fn(acc, t, p[0], p[1], p[2], p[3], n)
+        else:
+            fn(acc, t, p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7], n)
+
+    rng = np.random.default_rng(k)
+    fs = 3 * lanes
+    t = (rng.standard_normal(40 * fs) * 10.0 ** rng.integers(-6, 6, 40 * fs)).astype(dtype)
+    p = (rng.integers(0, 39, 8) * fs + rng.integers(0, fs, 8)).astype(np.uint64)  # unaligned rows
+    for n in (0, lanes, 2 * lanes, fs):
+        acc = rng.standard_normal(fs + 5).astype(dtype)
+        want = acc.copy()
+        for q in p[:k]:
+            want[:n] = want[:n] + t[int(q):int(q) + n]       # one row at a time, in order
+        add(acc, t, p, np.uint64(n))
+        assert np.array_equal(acc, want)
+    ir = next(iter(add.inspect_llvm().values()))
+    widths = re.findall(r"fadd (?:fast )?<(\d+) x (?:float|double)>", ir)
+    assert len(widths) >= k and set(widths) == {str(lanes)}     # k per vector, no narrower
+
+
 @pytest.mark.parametrize("n, h", [(1, 1), (255, 7), (256, 64), (257, 33), (1000, 16)])
 def test_output_layer_backward_equals_the_separate_kernels(n, h):
     """One pass gives what the weight and data gradients and the ReLU's backward pass give

@@ -2,7 +2,7 @@
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, settings, strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import cachedarrays as ca
@@ -254,6 +254,50 @@ def test_bad_indices_name_table_position_and_value(m, kind):
     if kind == "dynamic":
         assert (t.where == -1).all() and t.stats()["lookups"] == 0   # nothing half-cached
         t.check()
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(lengths=st.lists(st.integers(0, 19), min_size=1, max_size=6), data=st.data())
+def test_bag_lookups_check_each_index_in_the_kernel(m, lengths, data):
+    """Bag lookups of int64 indices leave the range check to the kernel, which checks each
+    group of 8, 4 or 1 rows as it reads them: a bad index at any position (negative, just
+    past the end, huge) raises the IndexError that names the first one, for plain and
+    cached tables and for the kernel called directly; nothing is cached or counted, and
+    with every index valid the sums are the reference's."""
+    from cachedarrays.models.dlrm import kernels as K
+
+    nrows, fs = 50, 16
+    init = np.arange(nrows * fs, dtype=np.float32).reshape(nrows, fs) / 7
+    nidx = sum(lengths)
+    idx = np.array(data.draw(st.lists(st.integers(0, nrows - 1), min_size=nidx, max_size=nidx)),
+                   dtype=np.int64)
+    off = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    want = np.stack([init[idx[a:a + n]].sum(0) for a, n in zip(off, lengths)])
+    bad = None
+    if nidx and data.draw(st.booleans()):
+        pos = data.draw(st.lists(st.integers(0, nidx - 1), min_size=1, max_size=3))
+        for p in pos:
+            idx[p] = data.draw(st.sampled_from([-1, nrows, nrows + 1, 2**62, -2**63]))
+        bad = min(pos)
+    tables = [E.SimpleTable(nrows, fs, manager=m, init=init, placement="fast", name="fast"),
+              E.CachedEmbeddingTable(nrows, fs, manager=m, init=init, name="dyn")]
+
+    def direct(indices, offsets):
+        return K.lookup_sum(init, indices, offsets, np.empty((len(lengths), fs), np.float32),
+                            name="direct", check=K.IN_KERNEL)
+    for name, look in [(t.name, t.lookup) for t in tables] + [("direct", direct)]:
+        if bad is None:
+            np.testing.assert_allclose(np.asarray(look(idx, off)), want, rtol=1e-6)
+        else:
+            with pytest.raises(IndexError, match=rf"'{name}': index {idx[bad]} at position {bad} "):
+                look(idx, off)
+    if bad is not None:
+        assert (tables[1].where == -1).all() and tables[1].stats()["lookups"] == 0
+        tables[1].check()
+    for t in tables:
+        ca.unsafe_free(t.base if isinstance(t, E.CachedEmbeddingTable) else t.data)
+        if isinstance(t, E.CachedEmbeddingTable):
+            ca.unsafe_free(t.cache)
 
 
 @pytest.mark.parametrize("kind", ["fast", "dynamic"])

@@ -30,7 +30,8 @@ is passed as its own cache, so one kernel serves both.
 import numpy as np
 from numba import njit, prange
 
-from ._intrinsics import prefetch_read, prefetch_read_l2, prefetch_write
+from ._intrinsics import (add_rows1, add_rows4, add_rows8, prefetch_read, prefetch_read_l2,
+                          prefetch_write)
 
 PARALLEL = dict(parallel=True, cache=True, fastmath=False, nogil=True)
 SERIAL = dict(cache=True, fastmath=False, nogil=True)
@@ -57,6 +58,8 @@ BPI = BAGS_PER_ITEM
 RPI = ROWS_PER_ITEM
 AHEAD = PREFETCH_AHEAD
 RAHEAD = ROW_PREFETCH
+#: The bound of a lookup whose indices were checked before the kernel: no index is above it.
+NO_BOUND = np.uint64(2**64 - 1)
 
 
 # ---- helpers without a feature loop -------------------------------------------------------
@@ -178,8 +181,19 @@ def prefetch_row_write(flat, p, fs):
 
 
 @njit(**INLINE)
+def vector_part(t, fs):
+    """The leading features of a row that ``add_rows*`` sums (whole 512-bit vectors)."""
+    lanes = 64 // t.itemsize
+    return np.uint64(fs - fs % lanes)
+
+
+@njit(**INLINE)
 def add8(acc, t, p0, p1, p2, p3, p4, p5, p6, p7, fs):
-    for f in range(fs):
+    """acc += rows at p0..p7, added in that order: whole vectors by ``add_rows8``, the rest
+    element by element (the same sums, bit for bit)."""
+    v = vector_part(t, fs)
+    add_rows8(acc, t, p0, p1, p2, p3, p4, p5, p6, p7, v)
+    for f in range(v, fs):
         uf = np.uint64(f)
         acc[uf] = (acc[uf] + t[p0 + uf] + t[p1 + uf] + t[p2 + uf] + t[p3 + uf]
                    + t[p4 + uf] + t[p5 + uf] + t[p6 + uf] + t[p7 + uf])
@@ -196,14 +210,18 @@ def add8x(acc, t0, t1, t2, t3, t4, t5, t6, t7, p0, p1, p2, p3, p4, p5, p6, p7, f
 
 @njit(**INLINE)
 def add4(acc, t, p0, p1, p2, p3, fs):
-    for f in range(fs):
+    v = vector_part(t, fs)
+    add_rows4(acc, t, p0, p1, p2, p3, v)
+    for f in range(v, fs):
         uf = np.uint64(f)
         acc[uf] = acc[uf] + t[p0 + uf] + t[p1 + uf] + t[p2 + uf] + t[p3 + uf]
 
 
 @njit(**INLINE)
 def add1(acc, t, p0, fs):
-    for f in range(fs):
+    v = vector_part(t, fs)
+    add_rows1(acc, t, p0, v)
+    for f in range(v, fs):
         uf = np.uint64(f)
         acc[uf] += t[p0 + uf]
 
@@ -222,13 +240,18 @@ def store(acc, out, o, fs):
 
 
 @njit(**INLINE)
-def sum_bag(t, indices, start, end, acc, fs, specialised):
+def sum_bag(t, indices, start, end, acc, fs, specialised, nrows, bad):
     """acc = rows indices[start:end] summed in index order.
 
     Rows are taken 8 (then 4, then 1) at a time: the element-wise order of additions is
     unchanged, but acc is loaded and stored once per group and 8 rows are in flight.
     With ``specialised`` the rows RAHEAD indices ahead are prefetched; the generic set
-    (ensembles of one-row bags, rows wider than 512) measured faster without."""
+    (ensembles of one-row bags, rows wider than 512) measured faster without.
+
+    Each group's largest index (as unsigned, so a negative one is huge) is held to ``nrows``
+    before its rows are read: a group with an index out of range is skipped and ``bad[0]``
+    set.  The kernel checks the indices as it reads them, instead of a pass of their own
+    before it (``NO_BOUND``: checked already)."""
     nidx = indices.shape[0]
     zero(acc, fs)
     j = start
@@ -238,14 +261,26 @@ def sum_bag(t, indices, start, end, acc, fs, specialised):
             for q in range(j + RAHEAD, min(j + RAHEAD + n, nidx)):
                 prefetch_row(t, at(indices[q], fs), fs)
         if n == 8:
-            add8(acc, t, at(indices[j], fs), at(indices[j + 1], fs), at(indices[j + 2], fs),
-                 at(indices[j + 3], fs), at(indices[j + 4], fs), at(indices[j + 5], fs),
-                 at(indices[j + 6], fs), at(indices[j + 7], fs), fs)
+            i0, i1, i2, i3 = indices[j], indices[j + 1], indices[j + 2], indices[j + 3]
+            i4, i5, i6, i7 = indices[j + 4], indices[j + 5], indices[j + 6], indices[j + 7]
+            top = max(max(max(np.uint64(i0), np.uint64(i1)), max(np.uint64(i2), np.uint64(i3))),
+                      max(max(np.uint64(i4), np.uint64(i5)), max(np.uint64(i6), np.uint64(i7))))
+            if top < nrows:
+                add8(acc, t, at(i0, fs), at(i1, fs), at(i2, fs), at(i3, fs), at(i4, fs),
+                     at(i5, fs), at(i6, fs), at(i7, fs), fs)
+            else:
+                bad[0] = 1
         elif n == 4:
-            add4(acc, t, at(indices[j], fs), at(indices[j + 1], fs), at(indices[j + 2], fs),
-                 at(indices[j + 3], fs), fs)
-        else:
+            i0, i1, i2, i3 = indices[j], indices[j + 1], indices[j + 2], indices[j + 3]
+            top = max(max(np.uint64(i0), np.uint64(i1)), max(np.uint64(i2), np.uint64(i3)))
+            if top < nrows:
+                add4(acc, t, at(i0, fs), at(i1, fs), at(i2, fs), at(i3, fs), fs)
+            else:
+                bad[0] = 1
+        elif np.uint64(indices[j]) < nrows:
             add1(acc, t, at(indices[j], fs), fs)
+        else:
+            bad[0] = 1
         j += n
 
 
@@ -310,9 +345,10 @@ def sum_bag_indirect(bflat, cflat, where, indices, start, end, acc, missed, fs, 
 
 
 @njit(**INLINE)
-def translate(where, indices, lo, hi, pos, missed, fs, delta, refs):
+def translate(where, indices, lo, hi, pos, missed, fs, delta, refs, nrows, bad):
     """pos[j] = flat start, counted from the base, of row indices[j] where it lives, for j in
-    lo..hi; returns how many are cached. The rows of the others go to missed[lo], missed[lo
+    lo..hi; returns how many are cached.  An index out of range (as unsigned, against
+    ``nrows``) sets ``bad[0]`` and gets row 0's position; nothing else records it. The rows of the others go to missed[lo], missed[lo
     + 1], ... in index order (an empty ``missed``: none listed). ``refs`` (one byte per base
     row, or empty) gets 1 for every cached row read; it is indexed by the row, so it is
     prefetched with ``where``, and a row already marked is not written again, so its cache
@@ -333,6 +369,10 @@ def translate(where, indices, lo, hi, pos, missed, fs, delta, refs):
             if mark:
                 prefetch_read_l2(refs, np.uint64(indices[j + WAHEAD]))
         r = indices[j]
+        if np.uint64(r) >= nrows:
+            bad[0] = 1
+            pos[j] = 0
+            continue
         w = where[r]
         if w >= 0:
             pos[j] = at(w, fs) + delta
@@ -394,15 +434,17 @@ def bag_sums_flat(t, pos, offsets, lo, hi, out, ostride, ocol, acc, fs, speciali
 
 @njit(**INLINE)
 def bag_sums(bflat, cflat, where, indices, offsets, lo, hi, out, ostride, ocol, acc, missed, fs,
-             specialised):
+             specialised, nrows, bad):
     """out rows lo..hi (at column ocol of a row-strided flat buffer) = those bags' sums.
-    Returns how many indices were served from the cache (0 for a plain table)."""
+    Returns how many indices were served from the cache (0 for a plain table).  A plain
+    table's indices are held to ``nrows`` (see ``sum_bag``); an indirect table's must be
+    valid."""
     nidx = indices.shape[0]
     hits = 0
     for b in range(lo, hi):
         start, end = bag_bounds(offsets, b, nidx)
         if where is None:
-            sum_bag(bflat, indices, start, end, acc, fs, specialised)
+            sum_bag(bflat, indices, start, end, acc, fs, specialised, nrows, bad)
         else:
             hits += sum_bag_indirect(bflat, cflat, where, indices, start, end, acc, missed, fs,
                                      specialised)
@@ -636,10 +678,12 @@ def make_kernels(FS):
                     out[o + uf] = bflat[p + uf]
 
     @njit(**PARALLEL)
-    def bag_sum(base, cache, where, indices, offsets, nbags, out, ostride, ocol, missed):
+    def bag_sum(base, cache, where, indices, offsets, nbags, out, ostride, ocol, missed, nrows,
+                bad):
         """Bag sums into a row-strided flat ``out``; ``(table, table, None)`` for a plain table.
         Returns how many indices were served from the cache; ``missed`` (empty, or one uint8
-        per index) gets 1 for every index whose row is not cached."""
+        per index) gets 1 for every index whose row is not cached.  A plain table's indices
+        are held to ``nrows`` as they are read (``bad[0] = 1`` if one is out of range)."""
         fs = FS or base.shape[1]
         bflat = base.reshape(-1)
         cflat = cache.reshape(-1)
@@ -648,19 +692,20 @@ def make_kernels(FS):
             acc = np.empty(fs, dtype=base.dtype)
             lo, hi = span(it, BPI, nbags)
             served += bag_sums(bflat, cflat, where, indices, offsets, lo, hi, out, ostride, ocol,
-                               acc, missed, fs, SPECIALISED)
+                               acc, missed, fs, SPECIALISED, nrows, bad)
         return served
 
     @njit(**PARALLEL)
     def bag_sum_cached(base, where, indices, offsets, nbags, out, ostride, ocol, missed, delta,
-                       pos, refs):
+                       pos, refs, nrows, bad):
         """``bag_sum`` of an indirect table in two passes: translate every index to where its
         row lives (independent iterations, so many ``where`` misses are in flight at once),
         then sum over the translated positions, reading the pool ``delta`` elements from the
         base through the base's flat buffer.  Same sums, same order of additions.  ``pos``
         (uint64, one per index) is the caller's scratch for the positions; ``refs`` (see
-        ``translate``) marks the cached rows read.  Returns (cached indices, missed rows listed
-        at the front of ``missed``)."""
+        ``translate``) marks the cached rows read; indices out of range (against ``nrows``)
+        set ``bad[0]``.  Returns (cached indices, missed rows listed at the front of
+        ``missed``)."""
         fs = FS or base.shape[1]
         bflat = base.reshape(-1)
         nidx = indices.shape[0]
@@ -668,7 +713,8 @@ def make_kernels(FS):
         cached = np.empty(nitems, dtype=np.int64)  # per item: no parfor reduction
         for it in prange(nitems):
             lo, hi = span(it, IPI, nidx)
-            cached[it] = translate(where, indices, lo, hi, pos, missed, fs, delta, refs)
+            cached[it] = translate(where, indices, lo, hi, pos, missed, fs, delta, refs, nrows,
+                                   bad)
         for it in prange((nbags + BPI - 1) // BPI):
             acc = np.empty(fs, dtype=base.dtype)
             lo, hi = span(it, BPI, nbags)
@@ -682,6 +728,7 @@ def make_kernels(FS):
         """All tables into one concatenated output; work items are (bag chunk, table) pairs."""
         ntables = len(tables)
         nchunks = (nbags + chunk - 1) // chunk
+        unused = np.zeros(1, dtype=np.uint8)  # the indices were checked: nothing sets it
         for it in prange(nchunks * ntables):
             c = it // ntables
             t = it - c * ntables  # tables vary fastest so each thread gets a mix of tables
@@ -690,7 +737,7 @@ def make_kernels(FS):
             acc = np.empty(fs, dtype=tflat.dtype)
             lo, hi = span(c, chunk, nbags)
             bag_sums(tflat, tflat, None, indices[t], offsets[t], lo, hi, out, ostride, cols[t],
-                     acc, None, fs, SPECIALISED)
+                     acc, None, fs, SPECIALISED, NO_BOUND, unused)
 
     @njit(**PARALLEL)
     def apply_sgd(base, cache, where, rows, bounds, occ, nu, dout, gstride, gcol, lr):

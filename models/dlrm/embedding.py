@@ -443,17 +443,19 @@ class SimpleTable(EmbeddingTable):
     def lookup(self, indices, offsets=None, out=None, context=FORWARD):
         _check_context(context, self.name)
         nbags = _batch_size(offsets, out, np.shape(indices)[0] if np.ndim(indices) else 0)
-        idx = kernels.check_indices(indices, self.nvectors, self.name)
-        off = None if offsets is None else kernels.check_offsets(offsets, idx.shape[0], nbags,
-                                                                 self.name)
+        if offsets is None:
+            idx, off = kernels.check_indices(indices, self.nvectors, self.name), None
+        else:  # the offsets checked here, the indices here or by the kernel (see bag_inputs)
+            idx, off, check = kernels.bag_inputs(indices, offsets, self.nvectors, nbags,
+                                                 self.name)
         if out is None:
             out = self._new_output(nbags)
         with _kernel("embedding_lookup", (self.data,), (out,),
                      [(self.data, idx.shape[0] * self.rowbytes)]) as (t, o):
             if off is None:
                 kernels.lookup(t, idx, o, name=self.name, check=False)
-            else:  # indices and offsets checked once, above
-                kernels.lookup_sum(t, idx, off, o, name=self.name, check=False)
+            else:
+                kernels.lookup_sum(t, idx, off, o, name=self.name, check=check)
         self._account_lookup(idx.shape[0])
         return out
 
@@ -725,7 +727,11 @@ class CachedEmbeddingTable(EmbeddingTable):
 
     def _lookup(self, indices, offsets, out, cache):
         nbags = _batch_size(offsets, out, np.shape(indices)[0] if np.ndim(indices) else 0)
-        idx, off = self._prepare(indices, offsets, nbags)
+        if offsets is None:
+            (idx, off), check = self._prepare(indices, offsets, nbags), False
+        else:  # the offsets checked here, the indices here or by the kernel (see bag_inputs)
+            idx, off, check = kernels.bag_inputs(indices, offsets, self.nvectors, nbags,
+                                                 self.name)
         if out is None:
             out = self._new_output(nbags)
         if not ca.in_fast(self.cache):
@@ -738,7 +744,7 @@ class CachedEmbeddingTable(EmbeddingTable):
         missed = kernels.scratch("missed", idx.shape[0], np.int64) if room else None
         with _kernel("embedding_lookup", (self.base, self.cache), (out,)) as (b, c, o):
             _, hits = kernels.lookup_sum_indirect_hits(
-                b, c, self.where, idx, off, o, missed, name=self.name, check=False,
+                b, c, self.where, idx, off, o, missed, name=self.name, check=check,
                 refs=self.refs if self._second_chance else None)
         if missed is not None and hits < idx.shape[0]:
             self._cache_rows(missed[:idx.shape[0] - hits])
