@@ -256,17 +256,28 @@ def test_bad_indices_name_table_position_and_value(m, kind):
         t.check()
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@pytest.mark.parametrize("specialised, fs", [(True, 16), (True, 19), (False, 16)])
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(lengths=st.lists(st.integers(0, 19), min_size=1, max_size=6), data=st.data())
-def test_bag_lookups_check_each_index_in_the_kernel(m, lengths, data):
+def test_bag_lookups_check_each_index_in_the_kernel(m, specialised, fs, lengths, data):
     """Bag lookups of int64 indices leave the range check to the kernel, which checks each
     group of 8, 4 or 1 rows as it reads them: a bad index at any position (negative, just
     past the end, huge) raises the IndexError that names the first one, for plain and
-    cached tables and for the kernel called directly; nothing is cached or counted, and
-    with every index valid the sums are the reference's."""
+    cached tables and for the kernel called directly, specialised or generic; nothing is
+    cached or counted, and with every index valid the sums are the reference's."""
     from cachedarrays.models.dlrm import kernels as K
 
-    nrows, fs = 50, 16
+    old = K.set_specialised(specialised)
+    try:
+        _check_bag_lookups(m, fs, lengths, data)
+    finally:
+        K.set_specialised(old)
+
+
+def _check_bag_lookups(m, fs, lengths, data):
+    from cachedarrays.models.dlrm import kernels as K
+
+    nrows = 50
     init = np.arange(nrows * fs, dtype=np.float32).reshape(nrows, fs) / 7
     nidx = sum(lengths)
     idx = np.array(data.draw(st.lists(st.integers(0, nrows - 1), min_size=nidx, max_size=nidx)),
