@@ -647,9 +647,9 @@ def _inputs_ok(idx, off, nrows, nbags):
     index). Valid means what ``check_indices`` and ``check_offsets`` accept; when it is
     False those checks run and name the problem."""
     nidx = idx.shape[0]
-    for j in range(nidx):
-        r = idx[j]
-        if r < 0 or r >= nrows:
+    if nidx:
+        lo, hi = _index_bounds(idx)
+        if lo < 0 or hi >= nrows:
             return False, False
     return _offsets_ok(off, nidx, nbags)
 
@@ -657,7 +657,8 @@ def _inputs_ok(idx, off, nrows, nbags):
 @numba.njit(cache=True, nogil=True)
 def _offsets_ok(off, nidx, nbags):
     """One pass over int64 offsets: (valid, every bag has exactly one index); valid means
-    what ``check_offsets`` accepts."""
+    what ``check_offsets`` accepts.  The loop has no early exit, so LLVM vectorises it (8,192
+    offsets: about 1 instead of 8 us)."""
     n = off.shape[0]
     if n != nbags and n != nbags + 1:
         return False, False
@@ -665,13 +666,15 @@ def _offsets_ok(off, nidx, nbags):
         return nidx == 0, nidx == 0
     if off[0] != 0:
         return False, False
-    one = nidx == nbags
+    falls = 0               # steps below 0
+    others = 0              # steps other than 1 among the bags' starts
     for b in range(1, n):
         step = off[b] - off[b - 1]
-        if step < 0:
-            return False, False
-        if b < nbags and step != 1:
-            one = False
+        falls += step < 0
+        others += (step != 1) & (b < nbags)
+    if falls:
+        return False, False
+    one = nidx == nbags and others == 0
     last = off[n - 1]
     if last > nidx or (n == nbags + 1 and last != nidx):
         return False, False
@@ -823,7 +826,8 @@ def _distance(base, other):
     would fail."""
     if numba.config.BOUNDSCHECK:
         return None
-    gap = other.ctypes.data - base.ctypes.data
+    # the array interface's address: ``.ctypes.data`` builds a ctypes object (several us)
+    gap = other.__array_interface__["data"][0] - base.__array_interface__["data"][0]
     if gap % base.itemsize:
         return None
     return np.uint64((gap // base.itemsize) % (1 << 64))
