@@ -257,7 +257,8 @@ def test_bad_indices_name_table_position_and_value(m, kind):
 
 
 @pytest.mark.parametrize("specialised, fs", [(True, 16), (True, 19), (False, 16)])
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=25, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(lengths=st.lists(st.integers(0, 19), min_size=1, max_size=6), data=st.data())
 def test_bag_lookups_check_each_index_in_the_kernel(m, specialised, fs, lengths, data):
     """Bag lookups of int64 indices leave the range check to the kernel, which checks each

@@ -347,12 +347,12 @@ def sum_bag_indirect(bflat, cflat, where, indices, start, end, acc, missed, fs, 
 @njit(**INLINE)
 def translate(where, indices, lo, hi, pos, missed, fs, delta, refs, nrows, bad):
     """pos[j] = flat start, counted from the base, of row indices[j] where it lives, for j in
-    lo..hi; returns how many are cached.  An index out of range (as unsigned, against
-    ``nrows``) sets ``bad[0]`` and gets row 0's position; nothing else records it. The rows of the others go to missed[lo], missed[lo
-    + 1], ... in index order (an empty ``missed``: none listed). ``refs`` (one byte per base
-    row, or empty) gets 1 for every cached row read; it is indexed by the row, so it is
-    prefetched with ``where``, and a row already marked is not written again, so its cache
-    line stays shared between the cores.
+    lo..hi; returns how many are cached. The rows of the others go to missed[lo], missed[lo
+    + 1], ... in index order (an empty ``missed``: none listed); an index out of range (as
+    unsigned, against ``nrows``) sets ``bad[0]``, gets row 0's position and is neither
+    counted nor listed. ``refs`` (one byte per base row, or empty) gets 1 for every cached
+    row read; it is indexed by the row, so it is prefetched with ``where``, and a row already
+    marked is not written again, so its cache line stays shared between the cores.
 
     A cache row's start is its start in the pool plus ``delta``, the pool's distance from
     the base in elements (modulo 2**64): the sums then read every row from one flat buffer,

@@ -73,9 +73,9 @@ ROW_LANES = {4: 16, 8: 8}
 
 def _row_sum_signature(acc, t, rest):
     # contiguous 1-D arrays only: the vectors are loaded from consecutive elements
-    if (isinstance(acc, types.Array) and isinstance(t, types.Array) and acc.ndim == 1
-            and t.ndim == 1 and acc.layout == "C" and t.layout == "C" and acc.dtype == t.dtype and acc.dtype in (types.float32,
-                                                                       types.float64)
+    if (isinstance(acc, types.Array) and isinstance(t, types.Array)
+            and acc.ndim == t.ndim == 1 and acc.layout == t.layout == "C"
+            and acc.dtype == t.dtype and acc.dtype in (types.float32, types.float64)
             and all(isinstance(a, types.Integer) for a in rest)):
         return types.void(acc, t, *rest)
     return None
