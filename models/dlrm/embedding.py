@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import types
 from collections import deque
 
 import numpy as np
@@ -64,6 +65,23 @@ _PLACE_AHEAD = 8
 
 
 # ---- numba helpers for the cache (kernels.py owns lookup and SGD) -------------------------
+
+
+def _serial_twin(kernel, name):
+    """``kernel``'s function compiled without ``parallel=True``, as ``name``.
+
+    numba names a cached kernel's files after its function's qualified name and first line.
+    A twin made from the same function object would share the parallel kernel's cache
+    entries, and whichever of the two compiled first would then serve both: the parallel
+    kernel loaded the serial code and ran on one thread.  A copy of the function under its
+    own name gets its own files."""
+    f = kernel.py_func
+    twin = types.FunctionType(f.__code__.replace(co_name=name, co_qualname=name), f.__globals__,
+                              name, f.__defaults__, f.__closure__)
+    twin.__qualname__ = name
+    twin.__module__ = f.__module__
+    twin.__doc__ = f.__doc__
+    return njit(cache=True, nogil=True)(twin)
 
 @njit(cache=True, nogil=True)
 def _scan_misses(indices, where, miss_rows):
@@ -115,7 +133,7 @@ def _place_rows(base, cache, where, backedge, rows, slots):
 
 
 #: The same copy on one thread: for a few rows, starting the thread pool costs more than the copy.
-_place_rows_serial = njit(cache=True, nogil=True)(_place_rows.py_func)
+_place_rows_serial = _serial_twin(_place_rows, "_place_rows_serial")
 #: Rows below which the cache's copies run on one thread.
 SERIAL_ROWS = 4096
 
@@ -139,7 +157,7 @@ def _drop_slots(base, cache, where, backedge, dirty, slots):
     return copied
 
 
-_drop_slots_serial = njit(cache=True, nogil=True)(_drop_slots.py_func)
+_drop_slots_serial = _serial_twin(_drop_slots, "_drop_slots_serial")
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -213,7 +231,7 @@ def _copy_slots(src, src_slots, dst, dst_slots):
                 dflat[b + uf] = sflat[a + uf]
 
 
-_copy_slots_serial = njit(cache=True, nogil=True)(_copy_slots.py_func)
+_copy_slots_serial = _serial_twin(_copy_slots, "_copy_slots_serial")
 
 
 @njit(cache=True, nogil=True)
