@@ -39,6 +39,7 @@ from cachedarrays import costmodel
 
 from . import kernels
 from ._fs_kernels import at, prefetch_row, span
+from ._intrinsics import prefetch_write
 
 __all__ = [
     "FORWARD", "UPDATE", "EmbeddingTable", "SimpleTable", "CachedEmbeddingTable",
@@ -62,6 +63,10 @@ DEFAULT_PAGE_ROWS = 1024
 #: Rows one parallel work item of ``_place_rows`` copies, and how far ahead it prefetches.
 _PLACE_PER_ITEM = 256
 _PLACE_AHEAD = 8
+#: Missed rows ahead whose ``where`` entries ``_scan_misses`` prefetches (for writing): the
+#: entries are random and cold after the sums; 26,000 of them took 0.56 ms unprefetched,
+#: 0.38 ms 32 ahead (0.41 ms 16 ahead, 0.38 ms 64 ahead).
+_SCAN_AHEAD = 32
 
 
 # ---- numba helpers for the cache (kernels.py owns lookup and SGD) -------------------------
@@ -90,7 +95,10 @@ def _scan_misses(indices, where, miss_rows):
     Marks a listed row with ``where[r] = -2 - k``; ``_place_rows`` restores every mark."""
     hits = 0
     nmiss = 0
-    for j in range(indices.shape[0]):
+    n = indices.shape[0]
+    for j in range(n):
+        if j + _SCAN_AHEAD < n:
+            prefetch_write(where, indices[j + _SCAN_AHEAD])
         r = indices[j]
         w = where[r]
         if w >= 0:
