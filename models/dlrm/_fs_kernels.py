@@ -30,8 +30,8 @@ is passed as its own cache, so one kernel serves both.
 import numpy as np
 from numba import njit, prange
 
-from ._intrinsics import (add_rows1, add_rows4, add_rows8, prefetch_read, prefetch_read_l2,
-                          prefetch_write)
+from ._intrinsics import (ROW_VECTOR_BYTES, add_rows1, add_rows4, add_rows8, prefetch_read,
+                          prefetch_read_l2, prefetch_write)
 
 PARALLEL = dict(parallel=True, cache=True, fastmath=False, nogil=True)
 SERIAL = dict(cache=True, fastmath=False, nogil=True)
@@ -182,8 +182,8 @@ def prefetch_row_write(flat, p, fs):
 
 @njit(**INLINE)
 def vector_part(t, fs):
-    """The leading features of a row that ``add_rows*`` sums (whole 512-bit vectors)."""
-    lanes = 64 // t.itemsize
+    """The leading features of a row that ``add_rows*`` sums (whole vectors)."""
+    lanes = ROW_VECTOR_BYTES // t.itemsize
     return np.uint64(fs - fs % lanes)
 
 

@@ -12,7 +12,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 __all__ = ["add_rows1", "add_rows4", "add_rows8", "fma", "prefetch_read", "prefetch_read_l2",
-           "prefetch_write", "ROW_LANES"]
+           "prefetch_write", "ROW_LANES", "ROW_VECTOR_BYTES"]
 
 
 def _make_prefetch(rw, locality=3):
@@ -67,8 +67,10 @@ def fma(typingctx, a, b, c):
     return a(a, b, c), codegen
 
 
-#: Elements per 512-bit vector of ``add_rows*``, by item size.
-ROW_LANES = {4: 16, 8: 8}
+#: Bytes of the vectors ``add_rows*`` sum in (512 bits); callers sum the rest of a row.
+ROW_VECTOR_BYTES = 64
+#: Elements per vector of ``add_rows*``, by item size.
+ROW_LANES = {4: ROW_VECTOR_BYTES // 4, 8: ROW_VECTOR_BYTES // 8}
 
 
 def _row_sum_signature(acc, t, rest):

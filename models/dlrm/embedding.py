@@ -88,6 +88,7 @@ def _serial_twin(kernel, name):
     twin.__doc__ = f.__doc__
     return njit(cache=True, nogil=True)(twin)
 
+
 @njit(cache=True, nogil=True)
 def _scan_misses(indices, where, miss_rows):
     """Count cached occurrences; list each uncached row once (first-seen order).

@@ -423,9 +423,7 @@ def _lookup_bags(base, cache, where, indices, offsets, out, name, check, missed=
     nbags = _nbags_of(out, offsets)
     fs = base.shape[1]
     bound = NO_BOUND
-    if check == IN_KERNEL and nbags and fs and _plain_index_array(indices) and (
-            where is None or (_INDIRECT_LOOKUP == "bag_sum_cached"
-                              and _distance(base, cache) is not None)):
+    if check == IN_KERNEL and nbags and fs and _plain_index_array(indices):
         idx, bound = indices, np.uint64(base.shape[0])
     else:
         idx = _indices(indices, base.shape[0], name, bool(check))
@@ -445,7 +443,7 @@ def _lookup_bags(base, cache, where, indices, offsets, out, name, check, missed=
                                         bound, bad)
         else:
             hits = _indirect_bags(b, _readonly(cache), where, idx, off, nbags, flat, stride,
-                                  missed, refs, bound, bad)
+                                  missed, refs, bound, bad, name)
         if bad[0]:
             check_indices(idx, base.shape[0], name)     # raises, naming the first bad index
             raise AssertionError("the lookup kernel flagged an index that is in range")
@@ -462,10 +460,10 @@ def _lookup_bags(base, cache, where, indices, offsets, out, name, check, missed=
     return out, int(hits)
 
 
-def _indirect_bags(b, c, where, idx, off, nbags, flat, stride, missed, refs, bound, bad):
+def _indirect_bags(b, c, where, idx, off, nbags, flat, stride, missed, refs, bound, bad, name):
     """The bag sums of an indirect table (read-only views b and c); returns the hits.
-    ``bound``: see ``_lookup_bags`` (only the two-pass kernel checks indices, so the caller
-    passes ``NO_BOUND`` when the pool's distance from the base is not whole)."""
+    ``bound``: see ``_lookup_bags``; only the two-pass kernel checks indices against it, so
+    the one-pass kernel gets them checked first."""
     fs = b.shape[1]
     delta = _distance(b, c) if _INDIRECT_LOOKUP == "bag_sum_cached" else None
     if delta is not None:
@@ -475,7 +473,7 @@ def _indirect_bags(b, c, where, idx, off, nbags, flat, stride, missed, refs, bou
                                               _NO_MARKS if refs is None else refs, bound, bad)
         return hits
     if bound != NO_BOUND:
-        raise AssertionError("the one-pass indirect lookup does not check indices")
+        check_indices(idx, b.shape[0], name)
     if refs is not None:    # the one-pass kernel does not mark: a pass of its own
         mark_refs(where, idx, refs)
     marks = _NO_MARKS if missed is None else np.zeros(idx.shape[0], dtype=np.uint8)
