@@ -122,6 +122,34 @@ def where_on_a_random_mask(m, n, args, clock):
                 speedup=_common.speedups(t_np, t_ca))
 
 
+def kernel_calls(m, args, clock):
+    """The cost of running a kernel through the library: fn(a, b, out) on ndarrays, against
+    ``ca.compute`` and ``ca.kernel`` on CachedArrays of 10 elements (two reads, one write).
+    Returns {name: (numpy Stat, ours Stat, median extra seconds)}."""
+    rng = np.random.default_rng(2)
+    na, nb, nc = rng.random(10), rng.random(10), np.empty(10)
+    x, y, z = (ca.asarray(v, manager=m) for v in (na, nb, nc))
+
+    def fn(a, b, c):
+        np.add(a, b, out=c)
+
+    def f_np():
+        fn(na, nb, nc)
+
+    def f_compute():
+        ca.compute("add", fn, (x, y), (z,))
+
+    def f_kernel():
+        with ca.kernel("add", (x, y), (z,)) as (a, b, c):
+            fn(a, b, c)
+    number = _common.calls_for(f_np, args.budget)
+    t_np, t_compute, t_kernel = samples_of([f_np, f_compute, f_kernel], args.repeats, number,
+                                           clock)
+    return {name: (_common.Stat(t_np), _common.Stat(t), statistics.median(
+        c - q for q, c in zip(t_np, t))) for name, t in (("ca.compute", t_compute),
+                                                          ("ca.kernel", t_kernel))}
+
+
 def clock_of(name):
     """The timer: wall (perf_counter) or cpu (thread_time: robust on a busy machine)."""
     return time.perf_counter if name == "wall" else time.thread_time
@@ -206,6 +234,7 @@ def main(argv=None):
         bar.close()
         checks = dispatch_entries(dispatch_checks(x, y))
         where_row = where_on_a_random_mask(m, max(args.sizes), args, clock)
+        kernel_rows = kernel_calls(m, args, clock)
 
     print("\nsummary (median over the 20 operations):")
     for n in args.sizes:
@@ -220,6 +249,12 @@ def main(argv=None):
     _common.headline(f"np.where speedup vs numpy, random mask (n={where_row['n']})",
                      where_row["speedup"].median, "x",
                      detail="a branch-free select against NumPy's loop")
+    print("\na kernel through the library (fn(a, b, out) = np.add, n=10, two reads and one "
+          "write):")
+    for name, (t_np, t_ours, extra) in kernel_rows.items():
+        print(f"  {name:11} {t_ours.fmt(1e6, 'us'):28} fn alone {t_np.fmt(1e6, 'us'):28} "
+              f"extra {extra * 1e6:.2f} us")
+        _common.headline(f"{name} extra per call (n=10, 2 reads, 1 write)", extra * 1e6, " us")
     print("\n__array_function__ entries per call: " +
           ", ".join(f"{name} {k}" for name, k in checks))
     print()

@@ -554,6 +554,8 @@ static PyObject *s_fast, *s_heap, *s_addr, *s_last_id, *s_ids, *s_name, *s_mm, *
                 *s_cond, *s_notify_all, *s_call, *s_recent, *s_soft, *s_move_to_end,
                 *odict_move_to_end, *deque_type, *deque_popleft,
                 *s_recomputing, *s_nout, *s_signature, *s_dunder_name, *s_use,
+                *s_record, *s_scopes, *s_fresh, *s_view, *s_readonly_buffer, *s_pop,
+                *s_release_objs,
                 *out_kw;                                                /* out_kw: ("out",) */
 
 static int
@@ -579,6 +581,9 @@ intern_names(void)
     NAME(s_move_to_end, "move_to_end"); NAME(s_recomputing, "recomputing");
     NAME(s_nout, "nout"); NAME(s_use, "use"); NAME(s_signature, "signature");
     NAME(s_dunder_name, "__name__");
+    NAME(s_record, "record"); NAME(s_scopes, "_scopes"); NAME(s_fresh, "_fresh");
+    NAME(s_view, "_view"); NAME(s_readonly_buffer, "readonly_buffer"); NAME(s_pop, "pop");
+    NAME(s_release_objs, "release");
 #undef NAME
     if ((out_kw = Py_BuildValue("(s)", "out")) == NULL ||
             (odict_move_to_end = PyObject_GetAttr((PyObject *)&PyODict_Type, s_move_to_end)) == NULL)
@@ -1231,11 +1236,11 @@ kernel_view(PyObject *x)
 /* np.ndarray(shape, dtype, buffer, start, strides) through NumPy's C API: the array's base is
  * buffer (held, as the Python constructor holds it, without a buffer export), its data the
  * bytes at start. The constructor's own checks are kept: the bytes must lie within the buffer,
- * which must be writable. Anything else (a dtype that is not a descriptor, a shape that is not
+ * which must be writable when writable is set (else the array is read-only). Anything else (a dtype that is not a descriptor, a shape that is not
  * a tuple of ints, too many dimensions) goes to the Python constructor. A new reference. */
 static PyObject *
-buffer_array(PyObject *shape, PyObject *dtype, PyObject *buffer, PyObject *start,
-             PyObject *strides)
+buffer_array_ex(PyObject *shape, PyObject *dtype, PyObject *buffer, PyObject *start,
+                PyObject *strides, int writable)
 {
     Py_ssize_t nd = PyTuple_Check(shape) ? PyTuple_GET_SIZE(shape) : -1;
     if (nd < 0 || nd > NPY_MAXDIMS || !PyArray_DescrCheck(dtype) || !PyTuple_Check(strides) ||
@@ -1269,7 +1274,7 @@ buffer_array(PyObject *shape, PyObject *dtype, PyObject *buffer, PyObject *start
             goto python;
     }
     Py_buffer b;
-    if (PyObject_GetBuffer(buffer, &b, PyBUF_WRITABLE) < 0) {
+    if (PyObject_GetBuffer(buffer, &b, writable ? PyBUF_WRITABLE : PyBUF_SIMPLE) < 0) {
         PyErr_Clear();
         goto python;
     }
@@ -1281,13 +1286,21 @@ buffer_array(PyObject *shape, PyObject *dtype, PyObject *buffer, PyObject *start
         goto python;                                   /* the constructor's own error */
     Py_INCREF(dtype);                                  /* the call steals it */
     PyObject *arr = PyArray_NewFromDescr(&PyArray_Type, (PyArray_Descr *)dtype, (int)nd, dims, st,
-                                         base + first, NPY_ARRAY_WRITEABLE, NULL);
+                                         base + first, writable ? NPY_ARRAY_WRITEABLE : 0, NULL);
     if (arr != NULL && PyArray_SetBaseObject((PyArrayObject *)arr, Py_NewRef(buffer)) < 0)
         Py_CLEAR(arr);                                 /* (SetBaseObject took the reference) */
     return arr;
 python:;
     PyObject *a[5] = {shape, dtype, buffer, start, strides};
     return PyObject_Vectorcall(ndarray_cls, a, 5, NULL);
+}
+
+/* buffer_array_ex over a writable buffer. */
+static PyObject *
+buffer_array(PyObject *shape, PyObject *dtype, PyObject *buffer, PyObject *start,
+             PyObject *strides)
+{
+    return buffer_array_ex(shape, dtype, buffer, start, strides, 1);
 }
 
 /* The new CachedArray over obj (shape, dtype, C strides, offset 0) and its kernel view. */
@@ -2473,10 +2486,391 @@ set_select_isa(PyObject *module, PyObject *name)
     Py_RETURN_NONE;
 }
 
+
+/* ---- ca.compute's common path ----------------------------------------------------------------
+ *
+ * cachedarrays.scopes.compute, for the call that has neither rng nor touched and whose operands
+ * are None or CachedArrays of one manager with nothing under way (run_busy) and no rerun of a
+ * recorded kernel in progress: the same steps as Manager.acquire, the views, the open scope
+ * and Manager.release, without the Python calls in between. */
+
+/* 1 when strides are the contiguous strides of shape for item (C order, or F order with
+ * fortran), as cachedarrays.layout.contiguous_strides gives them; 0 when not; -1 when the
+ * tuples are not plain (the caller does not take the path). */
+static int
+contiguous_like(PyObject *shape, PyObject *strides, Py_ssize_t item, int fortran)
+{
+    Py_ssize_t nd = PyTuple_GET_SIZE(shape);
+    if (!PyTuple_CheckExact(strides) || PyTuple_GET_SIZE(strides) != nd)
+        return -1;
+    Py_ssize_t step = item;
+    for (Py_ssize_t k = 0; k < nd; k++) {
+        Py_ssize_t i = fortran ? k : nd - 1 - k;
+        PyObject *ps = PyTuple_GET_ITEM(strides, i), *pd = PyTuple_GET_ITEM(shape, i);
+        if (!PyLong_CheckExact(ps) || !PyLong_CheckExact(pd))
+            return -1;
+        Py_ssize_t st = PyLong_AsSsize_t(ps), d = PyLong_AsSsize_t(pd);
+        if ((st == -1 || d == -1) && PyErr_Occurred()) {
+            PyErr_Clear();
+            return -1;
+        }
+        if (st != step)
+            return 0;
+        if (__builtin_mul_overflow(step, d > 1 ? d : 1, &step))
+            return -1;
+    }
+    return 1;
+}
+
+/* cachedarrays.scopes._covers for x (a CachedArray): 1 when a write through it replaces every
+ * byte of its object, 0 when not, -1 when its fields are not plain (the path is not taken). */
+static int
+covers(PyObject *x, ObjectRecord *obj)
+{
+    PyObject *shape = SLOT(x, off_shape), *dtype = SLOT(x, off_dtype),
+             *strides = SLOT(x, off_strides), *offset = SLOT(x, off_offset);
+    if (shape == NULL || !PyTuple_CheckExact(shape) || dtype == NULL ||
+            !PyArray_DescrCheck(dtype) || offset == NULL || !PyLong_CheckExact(offset) ||
+            obj->nbytes == NULL || !PyLong_CheckExact(obj->nbytes))
+        return -1;
+    Py_ssize_t item = PyDataType_ELSIZE((PyArray_Descr *)dtype), n = item;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(shape); i++) {
+        PyObject *pd = PyTuple_GET_ITEM(shape, i);
+        Py_ssize_t d = PyLong_CheckExact(pd) ? PyLong_AsSsize_t(pd) : -1;
+        if (d < 0 || __builtin_mul_overflow(n, d, &n)) {
+            PyErr_Clear();
+            return -1;
+        }
+    }
+    Py_ssize_t off = PyLong_AsSsize_t(offset), nb = PyLong_AsSsize_t(obj->nbytes);
+    if ((off == -1 || nb == -1) && PyErr_Occurred()) {
+        PyErr_Clear();
+        return -1;
+    }
+    if (off != 0 || n != nb)
+        return 0;
+    int c = contiguous_like(shape, strides, item, 0);
+    if (c != 0)
+        return c;
+    return contiguous_like(shape, strides, item, 1);
+}
+
+/* x._view(readonly) for a CachedArray x whose object is pinned: an ndarray over its primary
+ * region's bytes, a read-only one built on the device's read-only buffer (so that NumPy will
+ * not make it writable). A region without a buffer goes through the method. */
+static PyObject *
+operand_view(PyObject *x, int readonly)
+{
+    ObjectRecord *obj = (ObjectRecord *)SLOT(x, off_obj);
+    PyObject *r = obj->primary, *shape = SLOT(x, off_shape), *dtype = SLOT(x, off_dtype),
+             *strides = SLOT(x, off_strides), *offset = SLOT(x, off_offset);
+    if (r == NULL || !PyObject_TypeCheck(r, &RegionRecordType) || shape == NULL ||
+            dtype == NULL || strides == NULL || offset == NULL)
+        goto python;
+    RegionRecord *rr = (RegionRecord *)r;
+    if (rr->buffer == NULL || rr->buffer == Py_None || rr->offset == NULL || rr->device == NULL)
+        goto python;
+    PyObject *a = PyNumber_Add(rr->offset, header);
+    if (a == NULL)
+        return NULL;
+    PyObject *start = PyNumber_Add(a, offset);
+    Py_DECREF(a);
+    if (start == NULL)
+        return NULL;
+    PyObject *buf = readonly ? PyObject_GetAttr(rr->device, s_readonly_buffer)
+                             : Py_NewRef(rr->buffer);
+    PyObject *view = buf == NULL ? NULL
+                                 : buffer_array_ex(shape, dtype, buf, start, strides, !readonly);
+    Py_XDECREF(buf);
+    Py_DECREF(start);
+    return view;
+python:
+    return PyObject_CallMethodOneArg(x, s_view, readonly ? Py_True : Py_False);
+}
+
+/* The manager's lock: acquire (1) or release (0). 0, or -1 with an exception set. */
+static int
+lock_call(PyObject *lock, int acquire)
+{
+    PyObject *t = PyObject_CallMethodNoArgs(lock, acquire ? s_acquire : s_release_lock);
+    Py_XDECREF(t);
+    return t == NULL ? -1 : 0;
+}
+
+/* Manager.release(objs) for held[0:n], keeping any pending exception: unpinned here unless
+ * observers or new objects awaiting their own release need the method. Called without the
+ * lock. */
+static void
+release_pins(PyObject *m, PyObject *lock, PyObject **held, Py_ssize_t n)
+{
+    PyObject *et, *ev, *etb;
+    PyErr_Fetch(&et, &ev, &etb);
+    if (lock_call(lock, 1) < 0) {
+        PyErr_WriteUnraisable(m);
+        goto out;
+    }
+    PyObject *fresh = PyObject_GetAttr(m, s_fresh);
+    int general = fresh == NULL ? -1 : PyObject_IsTrue(fresh);
+    Py_XDECREF(fresh);
+    if (general == 0)
+        general = manager_true(m, M_OBSERVERS);
+    if (general > 0) {
+        PyObject *list = PyList_New(n), *t = NULL;
+        if (list != NULL) {
+            for (Py_ssize_t i = 0; i < n; i++)
+                PyList_SET_ITEM(list, i, Py_NewRef(held[i]));
+            t = PyObject_CallMethodOneArg(m, s_release_objs, list);
+            Py_DECREF(list);
+        }
+        if (t == NULL)
+            PyErr_WriteUnraisable(m);
+        Py_XDECREF(t);
+    } else {
+        if (general < 0)
+            PyErr_WriteUnraisable(m);
+        unpin_all(held, n);
+        int closing = manager_true(m, M_CLOSING);
+        if (closing > 0) {
+            PyObject *cond = getf(m, K_MANAGER, M_COND, s_cond);
+            PyObject *t = cond == NULL ? NULL : PyObject_CallMethodNoArgs(cond, s_notify_all);
+            Py_XDECREF(cond);
+            if (t == NULL)
+                closing = -1;
+            Py_XDECREF(t);
+        }
+        if (closing < 0)
+            PyErr_WriteUnraisable(m);
+    }
+    if (lock_call(lock, 0) < 0)
+        PyErr_WriteUnraisable(lock);
+out:
+    PyErr_Restore(et, ev, etb);
+}
+
+#define COMPUTE_MAX 16
+
+/* compute_fast(name, fn, reads, writes, Recipe): ca.compute's common path (see above); (fn's
+ * result,), or None when the call is not one it takes (nothing has been done then). */
+static PyObject *
+compute_fast(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "compute_fast(name, fn, reads, writes, Recipe)");
+        return NULL;
+    }
+    PyObject *name = args[0], *fn = args[1], *reads = args[2], *writes = args[3];
+    if (view_cls == NULL || !PyCallable_Check(fn) ||
+            !(PyTuple_CheckExact(reads) || PyList_CheckExact(reads)) ||
+            !(PyTuple_CheckExact(writes) || PyList_CheckExact(writes)))
+        Py_RETURN_NONE;
+    Py_ssize_t nr = PySequence_Fast_GET_SIZE(reads), nw = PySequence_Fast_GET_SIZE(writes);
+    Py_ssize_t n = nr + nw;
+    if (n == 0 || n > COMPUTE_MAX)
+        Py_RETURN_NONE;
+    PyObject *ops[COMPUTE_MAX], *views[COMPUTE_MAX] = {NULL}, *held[COMPUTE_MAX];
+    PyObject *m = NULL, *res = NULL, *argl = NULL, *robjs = NULL, *wobjs = NULL, *partial = NULL,
+             *scope = NULL, *recipe = NULL, *lock = NULL, *policy = NULL, *scopes = NULL, *t;
+    Py_ssize_t n_held = 0, n_scope = 0, n_views = 0;
+    int taken = 0, locked = 0, opened = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *x = i < nr ? PySequence_Fast_GET_ITEM(reads, i)
+                             : PySequence_Fast_GET_ITEM(writes, i - nr);
+        ops[i] = Py_NewRef(x);                   /* fn may change the lists it was given */
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *x = ops[i];
+        if (x == Py_None)
+            continue;
+        if (Py_TYPE(x) != view_cls)
+            goto done;
+        PyObject *obj = SLOT(x, off_obj), *xm = SLOT(x, off_m);
+        if (obj == NULL || !PyObject_TypeCheck(obj, &ObjectRecordType) || xm == NULL ||
+                SLOT(x, off_shape) == NULL || SLOT(x, off_dtype) == NULL ||
+                SLOT(x, off_strides) == NULL || SLOT(x, off_offset) == NULL)
+            goto done;
+        if (m == NULL)
+            m = xm;
+        else if (xm != m)
+            goto done;
+        n_scope++;
+    }
+    if (m == NULL)
+        goto done;
+
+    /* the recipe: each operand's (id, is_write, dtype, shape, strides, offset) */
+    if ((argl = PyList_New(n)) == NULL || (robjs = PyList_New(0)) == NULL ||
+            (wobjs = PyList_New(0)) == NULL || (partial = PyList_New(0)) == NULL ||
+            (scope = PyTuple_New(n_scope)) == NULL)
+        goto error;
+    for (Py_ssize_t i = 0, k = 0; i < n; i++) {
+        PyObject *x = ops[i];
+        if (x == Py_None) {
+            PyList_SET_ITEM(argl, i, Py_NewRef(Py_None));
+            continue;
+        }
+        ObjectRecord *obj = (ObjectRecord *)SLOT(x, off_obj);
+        int write = i >= nr;
+        if (obj->id == NULL)
+            goto done;
+        if (write) {
+            int c = covers(x, obj);
+            if (c < 0)
+                goto done;
+            if (!c && PyList_Append(partial, obj->id) < 0)
+                goto error;
+        }
+        PyObject *a = PyTuple_Pack(6, obj->id, write ? Py_True : Py_False, SLOT(x, off_dtype),
+                                   SLOT(x, off_shape), SLOT(x, off_strides),
+                                   SLOT(x, off_offset));
+        if (a == NULL)
+            goto error;
+        PyList_SET_ITEM(argl, i, a);
+        if (PyList_Append(write ? wobjs : robjs, (PyObject *)obj) < 0)
+            goto error;
+        PyObject *h = PyTuple_Pack(2, (PyObject *)obj, SLOT(x, off_shape));
+        if (h == NULL)
+            goto error;
+        PyTuple_SET_ITEM(scope, k++, h);
+    }
+    Py_SETREF(partial, PyList_AsTuple(partial));
+    if (partial == NULL)
+        goto error;
+    PyObject *ra[7] = {name, fn, argl, Py_None, Py_None, Py_None, partial};
+    if ((recipe = PyObject_Vectorcall(args[4], ra, 7, NULL)) == NULL)
+        goto error;
+
+    /* Manager.acquire(reads, writes, name, None, recipe) */
+    if ((lock = getf(m, K_MANAGER, M_LOCK, s_lock)) == NULL || lock_call(lock, 1) < 0)
+        goto error;
+    locked = 1;
+    if ((policy = getf(m, K_MANAGER, M_POLICY, s_policy)) == NULL)
+        goto error;
+    int busy = run_busy(m, policy);
+    if (busy == 0)
+        busy = attr_true(m, s_recomputing);
+    if (busy < 0)
+        goto error;
+    if (busy)
+        goto done;
+    int pending = manager_true(m, M_DEFERRED);
+    if (pending < 0)
+        goto error;
+    if (pending) {
+        if ((t = drain(module, m)) == NULL)
+            goto error;
+        Py_DECREF(t);
+        Py_SETREF(policy, getf(m, K_MANAGER, M_POLICY, s_policy));
+        if (policy == NULL)
+            goto error;
+    }
+    taken = 1;
+    for (int pass = 0; pass < 2; pass++) {
+        PyObject *list = pass ? wobjs : robjs;
+        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(list); i++) {
+            PyObject *o = PyList_GET_ITEM(list, i);
+            if (pin_live(m, o) < 0)
+                goto error;
+            held[n_held++] = o;
+            if (pass == 0) {
+                if (policy_hook(policy, HOOK_READ_USE, s_read_use, o) < 0)
+                    goto error;
+            } else if ((t = PyObject_CallMethodOneArg(policy, s_write_use, o)) == NULL) {
+                goto error;
+            } else {
+                Py_DECREF(t);
+            }
+        }
+    }
+    if (PyList_GET_SIZE(wobjs)) {
+        if ((t = PyObject_CallMethodObjArgs(recipe, s_record, robjs, wobjs, NULL)) == NULL)
+            goto error;
+        Py_DECREF(t);
+    }
+    if (lock_call(lock, 0) < 0)
+        goto error;
+    locked = 0;
+
+    /* the views (reads read-only), the open scope, the kernel */
+    for (Py_ssize_t i = 0; i < n; i++, n_views++)
+        if ((views[i] = ops[i] == Py_None ? Py_NewRef(Py_None)
+                                          : operand_view(ops[i], i < nr)) == NULL)
+            goto error;
+    if ((scopes = PyObject_GetAttr(m, s_scopes)) == NULL)
+        goto error;
+    PyObject *ident = PyLong_FromUnsignedLong(PyThread_get_thread_ident());
+    PyObject *entry = ident == NULL ? NULL : PyTuple_Pack(2, ident, scope);
+    Py_XDECREF(ident);
+    if (entry == NULL || PyObject_SetItem(scopes, recipe, entry) < 0) {
+        Py_XDECREF(entry);
+        goto error;
+    }
+    Py_DECREF(entry);
+    opened = 1;
+    PyObject *out = PyObject_Vectorcall(fn, views, n, NULL);
+    if (out == NULL) {                       /* half written: no recipe describes it */
+        PyObject *et, *ev, *etb;
+        PyErr_Fetch(&et, &ev, &etb);
+        PyObject *msg = PyUnicode_FromFormat("kernel %R raised an exception while writing it",
+                                             name);
+        PyObject *chain = msg == NULL ? NULL : PyTuple_Pack(1, msg);
+        Py_XDECREF(msg);
+        if (chain == NULL)
+            PyErr_WriteUnraisable(fn);
+        else
+            for (Py_ssize_t i = 0; i < PyList_GET_SIZE(wobjs); i++)
+                set_field(&((ObjectRecord *)PyList_GET_ITEM(wobjs, i))->chain, chain);
+        Py_XDECREF(chain);
+        PyErr_Restore(et, ev, etb);
+        goto error;
+    }
+    res = PyTuple_Pack(1, out);
+    Py_DECREF(out);
+    goto done;
+
+error:
+    taken = 1;
+done:
+    if (opened) {                            /* Manager.scope_closed */
+        PyObject *et, *ev, *etb;
+        PyErr_Fetch(&et, &ev, &etb);
+        t = PyObject_CallMethodObjArgs(scopes, s_pop, recipe, Py_None, NULL);
+        if (t == NULL)
+            PyErr_WriteUnraisable(scopes);
+        Py_XDECREF(t);
+        PyErr_Restore(et, ev, etb);
+    }
+    for (Py_ssize_t i = 0; i < n_views; i++)
+        Py_XDECREF(views[i]);
+    if (locked) {
+        if (n_held) {
+            unpin_all(held, n_held);
+            n_held = 0;
+        }
+        PyObject *et, *ev, *etb;
+        PyErr_Fetch(&et, &ev, &etb);
+        if (lock_call(lock, 0) < 0)
+            PyErr_WriteUnraisable(lock);
+        PyErr_Restore(et, ev, etb);
+    }
+    if (n_held)
+        release_pins(m, lock, held, n_held);
+    for (Py_ssize_t i = 0; i < n; i++)
+        Py_DECREF(ops[i]);
+    Py_XDECREF(argl); Py_XDECREF(robjs); Py_XDECREF(wobjs); Py_XDECREF(partial);
+    Py_XDECREF(scope); Py_XDECREF(recipe); Py_XDECREF(lock); Py_XDECREF(policy);
+    Py_XDECREF(scopes);
+    if (!taken && !PyErr_Occurred())
+        Py_RETURN_NONE;
+    return res;
+}
+
 static PyMethodDef records_methods[] = {
     {"bind", (PyCFunction)(void (*)(void))bind, METH_FASTCALL,
      "bind(alloc_address, free_address, Region, Object): the native heap's alloc and free "
      "functions and the manager's record classes, for create_fast and drain."},
+    {"compute_fast", (PyCFunction)(void (*)(void))compute_fast, METH_FASTCALL,
+     "compute_fast(name, fn, reads, writes, Recipe): ca.compute's common path; (fn's result,), "
+     "or None when not taken."},
     {"create_fast", (PyCFunction)(void (*)(void))create_fast, METH_FASTCALL,
      "create_fast(manager, nbytes): Manager._create_fast."},
     {"drain", (PyCFunction)drain, METH_O, "drain(manager): Manager._drain."},

@@ -24,6 +24,7 @@ class FastOnly(Policy):
 
     name = "fastonly"
     honours_prefetch = False
+    fast_first = True       # allocate is alloc_fast or an error: new arrays may take the C path
 
     def allocate(self, nbytes):
         obj = self.alloc_fast(nbytes)

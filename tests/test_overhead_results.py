@@ -101,6 +101,26 @@ def test_lru_without_local_alloc_keeps_its_placement(make_manager):
     assert set((x + y).object.regions) == {"fast"}
 
 
+def test_fast_only_puts_new_arrays_in_fast_memory_in_c_and_still_refuses_what_does_not_fit(
+        monkeypatch):
+    """FastOnly's allocate is alloc_fast or an error, so new arrays take the C path; the
+    policy's own error still names the problem when fast memory is full."""
+    from cachedarrays.policies import FastOnly
+
+    assert FastOnly.fast_first
+    calls = []
+    real = ca.Manager.create
+    monkeypatch.setattr(ca.Manager, "create", lambda self, *a: (calls.append(a), real(self, *a))[1])
+    with ca.Manager(fast="64KiB", slow="1MiB", policy="fastonly") as m:
+        x = ca.empty((16, 16), manager=m)
+        y = x + 1
+        assert calls == [] and x.device == y.device == "fast"
+        assert m.isdirty(y.object.primary)
+        with pytest.raises(ca.OutOfMemoryError, match="FastOnly policy: .* does not fit"):
+            ca.empty(1 << 20, manager=m)
+        m.check()
+
+
 def test_quick_heap_calls_refuse_a_double_free(m):
     heap = m.fast.heap
     off = heap.quick_alloc(100, 10 ** 9)

@@ -1,0 +1,222 @@
+"""ca.compute's common call runs in C (native/records.c, compute_fast). It must leave exactly
+the state the Python path leaves: pins, versions, lineage (the recipes and what they recorded),
+dirty bits, the policy's order, open scopes, the data, and the same errors."""
+
+import threading
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import cachedarrays as ca
+from cachedarrays import scopes
+from cachedarrays.errors import UseAfterFreeError
+
+SHAPE = (6, 4)
+
+
+def _read(a):
+    with ca.readable(a) as v:
+        return np.array(v)
+
+
+def _python_path(monkeypatch):
+    monkeypatch.setattr(scopes, "_compute_fast", lambda *args: None)
+
+
+def _recipe_state(r):
+    return (r.name, r.args, r.partial, tuple(r.reads), tuple(r.versions), tuple(r.writes),
+            r.rng, r.touched)
+
+
+def _state(m, arrays):
+    """Everything ca.compute may change, as plain values."""
+    out = []
+    for a in arrays:
+        o = a.object
+        chain = o.chain
+        if isinstance(chain, list):
+            chain = [_recipe_state(r) for r in chain]
+        with ca.readable(a) as v:
+            data = v.tobytes()
+        p = o.primary
+        out.append((o.id, o.version, chain, o._pins, p.device.name, p._dirty, data))
+    policy = m.policy
+    order = list(policy.recent) if hasattr(policy, "recent") else None
+    return out, order, dict(m._scopes), m.telemetry.snapshot() if hasattr(
+        m.telemetry, "snapshot") else None
+
+
+def _views(base):
+    """The operands a program may pass: whole arrays, a row slice (a partial write), the
+    transpose (F order: a write through it covers the array), or nothing."""
+    return [base[0], base[1], base[2], base[0][1:4], base[1].T, None]
+
+
+def _kernel(k, fail):
+    def fn(*views):
+        total = float(k)
+        for v in views:
+            if v is not None and not v.flags.writeable:
+                total += float(v.sum())
+        for v in views:
+            if v is not None and v.flags.writeable:
+                v[...] = total
+                total += 1.0
+                if fail:
+                    raise ValueError(f"kernel {k} failed")
+        return total
+    return fn
+
+
+def _run(program, policy, fast_path, monkeypatch):
+    if not fast_path:
+        _python_path(monkeypatch)
+    try:
+        with ca.Manager(fast="64KiB", slow="1MiB", policy=policy) as m:
+            base = [ca.full(SHAPE, float(i), manager=m) for i in range(3)]
+            ops = _views(base)
+            results = []
+            for k, (reads, writes, fail, as_list) in enumerate(program):
+                r = [ops[i] for i in reads]
+                w = [ops[i] for i in writes]
+                if not as_list:
+                    r, w = tuple(r), tuple(w)
+                try:
+                    results.append(ca.compute(f"k{k % 3}", _kernel(k, fail), r, w))
+                except ValueError as e:
+                    results.append(str(e))
+            m.check()
+            return results, _state(m, base)
+    finally:
+        monkeypatch.undo()
+
+
+_step = st.tuples(st.lists(st.integers(0, 5), max_size=3), st.lists(st.integers(0, 5), max_size=2),
+                  st.booleans(), st.booleans())
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(program=st.lists(_step, min_size=1, max_size=12), policy=st.sampled_from(["lru", "fastonly"]))
+def test_the_c_path_leaves_the_state_the_python_path_leaves(program, policy, monkeypatch):
+    assert _run(program, policy, True, monkeypatch) == _run(program, policy, False, monkeypatch)
+
+
+def test_the_common_call_does_not_go_through_manager_acquire(monkeypatch):
+    """The dispatch itself: a plain call takes the C path; a manager with an observer (a trace)
+    takes Manager.acquire, which the observer needs."""
+    with ca.Manager(fast="64KiB", slow="1MiB") as m:
+        x, y = ca.ones(8, manager=m), ca.empty(8, manager=m)
+        calls = []
+        real = type(m).acquire
+        monkeypatch.setattr(type(m), "acquire", lambda self, *a, **k: (calls.append(a[2]),
+                                                                       real(self, *a, **k))[1])
+        ca.compute("double", lambda a, b: np.multiply(a, 2, out=b), (x,), (y,))
+        assert calls == []
+        with ca.trace(m):
+            ca.compute("double", lambda a, b: np.multiply(a, 2, out=b), (x,), (y,))
+        assert calls == ["double"]
+        assert _read(y).tolist() == [2.0] * 8
+
+
+def test_read_views_cannot_be_made_writable_and_write_views_are_writable():
+    with ca.Manager(fast="64KiB", slow="1MiB") as m:
+        x, y = ca.ones(8, manager=m), ca.empty(8, manager=m)
+
+        def fn(a, b):
+            assert not a.flags.writeable and b.flags.writeable
+            with pytest.raises(ValueError):
+                a.flags.writeable = True
+            b[...] = a + 1
+
+        ca.compute("k", fn, (x,), (y,))
+        assert _read(y).tolist() == [2.0] * 8
+
+
+@pytest.mark.parametrize("fast_path", [True, False])
+def test_a_kernel_that_raises_leaves_nothing_pinned_and_marks_its_writes(fast_path, monkeypatch):
+    if not fast_path:
+        _python_path(monkeypatch)
+    with ca.Manager(fast="64KiB", slow="1MiB") as m:
+        x, y = ca.ones(8, manager=m), ca.empty(8, manager=m)
+        err = KeyError("boom")
+
+        def fn(a, b):
+            raise err
+
+        with pytest.raises(KeyError) as info:
+            ca.compute("bad", fn, (x,), (y,))
+        assert info.value is err
+        assert x.object._pins == y.object._pins == 0 and m._scopes == {}
+        assert y.object.chain == ("kernel 'bad' raised an exception while writing it",)
+        assert isinstance(x.object.chain, type(None))
+        assert m.why_not_regenerable(y) is not None
+
+
+@pytest.mark.parametrize("fast_path", [True, False])
+def test_a_freed_operand_raises_the_same_error(fast_path, monkeypatch):
+    if not fast_path:
+        _python_path(monkeypatch)
+    with ca.Manager(fast="64KiB", slow="1MiB") as m:
+        x, y = ca.ones(8, manager=m), ca.empty(8, manager=m)
+        ca.unsafe_free(x)
+        with pytest.raises(UseAfterFreeError, match=r"object \d+ \(64 B\) was freed"):
+            ca.compute("k", lambda a, b: None, (x,), (y,))
+        assert y.object._pins == 0 and m._scopes == {}
+
+
+def test_a_kernel_may_change_the_lists_it_was_given_and_nest_another():
+    with ca.Manager(fast="64KiB", slow="1MiB") as m:
+        x, y, z = ca.ones(8, manager=m), ca.empty(8, manager=m), ca.empty(8, manager=m)
+        reads, writes = [x], [y]
+
+        def inner(a, c):
+            c[...] = a * 3
+
+        def outer(a, b):
+            reads.clear()
+            writes.append(None)
+            b[...] = a + 1
+            ca.compute("inner", inner, (y,), (z,))     # y is pinned twice meanwhile
+            return "done"
+
+        assert ca.compute("outer", outer, reads, writes) == "done"
+        assert _read(z).tolist() == [6.0] * 8
+        assert {o._pins for o in (x.object, y.object, z.object)} == {0}
+        assert [r.name for r in z.object.chain] == ["inner"]
+
+
+def test_threads_computing_on_shared_arrays_leave_every_pin_released():
+    with ca.Manager(fast="1MiB", slow="4MiB") as m:
+        src = ca.ones(1000, manager=m)
+        outs = [ca.empty(1000, manager=m) for _ in range(4)]
+        errors = []
+
+        def work(out):
+            try:
+                for _ in range(300):
+                    ca.compute("inc", lambda a, b: np.add(a, 1, out=b), (src,), (out,))
+            except BaseException as e:      # pragma: no cover - reported below
+                errors.append(e)
+
+        threads = [threading.Thread(target=work, args=(o,)) for o in outs]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert errors == []
+        assert src.object._pins == 0 and all(o.object._pins == 0 for o in outs)
+        assert all(o.object.version == 300 for o in outs) and m._scopes == {}
+        m.check()
+
+
+def test_a_closed_manager_and_mixed_managers_get_the_python_paths_errors():
+    m, m2 = ca.Manager(fast="64KiB", slow="1MiB"), ca.Manager(fast="64KiB", slow="1MiB")
+    x, y = ca.ones(4, manager=m), ca.ones(4, manager=m2)
+    with pytest.raises(ValueError, match="different managers"):
+        ca.compute("k", lambda a, b: None, (x,), (y,))
+    m.close()
+    with pytest.raises(ca.CachedArraysError, match="closed"):
+        ca.compute("k", lambda a: None, (x,), ())
+    m2.close()
