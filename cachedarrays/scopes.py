@@ -10,6 +10,8 @@ from .layout import c_strides, contiguous_strides
 from .pinning import PinnedView, acquire_grouped, release_grouped
 from .lineage import Recipe, capture_rng
 from ._records import compute_fast as _compute_fast
+from ._records import kernel_enter as _kernel_enter
+from ._records import kernel_exit as _kernel_exit
 
 
 def _checked(x):
@@ -59,6 +61,11 @@ class access:
         self.touched = None
 
     def __enter__(self):
+        if self.touched is None:
+            got = _kernel_enter(self, self.name, self.reads, self.writes)   # in C, the common
+            if got is not None:                                             # case
+                self.done = got[1]                # (manager, pinned objects)
+                return got[0]
         r = [a._obj for a in self.reads if a is not None]
         w = [a._obj for a in self.writes if a is not None]
         self.done = acquire_grouped(r, w, self.name, self.touched)
@@ -76,6 +83,9 @@ class access:
             raise
 
     def __exit__(self, *exc):
+        if type(self.done) is tuple:
+            _kernel_exit(self, *self.done)
+            return
         for m, _ in self.done:
             m.scope_closed(self)
         release_grouped(self.done)

@@ -2649,6 +2649,224 @@ out:
 
 #define COMPUTE_MAX 16
 
+/* The operands of a kernel taken in C (ca.compute's and ca.kernel's common calls). */
+typedef struct {
+    PyObject *ops[COMPUTE_MAX];              /* reads then writes: None or CachedArray (held) */
+    Py_ssize_t n, nr;
+    PyObject *m;                             /* their manager (borrowed from an operand) */
+    PyObject *robjs, *wobjs;                 /* lists of the objects read and written */
+    PyObject *scope;                         /* ((object, shape), ...) for Manager._scopes */
+    PyObject *lock;
+    PyObject *held[COMPUTE_MAX];             /* objects pinned (borrowed from robjs/wobjs) */
+    Py_ssize_t n_held;
+} Operands;
+
+static void
+operands_clear(Operands *o)
+{
+    for (Py_ssize_t i = 0; i < o->n; i++)
+        Py_DECREF(o->ops[i]);
+    o->n = 0;
+    Py_CLEAR(o->robjs);
+    Py_CLEAR(o->wobjs);
+    Py_CLEAR(o->scope);
+    Py_CLEAR(o->lock);
+}
+
+/* Take reads and writes (tuples or lists): 1 when every operand is None or a CachedArray (not
+ * a subclass) of one manager, with at least one array; 0 when not (nothing taken); -1 on
+ * error. Fills o (operands_clear releases it in every case). */
+static int
+operands_gather(Operands *o, PyObject *reads, PyObject *writes)
+{
+    memset(o, 0, sizeof *o);
+    if (view_cls == NULL || !(PyTuple_CheckExact(reads) || PyList_CheckExact(reads)) ||
+            !(PyTuple_CheckExact(writes) || PyList_CheckExact(writes)))
+        return 0;
+    Py_ssize_t nr = PySequence_Fast_GET_SIZE(reads), nw = PySequence_Fast_GET_SIZE(writes);
+    if (nr + nw == 0 || nr + nw > COMPUTE_MAX)
+        return 0;
+    for (Py_ssize_t i = 0; i < nr + nw; i++)     /* a kernel may change the lists it was given */
+        o->ops[o->n++] = Py_NewRef(i < nr ? PySequence_Fast_GET_ITEM(reads, i)
+                                          : PySequence_Fast_GET_ITEM(writes, i - nr));
+    o->nr = nr;
+    Py_ssize_t arrays = 0;
+    for (Py_ssize_t i = 0; i < o->n; i++) {
+        PyObject *x = o->ops[i];
+        if (x == Py_None)
+            continue;
+        if (Py_TYPE(x) != view_cls)
+            return 0;
+        PyObject *obj = SLOT(x, off_obj), *xm = SLOT(x, off_m);
+        if (obj == NULL || !PyObject_TypeCheck(obj, &ObjectRecordType) || xm == NULL ||
+                ((ObjectRecord *)obj)->id == NULL || SLOT(x, off_shape) == NULL ||
+                SLOT(x, off_dtype) == NULL || SLOT(x, off_strides) == NULL ||
+                SLOT(x, off_offset) == NULL)
+            return 0;
+        if (o->m == NULL)
+            o->m = xm;
+        else if (xm != o->m)
+            return 0;
+        arrays++;
+    }
+    if (o->m == NULL)
+        return 0;
+    if ((o->robjs = PyList_New(0)) == NULL || (o->wobjs = PyList_New(0)) == NULL ||
+            (o->scope = PyTuple_New(arrays)) == NULL)
+        return -1;
+    for (Py_ssize_t i = 0, k = 0; i < o->n; i++) {
+        PyObject *x = o->ops[i];
+        if (x == Py_None)
+            continue;
+        PyObject *obj = SLOT(x, off_obj);
+        if (PyList_Append(i < nr ? o->robjs : o->wobjs, obj) < 0)
+            return -1;
+        PyObject *h = PyTuple_Pack(2, obj, SLOT(x, off_shape));
+        if (h == NULL)
+            return -1;
+        PyTuple_SET_ITEM(o->scope, k++, h);
+    }
+    return 1;
+}
+
+/* Manager.acquire(reads, writes, name, None, recipe) for the gathered operands, when the
+ * manager has nothing under way: 1 done (every operand pinned, in o->held), 0 not taken
+ * (nothing done), -1 error (nothing left pinned). recipe NULL: the lineage of the writes
+ * breaks (each write occurrence adds one to the version and sets the chain to name). */
+static int
+operands_acquire(Operands *o, PyObject *module, PyObject *name, PyObject *recipe)
+{
+    PyObject *m = o->m, *policy = NULL, *t;
+    int rc = -1;
+    if ((o->lock = getf(m, K_MANAGER, M_LOCK, s_lock)) == NULL || lock_call(o->lock, 1) < 0)
+        return -1;
+    if ((policy = getf(m, K_MANAGER, M_POLICY, s_policy)) == NULL)
+        goto out;
+    int busy = run_busy(m, policy);
+    if (busy == 0)
+        busy = attr_true(m, s_recomputing);
+    if (busy != 0) {
+        rc = busy > 0 ? 0 : -1;
+        goto out;
+    }
+    int pending = manager_true(m, M_DEFERRED);
+    if (pending < 0)
+        goto out;
+    if (pending) {
+        if ((t = drain(module, m)) == NULL)
+            goto out;
+        Py_DECREF(t);
+        Py_SETREF(policy, getf(m, K_MANAGER, M_POLICY, s_policy));
+        if (policy == NULL)
+            goto out;
+    }
+    for (int pass = 0; pass < 2; pass++) {       /* reads, then writes, as Manager._pin_all */
+        PyObject *list = pass ? o->wobjs : o->robjs;
+        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(list); i++) {
+            PyObject *obj = PyList_GET_ITEM(list, i);
+            if (pin_live(m, obj) < 0)
+                goto unpin;
+            o->held[o->n_held++] = obj;
+            if (pass == 0) {
+                if (policy_hook(policy, HOOK_READ_USE, s_read_use, obj) < 0)
+                    goto unpin;
+            } else if ((t = PyObject_CallMethodOneArg(policy, s_write_use, obj)) == NULL) {
+                goto unpin;
+            } else {
+                Py_DECREF(t);
+            }
+        }
+    }
+    if (PyList_GET_SIZE(o->wobjs)) {
+        if (recipe != NULL) {
+            if ((t = PyObject_CallMethodObjArgs(recipe, s_record, o->robjs, o->wobjs,
+                                                NULL)) == NULL)
+                goto unpin;
+            Py_DECREF(t);
+        } else {
+            for (Py_ssize_t i = 0; i < PyList_GET_SIZE(o->wobjs); i++) {
+                ObjectRecord *w = (ObjectRecord *)PyList_GET_ITEM(o->wobjs, i);
+                PyObject *v = PyNumber_Add(w->version ? w->version : zero, one);
+                if (v == NULL)
+                    goto unpin;
+                Py_XSETREF(w->version, v);
+                set_field(&w->chain, name);
+            }
+        }
+    }
+    rc = 1;
+    goto out;
+unpin:
+    unpin_all(o->held, o->n_held);
+    o->n_held = 0;
+out:
+    Py_XDECREF(policy);
+    PyObject *et, *ev, *etb;
+    PyErr_Fetch(&et, &ev, &etb);
+    if (lock_call(o->lock, 0) < 0) {
+        if (et != NULL || rc != 1) {
+            PyErr_WriteUnraisable(o->lock);
+        } else {                                 /* cannot keep pins without the lock's word */
+            PyErr_Fetch(&et, &ev, &etb);
+            unpin_all(o->held, o->n_held);
+            o->n_held = 0;
+            rc = -1;
+        }
+    }
+    if (et != NULL)
+        PyErr_Restore(et, ev, etb);
+    return rc;
+}
+
+/* The views of the acquired operands (reads read-only) into views[0:o->n]; 0, or -1 with
+ * every view made so far released. */
+static int
+operands_views(Operands *o, PyObject **views)
+{
+    for (Py_ssize_t i = 0; i < o->n; i++) {
+        PyObject *x = o->ops[i];
+        views[i] = x == Py_None ? Py_NewRef(Py_None) : operand_view(x, i < o->nr);
+        if (views[i] == NULL) {
+            while (i--)
+                Py_CLEAR(views[i]);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* Manager.scope_opened(key, scope) for the calling thread. */
+static int
+scope_open(PyObject *m, PyObject *key, PyObject *scope)
+{
+    PyObject *scopes = PyObject_GetAttr(m, s_scopes);
+    if (scopes == NULL)
+        return -1;
+    PyObject *ident = PyLong_FromUnsignedLong(PyThread_get_thread_ident());
+    PyObject *entry = ident == NULL ? NULL : PyTuple_Pack(2, ident, scope);
+    Py_XDECREF(ident);
+    int rc = entry == NULL ? -1 : PyObject_SetItem(scopes, key, entry);
+    Py_XDECREF(entry);
+    Py_DECREF(scopes);
+    return rc;
+}
+
+/* Manager.scope_closed(key), keeping any pending exception. */
+static void
+scope_close(PyObject *m, PyObject *key)
+{
+    PyObject *et, *ev, *etb;
+    PyErr_Fetch(&et, &ev, &etb);
+    PyObject *scopes = PyObject_GetAttr(m, s_scopes);
+    PyObject *t = scopes == NULL ? NULL
+                                 : PyObject_CallMethodObjArgs(scopes, s_pop, key, Py_None, NULL);
+    if (t == NULL)
+        PyErr_WriteUnraisable(m);
+    Py_XDECREF(t);
+    Py_XDECREF(scopes);
+    PyErr_Restore(et, ev, etb);
+}
+
 /* compute_fast(name, fn, reads, writes, Recipe): ca.compute's common path (see above); (fn's
  * result,), or None when the call is not one it takes (nothing has been done then). */
 static PyObject *
@@ -2658,155 +2876,60 @@ compute_fast(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "compute_fast(name, fn, reads, writes, Recipe)");
         return NULL;
     }
-    PyObject *name = args[0], *fn = args[1], *reads = args[2], *writes = args[3];
-    if (view_cls == NULL || !PyCallable_Check(fn) ||
-            !(PyTuple_CheckExact(reads) || PyList_CheckExact(reads)) ||
-            !(PyTuple_CheckExact(writes) || PyList_CheckExact(writes)))
+    PyObject *name = args[0], *fn = args[1];
+    if (!PyCallable_Check(fn))
         Py_RETURN_NONE;
-    Py_ssize_t nr = PySequence_Fast_GET_SIZE(reads), nw = PySequence_Fast_GET_SIZE(writes);
-    Py_ssize_t n = nr + nw;
-    if (n == 0 || n > COMPUTE_MAX)
-        Py_RETURN_NONE;
-    PyObject *ops[COMPUTE_MAX], *views[COMPUTE_MAX] = {NULL}, *held[COMPUTE_MAX];
-    PyObject *m = NULL, *res = NULL, *argl = NULL, *robjs = NULL, *wobjs = NULL, *partial = NULL,
-             *scope = NULL, *recipe = NULL, *lock = NULL, *policy = NULL, *scopes = NULL, *t;
-    Py_ssize_t n_held = 0, n_scope = 0, n_views = 0;
-    int taken = 0, locked = 0, opened = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *x = i < nr ? PySequence_Fast_GET_ITEM(reads, i)
-                             : PySequence_Fast_GET_ITEM(writes, i - nr);
-        ops[i] = Py_NewRef(x);                   /* fn may change the lists it was given */
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *x = ops[i];
-        if (x == Py_None)
-            continue;
-        if (Py_TYPE(x) != view_cls)
-            goto done;
-        PyObject *obj = SLOT(x, off_obj), *xm = SLOT(x, off_m);
-        if (obj == NULL || !PyObject_TypeCheck(obj, &ObjectRecordType) || xm == NULL ||
-                SLOT(x, off_shape) == NULL || SLOT(x, off_dtype) == NULL ||
-                SLOT(x, off_strides) == NULL || SLOT(x, off_offset) == NULL)
-            goto done;
-        if (m == NULL)
-            m = xm;
-        else if (xm != m)
-            goto done;
-        n_scope++;
-    }
-    if (m == NULL)
+    Operands o;
+    PyObject *views[COMPUTE_MAX], *argl = NULL, *partial = NULL, *recipe = NULL, *res = NULL;
+    int got = operands_gather(&o, args[2], args[3]), opened = 0, have_views = 0;
+    if (got <= 0)
         goto done;
+    got = -1;
 
     /* the recipe: each operand's (id, is_write, dtype, shape, strides, offset) */
-    if ((argl = PyList_New(n)) == NULL || (robjs = PyList_New(0)) == NULL ||
-            (wobjs = PyList_New(0)) == NULL || (partial = PyList_New(0)) == NULL ||
-            (scope = PyTuple_New(n_scope)) == NULL)
-        goto error;
-    for (Py_ssize_t i = 0, k = 0; i < n; i++) {
-        PyObject *x = ops[i];
+    if ((argl = PyList_New(o.n)) == NULL || (partial = PyList_New(0)) == NULL)
+        goto done;
+    for (Py_ssize_t i = 0; i < o.n; i++) {
+        PyObject *x = o.ops[i];
         if (x == Py_None) {
             PyList_SET_ITEM(argl, i, Py_NewRef(Py_None));
             continue;
         }
         ObjectRecord *obj = (ObjectRecord *)SLOT(x, off_obj);
-        int write = i >= nr;
-        if (obj->id == NULL)
-            goto done;
+        int write = i >= o.nr;
         if (write) {
             int c = covers(x, obj);
-            if (c < 0)
+            if (c < 0) {
+                got = 0;
                 goto done;
+            }
             if (!c && PyList_Append(partial, obj->id) < 0)
-                goto error;
+                goto done;
         }
         PyObject *a = PyTuple_Pack(6, obj->id, write ? Py_True : Py_False, SLOT(x, off_dtype),
                                    SLOT(x, off_shape), SLOT(x, off_strides),
                                    SLOT(x, off_offset));
         if (a == NULL)
-            goto error;
+            goto done;
         PyList_SET_ITEM(argl, i, a);
-        if (PyList_Append(write ? wobjs : robjs, (PyObject *)obj) < 0)
-            goto error;
-        PyObject *h = PyTuple_Pack(2, (PyObject *)obj, SLOT(x, off_shape));
-        if (h == NULL)
-            goto error;
-        PyTuple_SET_ITEM(scope, k++, h);
     }
     Py_SETREF(partial, PyList_AsTuple(partial));
     if (partial == NULL)
-        goto error;
+        goto done;
     PyObject *ra[7] = {name, fn, argl, Py_None, Py_None, Py_None, partial};
     if ((recipe = PyObject_Vectorcall(args[4], ra, 7, NULL)) == NULL)
-        goto error;
-
-    /* Manager.acquire(reads, writes, name, None, recipe) */
-    if ((lock = getf(m, K_MANAGER, M_LOCK, s_lock)) == NULL || lock_call(lock, 1) < 0)
-        goto error;
-    locked = 1;
-    if ((policy = getf(m, K_MANAGER, M_POLICY, s_policy)) == NULL)
-        goto error;
-    int busy = run_busy(m, policy);
-    if (busy == 0)
-        busy = attr_true(m, s_recomputing);
-    if (busy < 0)
-        goto error;
-    if (busy)
         goto done;
-    int pending = manager_true(m, M_DEFERRED);
-    if (pending < 0)
-        goto error;
-    if (pending) {
-        if ((t = drain(module, m)) == NULL)
-            goto error;
-        Py_DECREF(t);
-        Py_SETREF(policy, getf(m, K_MANAGER, M_POLICY, s_policy));
-        if (policy == NULL)
-            goto error;
-    }
-    taken = 1;
-    for (int pass = 0; pass < 2; pass++) {
-        PyObject *list = pass ? wobjs : robjs;
-        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(list); i++) {
-            PyObject *o = PyList_GET_ITEM(list, i);
-            if (pin_live(m, o) < 0)
-                goto error;
-            held[n_held++] = o;
-            if (pass == 0) {
-                if (policy_hook(policy, HOOK_READ_USE, s_read_use, o) < 0)
-                    goto error;
-            } else if ((t = PyObject_CallMethodOneArg(policy, s_write_use, o)) == NULL) {
-                goto error;
-            } else {
-                Py_DECREF(t);
-            }
-        }
-    }
-    if (PyList_GET_SIZE(wobjs)) {
-        if ((t = PyObject_CallMethodObjArgs(recipe, s_record, robjs, wobjs, NULL)) == NULL)
-            goto error;
-        Py_DECREF(t);
-    }
-    if (lock_call(lock, 0) < 0)
-        goto error;
-    locked = 0;
 
-    /* the views (reads read-only), the open scope, the kernel */
-    for (Py_ssize_t i = 0; i < n; i++, n_views++)
-        if ((views[i] = ops[i] == Py_None ? Py_NewRef(Py_None)
-                                          : operand_view(ops[i], i < nr)) == NULL)
-            goto error;
-    if ((scopes = PyObject_GetAttr(m, s_scopes)) == NULL)
-        goto error;
-    PyObject *ident = PyLong_FromUnsignedLong(PyThread_get_thread_ident());
-    PyObject *entry = ident == NULL ? NULL : PyTuple_Pack(2, ident, scope);
-    Py_XDECREF(ident);
-    if (entry == NULL || PyObject_SetItem(scopes, recipe, entry) < 0) {
-        Py_XDECREF(entry);
-        goto error;
-    }
-    Py_DECREF(entry);
+    if ((got = operands_acquire(&o, module, name, recipe)) <= 0)
+        goto done;
+    got = -1;
+    if (operands_views(&o, views) < 0)
+        goto done;
+    have_views = 1;
+    if (scope_open(o.m, recipe, o.scope) < 0)
+        goto done;
     opened = 1;
-    PyObject *out = PyObject_Vectorcall(fn, views, n, NULL);
+    PyObject *out = PyObject_Vectorcall(fn, views, o.n, NULL);
     if (out == NULL) {                       /* half written: no recipe describes it */
         PyObject *et, *ev, *etb;
         PyErr_Fetch(&et, &ev, &etb);
@@ -2817,51 +2940,102 @@ compute_fast(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         if (chain == NULL)
             PyErr_WriteUnraisable(fn);
         else
-            for (Py_ssize_t i = 0; i < PyList_GET_SIZE(wobjs); i++)
-                set_field(&((ObjectRecord *)PyList_GET_ITEM(wobjs, i))->chain, chain);
+            for (Py_ssize_t i = 0; i < PyList_GET_SIZE(o.wobjs); i++)
+                set_field(&((ObjectRecord *)PyList_GET_ITEM(o.wobjs, i))->chain, chain);
         Py_XDECREF(chain);
         PyErr_Restore(et, ev, etb);
-        goto error;
+        goto done;
     }
     res = PyTuple_Pack(1, out);
     Py_DECREF(out);
-    goto done;
-
-error:
-    taken = 1;
 done:
-    if (opened) {                            /* Manager.scope_closed */
-        PyObject *et, *ev, *etb;
-        PyErr_Fetch(&et, &ev, &etb);
-        t = PyObject_CallMethodObjArgs(scopes, s_pop, recipe, Py_None, NULL);
-        if (t == NULL)
-            PyErr_WriteUnraisable(scopes);
-        Py_XDECREF(t);
-        PyErr_Restore(et, ev, etb);
-    }
-    for (Py_ssize_t i = 0; i < n_views; i++)
-        Py_XDECREF(views[i]);
-    if (locked) {
-        if (n_held) {
-            unpin_all(held, n_held);
-            n_held = 0;
-        }
-        PyObject *et, *ev, *etb;
-        PyErr_Fetch(&et, &ev, &etb);
-        if (lock_call(lock, 0) < 0)
-            PyErr_WriteUnraisable(lock);
-        PyErr_Restore(et, ev, etb);
-    }
-    if (n_held)
-        release_pins(m, lock, held, n_held);
-    for (Py_ssize_t i = 0; i < n; i++)
-        Py_DECREF(ops[i]);
-    Py_XDECREF(argl); Py_XDECREF(robjs); Py_XDECREF(wobjs); Py_XDECREF(partial);
-    Py_XDECREF(scope); Py_XDECREF(recipe); Py_XDECREF(lock); Py_XDECREF(policy);
-    Py_XDECREF(scopes);
-    if (!taken && !PyErr_Occurred())
+    if (opened)
+        scope_close(o.m, recipe);
+    if (have_views)
+        for (Py_ssize_t i = 0; i < o.n; i++)
+            Py_DECREF(views[i]);
+    if (o.n_held)
+        release_pins(o.m, o.lock, o.held, o.n_held);
+    operands_clear(&o);
+    Py_XDECREF(argl);
+    Py_XDECREF(partial);
+    Py_XDECREF(recipe);
+    if (got == 0 && !PyErr_Occurred())
         Py_RETURN_NONE;
     return res;
+}
+
+/* kernel_enter(key, name, reads, writes): ca.kernel's __enter__ for the common call (no
+ * touched; operands of one manager with nothing under way): pins and reports the operands,
+ * breaks the lineage of the writes and opens the scope key. Returns (views, (manager, held))
+ * with held the pinned objects, for kernel_exit, or None when not taken (nothing done). */
+static PyObject *
+kernel_enter(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "kernel_enter(key, name, reads, writes)");
+        return NULL;
+    }
+    Operands o;
+    PyObject *views[COMPUTE_MAX], *res = NULL, *list = NULL, *held = NULL;
+    int got = operands_gather(&o, args[2], args[3]);
+    if (got > 0)
+        got = operands_acquire(&o, module, args[1], NULL);
+    if (got <= 0)
+        goto done;
+    if (operands_views(&o, views) < 0)
+        goto done;
+    if ((list = PyList_New(o.n)) == NULL) {
+        for (Py_ssize_t i = 0; i < o.n; i++)
+            Py_DECREF(views[i]);
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < o.n; i++)
+        PyList_SET_ITEM(list, i, views[i]);
+    if ((held = PyTuple_New(o.n_held)) == NULL)
+        goto done;
+    for (Py_ssize_t i = 0; i < o.n_held; i++)
+        PyTuple_SET_ITEM(held, i, Py_NewRef(o.held[i]));
+    if (scope_open(o.m, args[0], o.scope) < 0)
+        goto done;
+    PyObject *exit_args = PyTuple_Pack(2, o.m, held);
+    res = exit_args == NULL ? NULL : PyTuple_Pack(2, list, exit_args);
+    Py_XDECREF(exit_args);
+    if (res == NULL)
+        scope_close(o.m, args[0]);
+done:
+    if (res == NULL && o.n_held)
+        release_pins(o.m, o.lock, o.held, o.n_held);
+    operands_clear(&o);
+    Py_XDECREF(list);
+    Py_XDECREF(held);
+    if (got == 0 && !PyErr_Occurred())
+        Py_RETURN_NONE;
+    return res;
+}
+
+/* kernel_exit(key, manager, held): ca.kernel's __exit__ after kernel_enter: closes the scope
+ * and releases the pins (Manager.scope_closed and Manager.release). */
+static PyObject *
+kernel_exit(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3 || !PyTuple_CheckExact(args[2]) || PyTuple_GET_SIZE(args[2]) > COMPUTE_MAX) {
+        PyErr_SetString(PyExc_TypeError, "kernel_exit(key, manager, held: tuple)");
+        return NULL;
+    }
+    PyObject *m = args[1], *lock = getf(m, K_MANAGER, M_LOCK, s_lock);
+    if (lock == NULL)
+        return NULL;
+    scope_close(m, args[0]);
+    Py_ssize_t n = PyTuple_GET_SIZE(args[2]);
+    PyObject *held[COMPUTE_MAX];
+    for (Py_ssize_t i = 0; i < n; i++)
+        held[i] = PyTuple_GET_ITEM(args[2], i);
+    release_pins(m, lock, held, n);
+    Py_DECREF(lock);
+    if (PyErr_Occurred())
+        return NULL;
+    Py_RETURN_NONE;
 }
 
 static PyMethodDef records_methods[] = {
@@ -2871,6 +3045,11 @@ static PyMethodDef records_methods[] = {
     {"compute_fast", (PyCFunction)(void (*)(void))compute_fast, METH_FASTCALL,
      "compute_fast(name, fn, reads, writes, Recipe): ca.compute's common path; (fn's result,), "
      "or None when not taken."},
+    {"kernel_enter", (PyCFunction)(void (*)(void))kernel_enter, METH_FASTCALL,
+     "kernel_enter(key, name, reads, writes): ca.kernel's common __enter__; (views, (manager, "
+     "held)), or None when not taken."},
+    {"kernel_exit", (PyCFunction)(void (*)(void))kernel_exit, METH_FASTCALL,
+     "kernel_exit(key, manager, held): ca.kernel's __exit__ after kernel_enter."},
     {"create_fast", (PyCFunction)(void (*)(void))create_fast, METH_FASTCALL,
      "create_fast(manager, nbytes): Manager._create_fast."},
     {"drain", (PyCFunction)drain, METH_O, "drain(manager): Manager._drain."},

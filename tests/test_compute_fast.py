@@ -1,6 +1,7 @@
-"""ca.compute's common call runs in C (native/records.c, compute_fast). It must leave exactly
-the state the Python path leaves: pins, versions, lineage (the recipes and what they recorded),
-dirty bits, the policy's order, open scopes, the data, and the same errors."""
+"""ca.compute's and ca.kernel's (ca.access's) common calls run in C (native/records.c,
+compute_fast, kernel_enter, kernel_exit). They must leave exactly the state the Python paths
+leave: pins, versions, lineage (the recipes and what they recorded), dirty bits, the policy's
+order, open scopes, the data, and the same errors."""
 
 import threading
 
@@ -23,6 +24,7 @@ def _read(a):
 
 def _python_path(monkeypatch):
     monkeypatch.setattr(scopes, "_compute_fast", lambda *args: None)
+    monkeypatch.setattr(scopes, "_kernel_enter", lambda *args: None)
 
 
 def _recipe_state(r):
@@ -78,13 +80,19 @@ def _run(program, policy, fast_path, monkeypatch):
             base = [ca.full(SHAPE, float(i), manager=m) for i in range(3)]
             ops = _views(base)
             results = []
-            for k, (reads, writes, fail, as_list) in enumerate(program):
+            for k, (reads, writes, fail, as_list, how) in enumerate(program):
                 r = [ops[i] for i in reads]
                 w = [ops[i] for i in writes]
                 if not as_list:
                     r, w = tuple(r), tuple(w)
                 try:
-                    results.append(ca.compute(f"k{k % 3}", _kernel(k, fail), r, w))
+                    if how == "compute":
+                        results.append(ca.compute(f"k{k % 3}", _kernel(k, fail), r, w))
+                    else:
+                        scope = ca.kernel(f"k{k % 3}", r, w) if how == "kernel" else \
+                            ca.access(r, w)
+                        with scope as views:
+                            results.append(_kernel(k, fail)(*views))
                 except ValueError as e:
                     results.append(str(e))
             m.check()
@@ -94,7 +102,7 @@ def _run(program, policy, fast_path, monkeypatch):
 
 
 _step = st.tuples(st.lists(st.integers(0, 5), max_size=3), st.lists(st.integers(0, 5), max_size=2),
-                  st.booleans(), st.booleans())
+                  st.booleans(), st.booleans(), st.sampled_from(["compute", "kernel", "access"]))
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -118,6 +126,32 @@ def test_the_common_call_does_not_go_through_manager_acquire(monkeypatch):
             ca.compute("double", lambda a, b: np.multiply(a, 2, out=b), (x,), (y,))
         assert calls == ["double"]
         assert _read(y).tolist() == [2.0] * 8
+
+
+def test_a_plain_kernel_scope_does_not_go_through_manager_acquire(monkeypatch):
+    with ca.Manager(fast="64KiB", slow="1MiB") as m:
+        x, y = ca.ones(8, manager=m), ca.empty(8, manager=m)
+        calls = []
+        real = type(m).acquire
+        monkeypatch.setattr(type(m), "acquire", lambda self, *a, **k: (calls.append(a[2]),
+                                                                       real(self, *a, **k))[1])
+        with ca.kernel("double", (x,), (y,)) as (a, b):
+            assert x.object._pins == y.object._pins == 1 and len(m._scopes) == 1
+            np.multiply(a, 2, out=b)
+        assert x.object._pins == y.object._pins == 0 and m._scopes == {}
+        assert calls == [] and y.object.chain == "double" and y.object.version == 1
+        with ca.kernel("gather", (x,), (y,), touched=[(x, 8)]) as (a, b):  # the Python path
+            b[...] = a
+        with ca.trace(m):
+            with ca.kernel("double", (x,), (y,)) as (a, b):
+                np.multiply(a, 2, out=b)
+        assert calls == ["gather", "double"]
+        with pytest.raises(RuntimeError, match="inside"):
+            with ca.access((x,), (y,)) as (a, b):
+                assert not a.flags.writeable and b.flags.writeable
+                raise RuntimeError("inside")
+        assert x.object._pins == y.object._pins == 0 and m._scopes == {}
+        assert y.object.chain == "access" and y.object.version == 4
 
 
 def test_read_views_cannot_be_made_writable_and_write_views_are_writable():
