@@ -23,6 +23,7 @@ from ._records import ManagerRecord, ObjectRecord, RegionRecord
 from ._records import bind as _bind_records
 from ._records import create_fast as _create_fast
 from ._records import drain as _drain
+from ._records import free_fast as _free_fast
 from ._records import object as _new_object
 from ._records import region as _new_region
 from .devices import DRAM, Device, SlowDevice, VirtualDevice
@@ -661,6 +662,8 @@ class Manager(ManagerRecord):
 
     def free_object(self, obj):
         """Free every region of obj now (the policy's unsafe_free). Later use raises."""
+        if _free_fast(self, obj):        # in C: one region on a heap, nothing else under way
+            return
         with self._lock:
             if obj.freed:
                 raise UseAfterFreeError(f"object {obj.id} ({format_size(obj.nbytes)}) was "

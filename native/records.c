@@ -1025,6 +1025,93 @@ out:
     return rc;
 }
 
+/* free_fast(m, obj): Manager.free_object's common path: obj live, unpinned, its one region a
+ * live, non-empty primary on a heap and nothing else under way (common_heap). Returns True
+ * when it freed obj, False when the caller takes the general path (nothing done then). */
+static PyObject *drain(PyObject *module, PyObject *m);
+
+static PyObject *
+free_fast(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "free_fast(manager, obj)");
+        return NULL;
+    }
+    PyObject *m = args[0], *res = NULL, *t;
+    if (!PyObject_TypeCheck(args[1], &ObjectRecordType))
+        Py_RETURN_FALSE;
+    ObjectRecord *obj = (ObjectRecord *)args[1];
+    PyObject *lock = getf(m, K_MANAGER, M_LOCK, s_lock);
+    if (lock == NULL)
+        return NULL;
+    if ((t = PyObject_CallMethodNoArgs(lock, s_acquire)) == NULL) {
+        Py_DECREF(lock);
+        return NULL;
+    }
+    Py_DECREF(t);
+    Py_INCREF(obj);
+    PyObject *primary = obj->primary ? Py_NewRef(obj->primary) : NULL;
+    int freed = obj->freed == NULL ? 1 : PyObject_IsTrue(obj->freed);
+    int pinned = obj->pins == NULL ? 1 : PyObject_IsTrue(obj->pins);
+    if (freed < 0 || pinned < 0)
+        goto out;
+    if (freed || pinned || primary == NULL || obj->regions == NULL || obj->id == NULL) {
+        res = Py_NewRef(Py_False);                  /* the general path raises */
+        goto out;
+    }
+    PyObject *name = NULL, *heap = common_heap(m, obj->regions, primary, &name);
+    if (heap == NULL)
+        goto out;
+    if (heap == Py_None) {
+        res = Py_NewRef(Py_False);
+        goto out;
+    }
+    PyObject *oid = Py_NewRef(obj->id), *regions = Py_NewRef(obj->regions);
+    int rc = free_common(m, oid, (RegionRecord *)primary, heap, name);
+    Py_DECREF(heap);
+    Py_DECREF(name);
+    Py_DECREF(oid);
+    if (rc == 0) {
+        PyObject *empty = PyDict_New();
+        if (empty == NULL)
+            rc = -1;
+        else {
+            if (PyDict_Check(regions))
+                PyDict_Clear(regions);
+            set_field(&obj->freed, Py_True);
+            set_field(&obj->primary, Py_None);
+            Py_XSETREF(obj->regions, empty);
+            set_field(&obj->chain, Py_None);
+        }
+    }
+    Py_DECREF(regions);
+    if (rc < 0)
+        goto out;
+    if (manager_true(m, M_DEFERRED) > 0) {
+        if ((t = drain(module, m)) == NULL)
+            goto out;
+        Py_DECREF(t);
+    }
+    if (!PyErr_Occurred())
+        res = Py_NewRef(Py_True);
+out:
+    Py_XDECREF(primary);
+    Py_DECREF(obj);
+    PyObject *et, *ev, *etb;
+    PyErr_Fetch(&et, &ev, &etb);
+    if ((t = PyObject_CallMethodNoArgs(lock, s_release_lock)) == NULL) {
+        if (et != NULL)
+            PyErr_WriteUnraisable(lock);
+        else
+            Py_CLEAR(res);
+    }
+    Py_XDECREF(t);
+    Py_DECREF(lock);
+    if (et != NULL)
+        PyErr_Restore(et, ev, etb);
+    return res;
+}
+
 /* drain(m): Manager._drain. Entries that do not take the common path go to m._release. */
 static PyObject *
 drain(PyObject *module, PyObject *m)
@@ -3050,6 +3137,8 @@ static PyMethodDef records_methods[] = {
      "held)), or None when not taken."},
     {"kernel_exit", (PyCFunction)(void (*)(void))kernel_exit, METH_FASTCALL,
      "kernel_exit(key, manager, held): ca.kernel's __exit__ after kernel_enter."},
+    {"free_fast", (PyCFunction)(void (*)(void))free_fast, METH_FASTCALL,
+     "free_fast(manager, obj): Manager.free_object's common path; False when not taken."},
     {"create_fast", (PyCFunction)(void (*)(void))create_fast, METH_FASTCALL,
      "create_fast(manager, nbytes): Manager._create_fast."},
     {"drain", (PyCFunction)drain, METH_O, "drain(manager): Manager._drain."},

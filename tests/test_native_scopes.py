@@ -1,7 +1,8 @@
-"""ca.compute's and ca.kernel's (ca.access's) common calls run in C (native/records.c,
-compute_fast, kernel_enter, kernel_exit). They must leave exactly the state the Python paths
-leave: pins, versions, lineage (the recipes and what they recorded), dirty bits, the policy's
-order, open scopes, the data, and the same errors."""
+"""ca.compute's and ca.kernel's (ca.access's) common calls and Manager.free_object's run in C
+(native/records.c: compute_fast, kernel_enter, kernel_exit, free_fast). They must leave exactly
+the state the Python paths leave: pins, versions, lineage (the recipes and what they recorded),
+dirty bits, the policy's order, open scopes, heaps and telemetry, the data, and the same
+errors."""
 
 import threading
 
@@ -11,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import cachedarrays as ca
+from cachedarrays import manager as manager_module
 from cachedarrays import scopes
 from cachedarrays.errors import UseAfterFreeError
 
@@ -254,3 +256,74 @@ def test_a_closed_manager_and_mixed_managers_get_the_python_paths_errors():
     with pytest.raises(ca.CachedArraysError, match="closed"):
         ca.compute("k", lambda a: None, (x,), ())
     m2.close()
+
+
+# ---- frees -------------------------------------------------------------------------------------
+
+def _free_state(m, arrays):
+    stats = {name: {k: v for k, v in dev.stats().items()} for name, dev in m.devices.items()}
+    order = list(m.policy.recent) if hasattr(m.policy, "recent") else None
+    def region(r):
+        return None if r is None else (r.device.name, r.offset, r.nbytes, r.freed, r._dirty)
+
+    objs = [(a.object.id, a.object.freed, region(a.object.primary),
+             {k: region(r) for k, r in a.object.regions.items()}, a.object.chain)
+            for a in arrays]
+    live = sorted(o.id for o in m.objects())
+    counts = {k: v for k, v in m.stats().items() if not k.endswith("_seconds")}  # timings
+    return stats, order, objs, live, counts
+
+
+def _free_program(program, policy, fast_path, monkeypatch):
+    if not fast_path:
+        monkeypatch.setattr(manager_module, "_free_fast", lambda m, obj: False)
+    try:
+        with ca.Manager(fast="16KiB", slow="1MiB", policy=policy) as m:
+            arrays, live = [], []
+            for size, free in program:
+                if free and live:
+                    a = live.pop(size % len(live))
+                    ca.unsafe_free(a)
+                else:
+                    a = ca.full(size, 1.5, manager=m)
+                    arrays.append(a)
+                    live.append(a)
+                m.check()
+            return _free_state(m, arrays)
+    finally:
+        monkeypatch.undo()
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(program=st.lists(st.tuples(st.integers(0, 900), st.booleans()), min_size=1, max_size=30),
+       policy=st.sampled_from(["lru", "fastonly", "firsttouch"]))
+def test_frees_in_c_leave_the_heaps_and_records_the_python_path_leaves(program, policy,
+                                                                        monkeypatch):
+    if policy == "fastonly":
+        program = [(min(size, 100), free) for size, free in program]   # fits in fast memory
+    assert _free_program(program, policy, True, monkeypatch) == \
+        _free_program(program, policy, False, monkeypatch)
+
+
+def test_the_common_free_takes_the_c_path_and_the_rest_the_general_one(monkeypatch):
+    released = []
+    real = ca.Manager._release
+    monkeypatch.setattr(ca.Manager, "_release",
+                        lambda self, oid, *a: (released.append(oid), real(self, oid, *a))[1])
+    with ca.Manager(fast="64KiB", slow="1MiB") as m:
+        x, y, z = ca.ones(8, manager=m), ca.ones(8, manager=m), ca.ones(8, manager=m)
+        ca.unsafe_free(x)
+        assert released == [] and x.object.freed and x.object.regions == {}
+        assert x.object.primary is None and m.policy.recent.get(x.object.id, 1)
+        with pytest.raises(UseAfterFreeError):
+            ca.unsafe_free(x)
+        with ca.readable(y):
+            with pytest.raises(ca.PinnedError):
+                m.free_object(y.object)
+        ca.evict(z)
+        z.object.regions.clear()             # not one region on a heap: the general path
+        z.object.regions["slow"] = z.object.primary
+        with ca.trace(m):                    # an observer: the general path
+            ca.unsafe_free(y)
+        assert released == [y.object.id]
+        m.check()
