@@ -377,3 +377,49 @@ def test_freeing_an_operand_inside_its_kernel_is_refused_and_changes_nothing():
         assert not x.object.freed and not y.object.freed
         assert _read(y).tolist() == [1.0] * 8
         m.check()
+
+
+def test_the_c_paths_keep_no_reference_on_success_or_error():
+    """Reference counts of everything the C paths touch are unchanged after thousands of calls,
+    failed ones (a raising kernel, a freed operand) included."""
+    import gc
+    import sys
+
+    with ca.Manager(fast="4MiB", slow="4MiB") as m:
+        x, y = ca.ones(100, manager=m), ca.empty(100, manager=m)
+        dead = ca.ones(10, manager=m)
+        ca.unsafe_free(dead)
+        name, reads, writes = "counted kernel", (x,), (y,)
+
+        def fn(a, b):
+            np.add(a, 1, out=b)
+
+        def bad(a, b):
+            raise ValueError("bad")
+
+        def work(k):
+            for _ in range(k):
+                ca.compute(name, fn, reads, writes)
+                with ca.kernel(name, reads, writes):
+                    pass
+                with ca.access(list(reads), [y, None]):
+                    pass
+                with pytest.raises(ValueError):
+                    ca.compute(name, bad, reads, writes)
+                with pytest.raises(UseAfterFreeError):
+                    ca.compute(name, fn, (dead,), writes)
+                with pytest.raises(UseAfterFreeError):
+                    with ca.kernel(name, (dead,), writes):
+                        pass
+                ca.unsafe_free(ca.empty(50, manager=m))
+
+        def refs():
+            gc.collect()
+            return [sys.getrefcount(o) for o in (name, fn, bad, x, y, x.object, y.object, reads,
+                                                 writes, m, dead, dead.object)]
+        work(100)
+        before = refs()
+        work(2000)
+        assert refs() == before
+        assert x.object._pins == y.object._pins == 0 and m._scopes == {}
+        m.check()
