@@ -26,6 +26,11 @@ class FastOnly(Policy):
     honours_prefetch = False
     fast_first = True       # allocate is alloc_fast or an error: new arrays may take the C path
 
+    def new_in_fast(self, obj):
+        """Nothing to note: the new region is already dirty (see fast_first) and this policy
+        keeps no order of its own (a subclass that overrides on_fast or write_use gets the
+        general form back)."""
+
     def allocate(self, nbytes):
         obj = self.alloc_fast(nbytes)
         if obj is None:

@@ -120,6 +120,22 @@ def test_fast_only_puts_new_arrays_in_fast_memory_in_c_and_still_refuses_what_do
             ca.empty(1 << 20, manager=m)
         m.check()
 
+    class Counting(FastOnly):                # overrides a hook: new arrays report to it again
+        def __init__(self):
+            super().__init__()
+            self.writes = []
+
+        def write_use(self, obj):
+            super().write_use(obj)
+            self.writes.append(obj.id)
+
+    assert FastOnly.new_in_fast is not Policy.new_in_fast
+    assert Counting.new_in_fast is Policy.new_in_fast
+    with ca.Manager(fast="64KiB", slow="1MiB", policy=Counting()) as m:
+        x = ca.empty(8, manager=m)
+        y = x + 1
+        assert m.policy.writes == [x.object.id, y.object.id]
+
 
 def test_quick_heap_calls_refuse_a_double_free(m):
     heap = m.fast.heap
