@@ -292,6 +292,7 @@ class _Primitive:
     def __init__(self, label: str, pd, arg_ids, user_mds=None, outputs=()):
         self.label = label
         self.reorders = {}
+        self._plan = None               # ([arena bytes], ((position, is_output, reorder), ...))
         for arg, user_md in (user_mds or {}).items():
             inner = _lib.dnnl_primitive_desc_query_md(pd, api.QUERY_EXEC_ARG_MD, arg)
             if _lib.dnnl_memory_desc_equal(user_md, inner):
@@ -339,17 +340,20 @@ class _Primitive:
         if not self.reorders:
             return self._execute(arrays)
         with _dnnl_lock:
-            positions = [i for i, arg in enumerate(self.arg_ids) if arg in self.reorders]
-            views = _arena_views([self.nbytes[i] for i in positions])
+            plan = self._plan
+            if plan is None:                # positions, sizes and reorders never change
+                positions = [i for i, arg in enumerate(self.arg_ids) if arg in self.reorders]
+                plan = self._plan = ([self.nbytes[i] for i in positions],
+                                     tuple((i, *self.reorders[self.arg_ids[i]])
+                                           for i in positions))
+            views = _arena_views(plan[0])
             inner = list(arrays)
-            for i, view in zip(positions, views):
-                is_output, reorder = self.reorders[self.arg_ids[i]]
+            for (i, is_output, reorder), view in zip(plan[1], views):
                 if not is_output:
                     reorder._execute((arrays[i], view))
                 inner[i] = view
             self._execute(inner)
-            for i, view in zip(positions, views):
-                is_output, reorder = self.reorders[self.arg_ids[i]]
+            for (i, is_output, reorder), view in zip(plan[1], views):
                 if is_output:
                     reorder._execute((view, arrays[i]))
 
