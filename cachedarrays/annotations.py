@@ -277,14 +277,8 @@ def regenerate(*xs):
 def unsafe_free(*xs):
     """Free every array in xs now; later use of them (or their views) raises, and so does
     freeing one again."""
-    if len(xs) == 1 and type(xs[0]) is CachedArray:     # the common call: _each's steps
-        a = xs[0]
-        obj = a._obj
-        m = a._m
-        with m.atomic():
-            if obj.freed:
-                raise _freed_error("unsafe_free", a)
-            m.policy.unsafe_free(obj)
+    if len(xs) == 1 and type(xs[0]) is CachedArray:     # the common call: no walk
+        _policy_call("unsafe_free", xs[0], True)
         return
     _each("unsafe_free", xs, True)
 

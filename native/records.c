@@ -1025,6 +1025,27 @@ out:
     return rc;
 }
 
+/* Release the manager's lock, keeping any pending exception (a failed release is then
+ * reported as unraisable). 0, or -1 with the release's error set when none was pending. */
+static int
+unlock_keeping_error(PyObject *lock)
+{
+    PyObject *et, *ev, *etb;
+    PyErr_Fetch(&et, &ev, &etb);
+    PyObject *t = PyObject_CallMethodNoArgs(lock, s_release_lock);
+    int rc = 0;
+    if (t == NULL) {
+        if (et != NULL)
+            PyErr_WriteUnraisable(lock);
+        else
+            rc = -1;
+    }
+    Py_XDECREF(t);
+    if (et != NULL)
+        PyErr_Restore(et, ev, etb);
+    return rc;
+}
+
 /* free_fast(m, obj): Manager.free_object's common path: obj live, unpinned, its one region a
  * live, non-empty primary on a heap and nothing else under way (common_heap). Returns True
  * when it freed obj, False when the caller takes the general path (nothing done then). */
@@ -1097,18 +1118,9 @@ free_fast(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 out:
     Py_XDECREF(primary);
     Py_DECREF(obj);
-    PyObject *et, *ev, *etb;
-    PyErr_Fetch(&et, &ev, &etb);
-    if ((t = PyObject_CallMethodNoArgs(lock, s_release_lock)) == NULL) {
-        if (et != NULL)
-            PyErr_WriteUnraisable(lock);
-        else
-            Py_CLEAR(res);
-    }
-    Py_XDECREF(t);
+    if (unlock_keeping_error(lock) < 0)
+        Py_CLEAR(res);
     Py_DECREF(lock);
-    if (et != NULL)
-        PyErr_Restore(et, ev, etb);
     return res;
 }
 
@@ -1454,6 +1466,52 @@ run_busy(PyObject *m, PyObject *policy)
     return t;
 }
 
+/* With the manager's lock held: the manager's policy (a new reference in *policy) once the
+ * queue of frees is drained, when the manager has nothing under way (run_busy; with
+ * recomputing, no rerun of a recorded kernel either). 1 ready, 0 busy (*policy NULL), -1 on
+ * error. */
+static int
+ready_policy(PyObject *module, PyObject *m, int recomputing, PyObject **policy)
+{
+    PyObject *p = getf(m, K_MANAGER, M_POLICY, s_policy), *t;
+    *policy = NULL;
+    if (p == NULL)
+        return -1;
+    int busy = run_busy(m, p);
+    if (busy == 0 && recomputing)
+        busy = attr_true(m, s_recomputing);
+    int pending = busy == 0 ? manager_true(m, M_DEFERRED) : 0;
+    if (busy != 0 || pending < 0) {
+        Py_DECREF(p);
+        return busy > 0 ? 0 : -1;
+    }
+    if (pending) {
+        Py_DECREF(p);
+        if ((t = drain(module, m)) == NULL)
+            return -1;
+        Py_DECREF(t);
+        if ((p = getf(m, K_MANAGER, M_POLICY, s_policy)) == NULL)
+            return -1;
+    }
+    *policy = p;
+    return 1;
+}
+
+/* Wake a close waiting for pins to drain (the manager's condition) when the manager is
+ * closing. 0, or -1 with an exception set. */
+static int
+notify_if_closing(PyObject *m)
+{
+    int closing = manager_true(m, M_CLOSING);
+    if (closing <= 0)
+        return closing;
+    PyObject *cond = getf(m, K_MANAGER, M_COND, s_cond);
+    PyObject *t = cond == NULL ? NULL : PyObject_CallMethodNoArgs(cond, s_notify_all);
+    Py_XDECREF(cond);
+    Py_XDECREF(t);
+    return t == NULL ? -1 : 0;
+}
+
 /* run_ufunc(m, ufunc, inputs, objs, shape, dtype, strides, nbytes, short): ufunc(*inputs) into a
  * new array of nbytes the policy places, as Manager.run(kernel, objs, (), nbytes, name, short)
  * with the kernel of cachedarrays.ufuncs._new_result: the operands pinned and reported read, the
@@ -1498,24 +1556,11 @@ run_core(PyObject *module, PyObject *m, PyObject *ufunc, PyObject *inputs, PyObj
         goto out;
     Py_DECREF(t);
     locked = 1;
-    if ((policy = getf(m, K_MANAGER, M_POLICY, s_policy)) == NULL)
-        goto out;
-    int busy = run_busy(m, policy);
-    if (busy != 0) {
-        if (busy > 0)
+    int ready = ready_policy(module, m, 0, &policy);
+    if (ready <= 0) {
+        if (ready == 0)
             res = Py_NewRef(Py_NotImplemented);
         goto out;
-    }
-    int pending = manager_true(m, M_DEFERRED);
-    if (pending < 0)
-        goto out;
-    if (pending) {
-        if ((t = drain(module, m)) == NULL)
-            goto out;
-        Py_DECREF(t);
-        Py_SETREF(policy, getf(m, K_MANAGER, M_POLICY, s_policy));
-        if (policy == NULL)
-            goto out;
     }
 
     /* pin the operands and report them read */
@@ -1660,16 +1705,7 @@ kernel_done:
         unpin_all(held, n_held);
         n_held = 0;
         PyErr_Fetch(&et, &ev, &etb);
-        int closing = manager_true(m, M_CLOSING);
-        if (closing > 0) {
-            PyObject *cond = getf(m, K_MANAGER, M_COND, s_cond);
-            t = cond == NULL ? NULL : PyObject_CallMethodNoArgs(cond, s_notify_all);
-            Py_XDECREF(cond);
-            if (t == NULL)
-                closing = -1;
-            Py_XDECREF(t);
-        }
-        if (closing < 0) {
+        if (notify_if_closing(m) < 0) {
             if (et != NULL)
                 PyErr_WriteUnraisable(m);
             else
@@ -1685,20 +1721,8 @@ out:
         Py_XDECREF(views[i]);
     Py_XDECREF(new);
     Py_XDECREF(policy);
-    if (locked) {
-        PyObject *et, *ev, *etb;
-        PyErr_Fetch(&et, &ev, &etb);
-        t = PyObject_CallMethodNoArgs(lock, s_release_lock);
-        if (t == NULL) {
-            if (et != NULL)
-                PyErr_WriteUnraisable(lock);
-            else
-                Py_CLEAR(res);
-        }
-        Py_XDECREF(t);
-        if (et != NULL)
-            PyErr_Restore(et, ev, etb);
-    }
+    if (locked && unlock_keeping_error(lock) < 0)
+        Py_CLEAR(res);
     Py_DECREF(lock);
     return res;
 }
@@ -2716,16 +2740,7 @@ release_pins(PyObject *m, PyObject *lock, PyObject **held, Py_ssize_t n)
         if (general < 0)
             PyErr_WriteUnraisable(m);
         unpin_all(held, n);
-        int closing = manager_true(m, M_CLOSING);
-        if (closing > 0) {
-            PyObject *cond = getf(m, K_MANAGER, M_COND, s_cond);
-            PyObject *t = cond == NULL ? NULL : PyObject_CallMethodNoArgs(cond, s_notify_all);
-            Py_XDECREF(cond);
-            if (t == NULL)
-                closing = -1;
-            Py_XDECREF(t);
-        }
-        if (closing < 0)
+        if (notify_if_closing(m) < 0)
             PyErr_WriteUnraisable(m);
     }
     if (lock_call(lock, 0) < 0)
@@ -2758,6 +2773,19 @@ operands_clear(Operands *o)
     Py_CLEAR(o->wobjs);
     Py_CLEAR(o->scope);
     Py_CLEAR(o->lock);
+}
+
+/* Finish with o: release the pins it holds (unless the caller keeps them, keep) and its
+ * references. Returns result, or None when the call was not taken (got 0, no error). */
+static PyObject *
+operands_done(Operands *o, int got, int keep, PyObject *result)
+{
+    if (o->n_held && !keep)
+        release_pins(o->m, o->lock, o->held, o->n_held);
+    operands_clear(o);
+    if (got == 0 && !PyErr_Occurred())
+        Py_RETURN_NONE;
+    return result;
 }
 
 /* Take reads and writes (tuples or lists): 1 when every operand is None or a CachedArray (not
@@ -2827,25 +2855,10 @@ operands_acquire(Operands *o, PyObject *module, PyObject *name, PyObject *recipe
     int rc = -1;
     if ((o->lock = getf(m, K_MANAGER, M_LOCK, s_lock)) == NULL || lock_call(o->lock, 1) < 0)
         return -1;
-    if ((policy = getf(m, K_MANAGER, M_POLICY, s_policy)) == NULL)
+    int ready = ready_policy(module, m, 1, &policy);
+    if (ready <= 0) {
+        rc = ready;
         goto out;
-    int busy = run_busy(m, policy);
-    if (busy == 0)
-        busy = attr_true(m, s_recomputing);
-    if (busy != 0) {
-        rc = busy > 0 ? 0 : -1;
-        goto out;
-    }
-    int pending = manager_true(m, M_DEFERRED);
-    if (pending < 0)
-        goto out;
-    if (pending) {
-        if ((t = drain(module, m)) == NULL)
-            goto out;
-        Py_DECREF(t);
-        Py_SETREF(policy, getf(m, K_MANAGER, M_POLICY, s_policy));
-        if (policy == NULL)
-            goto out;
     }
     for (int pass = 0; pass < 2; pass++) {       /* reads, then writes, as Manager._pin_all */
         PyObject *list = pass ? o->wobjs : o->robjs;
@@ -2888,20 +2901,15 @@ unpin:
     o->n_held = 0;
 out:
     Py_XDECREF(policy);
-    PyObject *et, *ev, *etb;
-    PyErr_Fetch(&et, &ev, &etb);
-    if (lock_call(o->lock, 0) < 0) {
-        if (et != NULL || rc != 1) {
+    if (unlock_keeping_error(o->lock) < 0) {
+        if (rc != 1) {
             PyErr_WriteUnraisable(o->lock);
         } else {                                 /* cannot keep pins without the lock's word */
-            PyErr_Fetch(&et, &ev, &etb);
             unpin_all(o->held, o->n_held);
             o->n_held = 0;
             rc = -1;
         }
     }
-    if (et != NULL)
-        PyErr_Restore(et, ev, etb);
     return rc;
 }
 
@@ -3041,15 +3049,10 @@ done:
     if (have_views)
         for (Py_ssize_t i = 0; i < o.n; i++)
             Py_DECREF(views[i]);
-    if (o.n_held)
-        release_pins(o.m, o.lock, o.held, o.n_held);
-    operands_clear(&o);
     Py_XDECREF(argl);
     Py_XDECREF(partial);
     Py_XDECREF(recipe);
-    if (got == 0 && !PyErr_Occurred())
-        Py_RETURN_NONE;
-    return res;
+    return operands_done(&o, got, 0, res);
 }
 
 /* kernel_enter(key, name, reads, writes): ca.kernel's __enter__ for the common call (no
@@ -3091,14 +3094,9 @@ kernel_enter(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (res == NULL)
         scope_close(o.m, args[0]);
 done:
-    if (res == NULL && o.n_held)
-        release_pins(o.m, o.lock, o.held, o.n_held);
-    operands_clear(&o);
     Py_XDECREF(list);
     Py_XDECREF(held);
-    if (got == 0 && !PyErr_Occurred())
-        Py_RETURN_NONE;
-    return res;
+    return operands_done(&o, got, res != NULL, res);
 }
 
 /* kernel_exit(key, manager, held): ca.kernel's __exit__ after kernel_enter: closes the scope

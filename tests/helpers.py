@@ -13,7 +13,7 @@ import numpy as np
 import cachedarrays as ca
 
 __all__ = ["assert_eq", "same", "RTOL", "load_benchmark", "layered_program", "traced_training",
-           "beside_fast_only", "built_trace", "run_threads"]
+           "beside_fast_only", "built_trace", "run_threads", "close_while_calling"]
 
 
 def run_threads(work, n=4):
@@ -23,6 +23,31 @@ def run_threads(work, n=4):
         t.start()
     for t in threads:
         t.join()
+
+
+def close_while_calling(m, calls, delay, errors=Exception, rounds=100_000):
+    """Run calls() up to rounds times on another thread and close m after delay seconds.
+    Returns (the thread is still alive, the errors of the listed kinds the calls stopped with):
+    a close must neither hang nor crash the caller."""
+    import time
+
+    caught, started = [], threading.Event()
+
+    def work():
+        started.set()
+        try:
+            for _ in range(rounds):
+                calls()
+        except errors as e:
+            caught.append(e)
+
+    t = threading.Thread(target=work)
+    t.start()
+    started.wait()
+    time.sleep(delay)
+    m.close()
+    t.join(30)
+    return t.is_alive(), caught
 
 
 def load_benchmark(name):

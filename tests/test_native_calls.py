@@ -8,7 +8,6 @@ pinned or allocated."""
 import gc
 import sys
 import threading
-import time
 import warnings
 from collections import OrderedDict
 
@@ -24,7 +23,7 @@ from cachedarrays.heap import HEADER
 from cachedarrays.manager import Observer
 from cachedarrays.pinning import pop_scope, push_scope
 from cachedarrays.policies import LRU
-from helpers import run_threads
+from helpers import close_while_calling, run_threads
 
 
 @pytest.fixture
@@ -726,28 +725,17 @@ def test_closing_the_manager_while_calls_run_in_another_thread(n):
     for delay in (0.0, 0.005, 0.02):
         m = ca.Manager(fast="16MiB", slow="64MiB")
         x, y = _arr(m, np.ones(n)), _arr(m, np.ones(n))
-        errors, started = [], threading.Event()
 
-        def work():
-            started.set()
-            try:
-                for _ in range(100_000):
-                    z = x + y
-                    _ = (-z)[1:3], np.exp(x), z < 1, z.sum(), x.max(axis=0)
-                    z += y
-                    np.multiply(z, 2, out=z)
-                    z[1:3] = 0.0
-                    ca.empty(n, manager=m)
-            except UseAfterFreeError as e:
-                errors.append(e)
+        def calls():
+            z = x + y
+            _ = (-z)[1:3], np.exp(x), z < 1, z.sum(), x.max(axis=0)
+            z += y
+            np.multiply(z, 2, out=z)
+            z[1:3] = 0.0
+            ca.empty(n, manager=m)
 
-        t = threading.Thread(target=work)
-        t.start()
-        started.wait()
-        time.sleep(delay)
-        m.close()
-        t.join(30)
-        assert not t.is_alive()               # the close neither hangs nor crashes the worker
+        alive, errors = close_while_calling(m, calls, delay, UseAfterFreeError)
+        assert not alive                      # the close neither hangs nor crashes the worker
         assert len(errors) == 1                # the next call after the close says so
 
 

@@ -4,7 +4,6 @@ the state the Python paths leave: pins, versions, lineage (the recipes and what 
 dirty bits, the policy's order, open scopes, heaps and telemetry, the data, and the same
 errors."""
 
-import threading
 
 import numpy as np
 import pytest
@@ -15,6 +14,7 @@ import cachedarrays as ca
 from cachedarrays import manager as manager_module
 from cachedarrays import scopes
 from cachedarrays.errors import UseAfterFreeError
+from helpers import close_while_calling, run_threads
 
 SHAPE = (6, 4)
 
@@ -113,15 +113,21 @@ def test_the_c_path_leaves_the_state_the_python_path_leaves(program, policy, mon
     assert _run(program, policy, True, monkeypatch) == _run(program, policy, False, monkeypatch)
 
 
+def _count_acquires(monkeypatch, m):
+    """The kernel names Manager.acquire sees from now on (the Python path), in order."""
+    calls = []
+    real = type(m).acquire
+    monkeypatch.setattr(type(m), "acquire", lambda self, *a, **k: (calls.append(a[2]),
+                                                                   real(self, *a, **k))[1])
+    return calls
+
+
 def test_the_common_call_does_not_go_through_manager_acquire(monkeypatch):
     """The dispatch itself: a plain call takes the C path; a manager with an observer (a trace)
     takes Manager.acquire, which the observer needs."""
     with ca.Manager(fast="64KiB", slow="1MiB") as m:
         x, y = ca.ones(8, manager=m), ca.empty(8, manager=m)
-        calls = []
-        real = type(m).acquire
-        monkeypatch.setattr(type(m), "acquire", lambda self, *a, **k: (calls.append(a[2]),
-                                                                       real(self, *a, **k))[1])
+        calls = _count_acquires(monkeypatch, m)
         ca.compute("double", lambda a, b: np.multiply(a, 2, out=b), (x,), (y,))
         assert calls == []
         with ca.trace(m):
@@ -133,10 +139,7 @@ def test_the_common_call_does_not_go_through_manager_acquire(monkeypatch):
 def test_a_plain_kernel_scope_does_not_go_through_manager_acquire(monkeypatch):
     with ca.Manager(fast="64KiB", slow="1MiB") as m:
         x, y = ca.ones(8, manager=m), ca.empty(8, manager=m)
-        calls = []
-        real = type(m).acquire
-        monkeypatch.setattr(type(m), "acquire", lambda self, *a, **k: (calls.append(a[2]),
-                                                                       real(self, *a, **k))[1])
+        calls = _count_acquires(monkeypatch, m)
         with ca.kernel("double", (x,), (y,)) as (a, b):
             assert x.object._pins == y.object._pins == 1 and len(m._scopes) == 1
             np.multiply(a, 2, out=b)
@@ -170,36 +173,38 @@ def test_read_views_cannot_be_made_writable_and_write_views_are_writable():
         assert _read(y).tolist() == [2.0] * 8
 
 
-@pytest.mark.parametrize("fast_path", [True, False])
-def test_a_kernel_that_raises_leaves_nothing_pinned_and_marks_its_writes(fast_path, monkeypatch):
-    if not fast_path:
+@pytest.fixture(params=["c", "python"])
+def either_path(request, monkeypatch):
+    """A manager with x (ones) and y (empty) of 8 float64, its calls on the C paths or, forced,
+    on the Python ones."""
+    if request.param == "python":
         _python_path(monkeypatch)
     with ca.Manager(fast="64KiB", slow="1MiB") as m:
-        x, y = ca.ones(8, manager=m), ca.empty(8, manager=m)
-        err = KeyError("boom")
-
-        def fn(a, b):
-            raise err
-
-        with pytest.raises(KeyError) as info:
-            ca.compute("bad", fn, (x,), (y,))
-        assert info.value is err
-        assert x.object._pins == y.object._pins == 0 and m._scopes == {}
-        assert y.object.chain == ("kernel 'bad' raised an exception while writing it",)
-        assert isinstance(x.object.chain, type(None))
-        assert m.why_not_regenerable(y) is not None
+        yield m, ca.ones(8, manager=m), ca.empty(8, manager=m)
 
 
-@pytest.mark.parametrize("fast_path", [True, False])
-def test_a_freed_operand_raises_the_same_error(fast_path, monkeypatch):
-    if not fast_path:
-        _python_path(monkeypatch)
-    with ca.Manager(fast="64KiB", slow="1MiB") as m:
-        x, y = ca.ones(8, manager=m), ca.empty(8, manager=m)
-        ca.unsafe_free(x)
-        with pytest.raises(UseAfterFreeError, match=r"object \d+ \(64 B\) was freed"):
-            ca.compute("k", lambda a, b: None, (x,), (y,))
-        assert y.object._pins == 0 and m._scopes == {}
+def test_a_kernel_that_raises_leaves_nothing_pinned_and_marks_its_writes(either_path):
+    m, x, y = either_path
+    err = KeyError("boom")
+
+    def fn(a, b):
+        raise err
+
+    with pytest.raises(KeyError) as info:
+        ca.compute("bad", fn, (x,), (y,))
+    assert info.value is err
+    assert x.object._pins == y.object._pins == 0 and m._scopes == {}
+    assert y.object.chain == ("kernel 'bad' raised an exception while writing it",)
+    assert isinstance(x.object.chain, type(None))
+    assert m.why_not_regenerable(y) is not None
+
+
+def test_a_freed_operand_raises_the_same_error(either_path):
+    m, x, y = either_path
+    ca.unsafe_free(x)
+    with pytest.raises(UseAfterFreeError, match=r"object \d+ \(64 B\) was freed"):
+        ca.compute("k", lambda a, b: None, (x,), (y,))
+    assert y.object._pins == 0 and m._scopes == {}
 
 
 def test_a_kernel_may_change_the_lists_it_was_given_and_nest_another():
@@ -229,18 +234,14 @@ def test_threads_computing_on_shared_arrays_leave_every_pin_released():
         outs = [ca.empty(1000, manager=m) for _ in range(4)]
         errors = []
 
-        def work(out):
+        def work(k):
             try:
                 for _ in range(300):
-                    ca.compute("inc", lambda a, b: np.add(a, 1, out=b), (src,), (out,))
+                    ca.compute("inc", lambda a, b: np.add(a, 1, out=b), (src,), (outs[k],))
             except BaseException as e:      # pragma: no cover - reported below
                 errors.append(e)
 
-        threads = [threading.Thread(target=work, args=(o,)) for o in outs]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        run_threads(work, len(outs))
         assert errors == []
         assert src.object._pins == 0 and all(o.object._pins == 0 for o in outs)
         assert all(o.object.version == 300 for o in outs) and m._scopes == {}
@@ -333,30 +334,17 @@ def test_the_common_free_takes_the_c_path_and_the_rest_the_general_one(monkeypat
 def test_closing_the_manager_while_kernels_run_in_another_thread(delay):
     """Kernels, scopes and frees in C in one thread, a close in another: the close waits for
     the running kernel, nothing hangs or crashes, and the next call says the manager closed."""
-    import time
-
     m = ca.Manager(fast="4MiB", slow="16MiB")
     x, y = ca.ones(1000, manager=m), ca.empty(1000, manager=m)
-    errors, started = [], threading.Event()
 
-    def work():
-        started.set()
-        try:
-            for _ in range(100_000):
-                ca.compute("add", lambda a, b: np.add(a, 1, out=b), (x,), (y,))
-                with ca.kernel("copy", (y,), (x,)) as (a, b):
-                    b[...] = a
-                ca.unsafe_free(ca.empty(100, manager=m))
-        except ca.CachedArraysError as e:
-            errors.append(e)
+    def calls():
+        ca.compute("add", lambda a, b: np.add(a, 1, out=b), (x,), (y,))
+        with ca.kernel("copy", (y,), (x,)) as (a, b):
+            b[...] = a
+        ca.unsafe_free(ca.empty(100, manager=m))
 
-    t = threading.Thread(target=work)
-    t.start()
-    started.wait()
-    time.sleep(delay)
-    m.close()
-    t.join(30)
-    assert not t.is_alive()
+    alive, errors = close_while_calling(m, calls, delay, ca.CachedArraysError)
+    assert not alive
     assert len(errors) == 1 and "closed" in str(errors[0])
     assert x.object._pins == 0 and y.object._pins == 0
 
