@@ -116,7 +116,7 @@ def test_cached_table_layout_and_telemetry(m):
     t = E.CachedEmbeddingTable(n, fs, manager=m, init=_init(n, fs), cachelower=0.1,
                                cacheslack=0.02, page_rows=20, name="tele")
     assert t.base.device == "slow" and t.cache.device == "fast"
-    assert t.where.dtype == np.int64 and (t.where == -1).all()
+    assert t.where.dtype == E.where_dtype(n) == np.int32 and (t.where == -1).all()
     assert t.npages * t.page_rows >= 120 and t.cachelower == 100 * t.rowbytes
     idx = np.arange(50)
     t.lookup(idx)                                   # 50 misses, all cached
@@ -487,3 +487,22 @@ class SecondChanceMatchesSimple(CachedMatchesSimple):
 
 TestSecondChanceMatchesSimple = SecondChanceMatchesSimple.TestCase
 TestSecondChanceMatchesSimple.settings = settings(TestCachedMatchesSimple.settings, max_examples=80)
+
+
+class WideWhereMatchesSimple(CachedMatchesSimple):
+    """The same with the int64 ``where`` of tables over 2**30 rows (every kernel that reads or
+    writes ``where`` has its int64 form run)."""
+
+    def __init__(self):
+        super().__init__()
+        assert self.cached.where.dtype == np.int32
+        self.cached.where = self.cached.where.astype(np.int64)
+
+
+TestWideWhereMatchesSimple = WideWhereMatchesSimple.TestCase
+TestWideWhereMatchesSimple.settings = TestCachedMatchesSimple.settings
+
+
+def test_where_dtype_is_int32_while_rows_and_slots_fit():
+    assert E.where_dtype(1) == E.where_dtype(2**30 - 1) == np.int32
+    assert E.where_dtype(2**30) == E.where_dtype(2**40) == np.int64

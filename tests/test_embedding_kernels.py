@@ -139,13 +139,16 @@ def test_indirect_lookup_reads_cache_copies(rng):
     np.testing.assert_allclose(out, ref_bag_sum(expect, indices, offsets), rtol=1e-6)
 
 
-def test_two_pass_cached_lookup_is_bit_identical_to_the_one_pass_kernel(rng, monkeypatch):
+@pytest.mark.parametrize("wdtype", [np.int64, np.int32])
+def test_two_pass_cached_lookup_is_bit_identical_to_the_one_pass_kernel(rng, monkeypatch,
+                                                                        wdtype):
     """Indirect lookups translate every index first, then sum: the same sums in the same
-    order, the same hit count and the same missed rows as summing through ``where``."""
+    order, the same hit count and the same missed rows as summing through ``where``, whether
+    ``where`` is int64 or a table's int32."""
     n, fs = 5000, 24
     base = rng.standard_normal((n, fs)).astype(np.float32)
     cache = rng.standard_normal((1500, fs)).astype(np.float32)
-    where = np.full(n, -1, dtype=np.int64)
+    where = np.full(n, -1, dtype=wdtype)
     where[rng.choice(n, 1500, replace=False)] = rng.permutation(1500)
     indices, offsets = make_bags(rng, 700, n, 40)       # > one translation item, empty bags
     got = {}
@@ -316,10 +319,11 @@ def test_sgd_update_without_offsets_is_one_index_per_bag(rng):
     np.testing.assert_allclose(table, expect, rtol=1e-6)
 
 
-def test_indirect_update_writes_rows_where_they_live(rng):
+@pytest.mark.parametrize("wdtype", [np.int64, np.int32, np.int16])
+def test_indirect_update_writes_rows_where_they_live(rng, wdtype):
     base = rng.standard_normal((50, 8)).astype(np.float32)
     cache = np.zeros((5, 8), dtype=np.float32)
-    where = np.full(50, -1, dtype=np.int64)
+    where = np.full(50, -1, dtype=wdtype)
     where[[2, 11, 17]] = [4, 0, 2]
     cache[[4, 0, 2]] = base[[2, 11, 17]]
     indices, offsets = make_bags(rng, 30, 50, 6)

@@ -329,10 +329,20 @@ def _offsets(offsets, nidx, nbags, name, check):
     return _as_index_array(offsets, name, "offsets")
 
 
+def _where_array(where, name):
+    """``where`` as the kernels take it: int32 (a table of fewer than 2**31 rows keeps half the
+    bytes, so more of it stays in a core's cache) or int64, contiguous; other integer dtypes
+    become int64."""
+    if (isinstance(where, np.ndarray) and where.dtype == np.int32 and where.ndim == 1
+            and where.flags.c_contiguous):
+        return where
+    return _as_index_array(where, name, "where")
+
+
 def _check_where(where, base, cache, idx, name, check=True):
     if not check:
-        return _as_index_array(where, name, "where")
-    where = _as_index_array(where, name, "where")
+        return _where_array(where, name)
+    where = _where_array(where, name)
     if where.shape[0] != base.shape[0]:
         raise ValueError(f"table {name!r}: where has {where.shape[0]} entries for "
                          f"{base.shape[0]} base rows")
