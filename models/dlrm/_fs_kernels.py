@@ -158,6 +158,20 @@ def addr(where, r, fs):
 
 
 @njit(**INLINE)
+def position(where, r, fs, delta):
+    """(flat start counted from the base, 1 if cached else 0) of logical row r of an indirect
+    table whose pool lies ``delta`` elements from the base (modulo 2**64).
+
+    Without a branch: whether a row is cached is as unpredictable as the hit rate makes it,
+    and a mispredicted branch per row made a 327,680-index lookup 0.6-1.0 ms slower at 50%
+    hits."""
+    w = where[r]
+    c = np.int64(w >= 0)
+    home = at(r, fs)
+    return home + np.uint64(c) * (at(w, fs) + delta - home), c
+
+
+@njit(**INLINE)
 def locate(bflat, cflat, where, r, fs):
     """(flat buffer, start) of logical row r: base or cache; the base for a plain table."""
     if where is None:
@@ -373,17 +387,14 @@ def translate(where, indices, lo, hi, pos, missed, fs, delta, refs, nrows, bad):
             bad[0] = 1
             pos[j] = 0
             continue
-        w = where[r]
-        if w >= 0:
-            pos[j] = at(w, fs) + delta
-            hits += 1
-            if mark and refs[r] == 0:
-                refs[r] = 1
-        else:
-            pos[j] = at(r, fs)
-            if record:
-                missed[listed] = r
-                listed += 1
+        p, c = position(where, r, fs, delta)
+        pos[j] = p
+        hits += c
+        if record:          # written always, kept only for a miss: no branch on the hit
+            missed[listed] = r
+            listed += 1 - c
+        if mark and c and refs[r] == 0:
+            refs[r] = 1
     return hits
 
 
