@@ -330,9 +330,9 @@ def _offsets(offsets, nidx, nbags, name, check):
 
 
 def _where_array(where, name):
-    """``where`` as the kernels take it: int32 (a table of fewer than 2**31 rows keeps half the
-    bytes, so more of it stays in a core's cache) or int64, contiguous; other integer dtypes
-    become int64."""
+    """``where`` as the kernels take it: int32 (a table's own while its row and slot numbers
+    fit; see ``embedding.where_dtype``) or int64, contiguous; other integer dtypes become
+    int64."""
     if (isinstance(where, np.ndarray) and where.dtype == np.int32 and where.ndim == 1
             and where.flags.c_contiguous):
         return where
@@ -340,9 +340,9 @@ def _where_array(where, name):
 
 
 def _check_where(where, base, cache, idx, name, check=True):
-    if not check:
-        return _where_array(where, name)
     where = _where_array(where, name)
+    if not check:
+        return where
     if where.shape[0] != base.shape[0]:
         raise ValueError(f"table {name!r}: where has {where.shape[0]} entries for "
                          f"{base.shape[0]} base rows")
