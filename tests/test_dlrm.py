@@ -335,12 +335,19 @@ def test_fma_rounds_once(dtype):
     assert (one + e) * (one - e) - one == 0         # what two roundings give
 
 
+def _far():
+    from cachedarrays.models.dlrm import _intrinsics
+    return _intrinsics.FAR_LOCALITY
+
+
 @pytest.mark.parametrize("hint, rw, locality", [("prefetch_read", 0, 3), ("prefetch_write", 1, 3),
-                                                ("prefetch_read_l2", 0, 2)])
+                                                ("prefetch_read_l2", 0, 2),
+                                                ("prefetch_far", 0, None)])
 def test_prefetch_hints_emit_their_cache_level_and_never_fault(hint, rw, locality):
-    """Each hint is one ``llvm.prefetch`` with its read/write flag and cache level (the row
-    prefetches of the lookups go to L2: keeping them in L1 stalls on its few miss buffers),
-    and a hint past the end of the array is harmless."""
+    """Each hint is one ``llvm.prefetch`` with its read/write flag and cache level (the far
+    hint's level is this CPU's, see ``far_locality``), and a hint past the end of the array
+    is harmless."""
+    locality = _far() if locality is None else locality
     import re
 
     from numba import njit
@@ -359,6 +366,22 @@ def test_prefetch_hints_emit_their_cache_level_and_never_fault(hint, rw, localit
     ir = next(iter(touch.inspect_llvm().values()))
     calls = re.findall(r"call void @llvm\.prefetch\.p0\(ptr [^,]+, i32 (\d), i32 (\d), i32 1\)", ir)
     assert calls == [(str(rw), str(locality))]
+
+
+@pytest.mark.parametrize("cpu, locality", [("znver5", 3), ("znver4", 3), ("sapphirerapids", 2),
+                                           ("skylake-avx512", 2), ("generic", 2)])
+def test_far_hints_go_to_l1_on_zen_and_to_l2_elsewhere(cpu, locality):
+    """Far-ahead row and ``where`` hints: into L1 on AMD Zen (measured faster there), into L2
+    on other CPUs (a Xeon's L1 miss buffers fill); the machine's own choice is its CPU's."""
+    import llvmlite.binding as llvm
+    import numba
+
+    from cachedarrays.models.dlrm._intrinsics import FAR_LOCALITY, far_locality
+
+    assert far_locality(cpu) == locality
+    own = numba.config.CPU_NAME
+    own = llvm.get_host_cpu_name() if not own or own == "host" else own
+    assert FAR_LOCALITY == far_locality(own) == far_locality()
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])

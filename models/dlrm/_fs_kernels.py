@@ -30,8 +30,8 @@ is passed as its own cache, so one kernel serves both.
 import numpy as np
 from numba import njit, prange
 
-from ._intrinsics import (ROW_VECTOR_BYTES, add_rows1, add_rows4, add_rows8, prefetch_read,
-                          prefetch_read_l2, prefetch_write)
+from ._intrinsics import (ROW_VECTOR_BYTES, add_rows1, add_rows4, add_rows8, prefetch_far,
+                          prefetch_read, prefetch_read_l2, prefetch_write)
 
 PARALLEL = dict(parallel=True, cache=True, fastmath=False, nogil=True)
 SERIAL = dict(cache=True, fastmath=False, nogil=True)
@@ -45,10 +45,10 @@ BAGS_PER_ITEM = 64
 ROWS_PER_ITEM = 256
 #: Rows ahead that the update prefetches (with write intent): halves the random RMW time.
 PREFETCH_AHEAD = 16
-#: Indices ahead whose rows the lookups prefetch, into L2 (``prefetch_read_l2``): 16 ahead
-#: into L1 left a uniform 1M x 64 lookup latency-bound (8.4 ms; 6.3-7.2 ms now).
+#: Indices ahead whose rows the lookups prefetch (``prefetch_far``: into L2 on a Xeon, where
+#: 16 ahead into L1 left a uniform 1M x 64 lookup latency-bound, 8.4 ms against 6.3-7.2 ms).
 ROW_PREFETCH = 64
-#: Indices ahead whose ``where`` entries the translation pass prefetches (into L2).
+#: Indices ahead whose ``where`` entries the translation pass prefetches (``prefetch_far``).
 WHERE_PREFETCH = 96
 #: Indices translated by one parallel work item.
 INDICES_PER_ITEM = 4096
@@ -184,7 +184,7 @@ def locate(bflat, cflat, where, r, fs):
 def prefetch_row(flat, p, fs):
     step = max(1, 64 // flat.itemsize)
     for f in range(0, fs, step):
-        prefetch_read_l2(flat, p + np.uint64(f))
+        prefetch_far(flat, p + np.uint64(f))
 
 
 @njit(**INLINE)
@@ -315,7 +315,7 @@ def sum_bag_indirect(bflat, cflat, where, indices, start, end, acc, missed, fs, 
         n = min(8, end - j) if specialised else 1
         if specialised:
             for q in range(j + 2 * RAHEAD, min(j + 2 * RAHEAD + n, nidx)):
-                prefetch_read_l2(where, np.uint64(indices[q]))
+                prefetch_far(where, np.uint64(indices[q]))
             for q in range(j + RAHEAD, min(j + RAHEAD + n, nidx)):
                 flat, p = locate(bflat, cflat, where, indices[q], fs)
                 prefetch_row(flat, p, fs)
@@ -379,9 +379,9 @@ def translate(where, indices, lo, hi, pos, missed, fs, delta, refs, nrows, bad):
     mark = refs.shape[0] > 0
     for j in range(lo, hi):
         if j + WAHEAD < hi:
-            prefetch_read_l2(where, np.uint64(indices[j + WAHEAD]))
+            prefetch_far(where, np.uint64(indices[j + WAHEAD]))
             if mark:
-                prefetch_read_l2(refs, np.uint64(indices[j + WAHEAD]))
+                prefetch_far(refs, np.uint64(indices[j + WAHEAD]))
         r = indices[j]
         if np.uint64(r) >= nrows:
             bad[0] = 1

@@ -6,13 +6,16 @@ bit-identical sums (a shape-specialised kernel and its generic twin) both call i
 leaving the fusion of ``s += a * b`` to LLVM, which may fuse one and not the other.
 """
 
+import llvmlite.binding as llvm
+import numba
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-__all__ = ["add_rows1", "add_rows4", "add_rows8", "fma", "prefetch_read", "prefetch_read_l2",
-           "prefetch_write", "ROW_LANES", "ROW_VECTOR_BYTES"]
+__all__ = ["add_rows1", "add_rows4", "add_rows8", "fma", "FAR_LOCALITY", "far_locality",
+           "prefetch_far", "prefetch_read", "prefetch_read_l2", "prefetch_write", "ROW_LANES",
+           "ROW_VECTOR_BYTES"]
 
 
 def _make_prefetch(rw, locality=3):
@@ -49,6 +52,31 @@ prefetch_write = _make_prefetch(1)
 #: rows fetched far ahead into L2 keep several times more misses in flight, where a
 #: ``prefetcht0`` as far ahead stalls on the full buffers.
 prefetch_read_l2 = _make_prefetch(0, locality=2)
+
+
+def far_locality(cpu=None):
+    """The ``llvm.prefetch`` locality of a read hint issued far ahead (``prefetch_far``) on the
+    CPU that numba compiles for (``cpu``: its LLVM name): 3, the first-level cache, on AMD Zen
+    (``znver*``), else 2, the second level.
+
+    On a Zen 5 (two cores, 1M x 64 float32 table, 327,680 indices, paired runs) rows and
+    ``where`` entries hinted into L1 made bag lookups 4-8% (uniform) and 3-20% (Zipf) faster
+    and cached-table lookups 10-20% faster than hinted into L2; on a Sapphire Rapids Xeon the
+    same hints into L1 stall on its full miss buffers (see ``prefetch_read_l2``).  The choice
+    follows the CPU name only, which is part of the key of numba's on-disk cache, so a cached
+    kernel always carries the hint of the CPU it was compiled for."""
+    if cpu is None:
+        cpu = numba.config.CPU_NAME
+        if not cpu or cpu == "host":
+            cpu = llvm.get_host_cpu_name()
+    return 3 if str(cpu).startswith("znver") else 2
+
+
+#: The locality of ``prefetch_far`` on this machine (see ``far_locality``).
+FAR_LOCALITY = far_locality()
+#: ``prefetch_far(arr, i)``: a read hint for ``arr[i]``, issued dozens of iterations ahead of
+#: the read, into the cache level that suits this CPU (``FAR_LOCALITY``).
+prefetch_far = _make_prefetch(0, locality=FAR_LOCALITY)
 
 
 @intrinsic
