@@ -61,11 +61,12 @@ class access:
         self.touched = None
 
     def __enter__(self):
-        if self.touched is None:
-            got = _kernel_enter(self, self.name, self.reads, self.writes)   # in C, the common
-            if got is not None:                                             # case
-                self.done = got[1]                # (manager, pinned objects)
-                return got[0]
+        # In C, the common case: one manager with nothing under way, so no observer either
+        # (``touched`` is for observers: the Python path below hands it to them).
+        got = _kernel_enter(self, self.name, self.reads, self.writes)
+        if got is not None:
+            self.done = got[1]                    # (manager, pinned objects)
+            return got[0]
         r = [a._obj for a in self.reads if a is not None]
         w = [a._obj for a in self.writes if a is not None]
         self.done = acquire_grouped(r, w, self.name, self.touched)

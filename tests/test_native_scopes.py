@@ -145,18 +145,24 @@ def test_a_plain_kernel_scope_does_not_go_through_manager_acquire(monkeypatch):
             np.multiply(a, 2, out=b)
         assert x.object._pins == y.object._pins == 0 and m._scopes == {}
         assert calls == [] and y.object.chain == "double" and y.object.version == 1
-        with ca.kernel("gather", (x,), (y,), touched=[(x, 8)]) as (a, b):  # the Python path
-            b[...] = a
-        with ca.trace(m):
+        with ca.kernel("gather", (x,), (y,), touched=[(x, 8)]) as (a, b):  # for observers:
+            b[...] = a                                                     # none here
+        assert calls == []
+        with ca.trace(m) as t:
             with ca.kernel("double", (x,), (y,)) as (a, b):
                 np.multiply(a, 2, out=b)
-        assert calls == ["gather", "double"]
+            with ca.kernel("gather", (x,), (y,), touched=[(x, 8)]) as (a, b):
+                b[...] = a
+            with ca.kernel("double", (x,), (y,)) as (a, b):
+                np.multiply(a, 2, out=b)
+        assert calls == ["double", "gather", "double"]
+        assert [list(v.values()) for v in t.touched.values()] == [[8]]   # x: 8 bytes
         with pytest.raises(RuntimeError, match="inside"):
             with ca.access((x,), (y,)) as (a, b):
                 assert not a.flags.writeable and b.flags.writeable
                 raise RuntimeError("inside")
         assert x.object._pins == y.object._pins == 0 and m._scopes == {}
-        assert y.object.chain == "access" and y.object.version == 4
+        assert y.object.chain == "access" and y.object.version == 6
 
 
 def test_read_views_cannot_be_made_writable_and_write_views_are_writable():

@@ -155,6 +155,8 @@ def _index_input(a, name, what):
 
 
 def _as_index_array(a, name, what):
+    if _plain_index_array(a):      # the usual input, as it is
+        return a
     a = _index_input(a, name, what)
     if a.dtype == np.uint64 and a.size and a.max() > _INT64_MAX:
         # casting would wrap 2**64-1 to -1: refuse, naming the value as given
@@ -282,6 +284,10 @@ def _flat_rows(arr, nrows, ncols, dtype, name, what):
     if arr.strides[1] != isz or arr.strides[0] % isz != 0 or arr.strides[0] < ncols * isz:
         return None, 0
     stride = arr.strides[0] // isz
+    if stride == ncols:
+        # contiguous rows: a plain flat view (as_strided measured 40-50 us after a lookup had
+        # streamed its rows through the caches, this under 5)
+        return arr.reshape(-1), stride
     flat = np.lib.stride_tricks.as_strided(arr, shape=((nrows - 1) * stride + ncols,),
                                            strides=(isz,))
     return flat, stride
