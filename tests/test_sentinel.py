@@ -256,8 +256,13 @@ def _program(m, steps=4, n=20_000):
     return w, ref
 
 
-def test_a_real_run_keeps_the_data_intact():
-    p = Sentinel()
+@pytest.mark.parametrize("mil", [None, 2])
+def test_a_real_run_keeps_the_data_intact(mil):
+    """A planned run leaves every weight equal to NumPy's and the heap consistent. With MIL 2
+    the plan moves arrays between the tiers; the sweep (mil=None) replays candidates on the
+    measured kernel times, so which MIL it picks, and whether that MIL's plan moves anything,
+    depends on the machine (MIL 3 and no action on a Zen 5, where its kernels ran fastest)."""
+    p = Sentinel(mil=mil)
     with ca.Manager(fast=600 * KiB, slow="16MiB", policy=p) as m:
         w, ref = _program(m)
         # Short-lived: each layer's temporary, and the step's first input (freed in layer 0
@@ -266,7 +271,9 @@ def test_a_real_run_keeps_the_data_intact():
         for wi, ri in zip(w, ref):
             with ca.readable(wi) as got:
                 np.testing.assert_allclose(got, ri, rtol=1e-12)
-        assert sum(v["bytes"] for v in m.stats()["moved"].values()) > 0 and p.actions
+        assert sum(v["bytes"] for v in m.stats()["moved"].values()) > 0
+        if mil is not None:
+            assert p.info["mil"] == mil and p.actions
         m.check()
 
 
