@@ -151,13 +151,18 @@ def test_a_traced_training_run_has_named_kernels_and_a_step_mark_per_step(m, kin
                                             "embedding_writeback", "embedding_cache_rows"}
         assert {"dense_forward", "embedding_lookup", "embedding_update", "sgd_update",
                 "output_layer_backward"} <= set(names)
-        # One ensemble lookup and update, plus one nested in it per cached table.
-        per_table = cfg.ntables if kind in ("static", "dynamic") else 0
-        assert names.count("embedding_lookup") == names.count("embedding_update") == 1 + per_table
+        # One ensemble lookup and update; nested in them, one lookup for all the cached
+        # tables together and one update per cached table.
+        cached = kind in ("static", "dynamic")
+        per_table = cfg.ntables if cached else 0
+        assert names.count("embedding_lookup") == 1 + cached
+        assert names.count("embedding_update") == 1 + per_table
     lookups = [t.kernels[k] for k in groups[-1] if t.kernels[k][0] == "embedding_lookup"]
     assert lookups[0][2]                                # the ensemble kernel writes the features
     if kind in ("fast", "simple"):                      # and reads every table
         assert len(lookups[0][1]) == cfg.ntables
+    else:                                               # the cached tables' kernel: every base
+        assert len(lookups[1][1]) == 2 * cfg.ntables    # and every pool
 
 
 def test_loss_falls_on_learnable_synthetic_data(m):

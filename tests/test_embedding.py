@@ -506,3 +506,108 @@ TestWideWhereMatchesSimple.settings = TestCachedMatchesSimple.settings
 def test_where_dtype_is_int32_while_rows_and_slots_fit():
     assert E.where_dtype(1) == E.where_dtype(2**30 - 1) == np.int32
     assert E.where_dtype(2**30) == E.where_dtype(2**40) == np.int64
+
+
+# ---- cached tables looked up together --------------------------------------------------------
+
+from cachedarrays.models.dlrm.kernels import lookup_cached_many as _LOOKUP_CACHED_MANY  # noqa: E402
+
+def _ensemble_run(together, kinds, sizes, fss, distribution, flush, monkeypatch, steps=8,
+                  bad=None):
+    """Train an ensemble for a few steps with the cached tables looked up together or one at a
+    time: (outputs, every table's stats, where and values, kernel calls that took them)."""
+    from cachedarrays.models.dlrm import kernels as K
+    from cachedarrays.models.dlrm.data import SyntheticDataset
+
+    monkeypatch.setattr(E, "CACHED_TOGETHER", together)
+    taken = []
+    real = _LOOKUP_CACHED_MANY
+
+    def spy(*a, **k):
+        got = real(*a, **k)
+        taken.append(got is not None)
+        return got
+    monkeypatch.setattr(K, "lookup_cached_many", spy)
+    data = SyntheticDataset(len(sizes), sizes, 256, pooling=3, distribution=distribution,
+                            seed=5, num_batches=steps)
+    width = sum(fss)
+    outs = []
+    with ca.Manager(fast="64MiB", slow="64MiB") as m:
+        tables = [E.make_table(kind, n, fs, manager=m, cache=0.25, seed=k, name=f"t{k}",
+                               flush_policy=flush)
+                  for k, (kind, n, fs) in enumerate(zip(kinds, sizes, fss))]
+        out = ca.empty((256, width), dtype=np.float32, manager=m)
+        for r in range(steps):
+            b = data.batch(r)
+            indices = list(b.indices)
+            if bad is not None and r == steps - 1:
+                indices[bad] = indices[bad].copy()
+                indices[bad][7] = sizes[bad]             # one past the table's last row
+                before = [t.stats() for t in tables]
+                with pytest.raises(IndexError, match=f"table 't{bad}': index {sizes[bad]} at "
+                                                     "position 7"):
+                    E.lookup_tables(tables, indices, b.offsets, out)
+                assert [t.stats() for t in tables] == before     # nothing cached or counted
+                break
+            E.lookup_tables(tables, indices, b.offsets, out)
+            with ca.readable(out) as o:
+                outs.append(o.copy())
+            dout = np.random.default_rng(r).standard_normal((256, width)).astype(np.float32)
+            E.update_tables(tables, indices, b.offsets, dout, 0.01)
+            for t in tables:
+                t.maintain()
+        for t in tables:
+            if isinstance(t, E.CachedEmbeddingTable):
+                t.check()
+        state = [(t.stats(), getattr(t, "where", np.empty(0)).copy(), t.snapshot())
+                 for t in tables]
+    return outs, state, taken
+
+
+@pytest.mark.parametrize("kind", ["static", "dynamic"])
+@pytest.mark.parametrize("distribution", ["uniform", "zipf"])
+@pytest.mark.parametrize("flush", ["oldest", "second-chance"])
+def test_cached_tables_looked_up_together_match_one_at_a_time(kind, distribution, flush,
+                                                              monkeypatch):
+    """Several cached tables (beside SimpleTables) take one kernel for their lookups, and
+    every output, hit count, cached row, table value and statistic is what looking them up
+    one at a time gives, bit for bit, step after step (with updates and flushes between)."""
+    kinds = [kind, "fast", kind, "simple", kind]
+    sizes, fss = [5000, 300, 12000, 77, 40], [8] * 5
+    one = _ensemble_run(False, kinds, sizes, fss, distribution, flush, monkeypatch)
+    together = _ensemble_run(True, kinds, sizes, fss, distribution, flush, monkeypatch)
+    assert one[2] == [] and together[2] == [True] * 8
+    for a, b in zip(one[0], together[0]):
+        np.testing.assert_array_equal(a, b)
+    for (sa, wa, va), (sb, wb, vb) in zip(one[1], together[1]):
+        assert sa == sb
+        np.testing.assert_array_equal(wa, wb)
+        np.testing.assert_array_equal(va, vb)
+    assert sum(s["hits"] for s, _, _ in together[1]) > 0
+
+
+def test_cached_tables_of_different_widths_are_looked_up_one_at_a_time(monkeypatch):
+    """The kernel takes one feature size: an ensemble of several declines (having done
+    nothing) and the tables go one at a time, with the same results."""
+    kinds, sizes, fss = ["dynamic", "dynamic", "static"], [900, 400, 600], [8, 4, 8]
+    one = _ensemble_run(False, kinds, sizes, fss, "zipf", "oldest", monkeypatch, steps=4)
+    together = _ensemble_run(True, kinds, sizes, fss, "zipf", "oldest", monkeypatch, steps=4)
+    assert together[2] == [False] * 4
+    for a, b in zip(one[0], together[0]):
+        np.testing.assert_array_equal(a, b)
+    assert [s for s, _, _ in one[1]] == [s for s, _, _ in together[1]]
+
+
+@pytest.mark.parametrize("together", [False, True])
+def test_a_bad_index_in_a_cached_ensemble_caches_and_counts_nothing(together, monkeypatch):
+    """An index out of range in the third of three cached tables raises IndexError naming
+    that table, position and value; looked up together, no table has cached or counted
+    anything (one at a time, the tables before it have, as their own lookups would)."""
+    kinds, sizes, fss = ["dynamic"] * 3, [900, 400, 600], [4] * 3
+    if together:
+        _ensemble_run(True, kinds, sizes, fss, "uniform", "oldest", monkeypatch, steps=3,
+                      bad=2)
+    else:
+        with pytest.raises(AssertionError):      # the first two tables counted their lookups
+            _ensemble_run(False, kinds, sizes, fss, "uniform", "oldest", monkeypatch,
+                          steps=3, bad=2)

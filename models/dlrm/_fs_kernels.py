@@ -748,6 +748,62 @@ def make_kernels(FS):
         return cached.sum(), nmissed
 
     @njit(**PARALLEL)
+    def bag_sum_cached_many(ref, wheres, indices, offsets, nbags, out, ostride, cols, origins,
+                            deltas, misseds, poss, refss, bad, chunk, nmissed):
+        """``bag_sum_cached`` of an ensemble of indirect tables of one feature size, every
+        row read through ``ref``'s flat buffer: table t's base starts ``origins[t]``
+        elements from ref's start, its pool ``deltas[t]`` elements from its base (modulo
+        2**64). Work items are (bag chunk, table) pairs: each translates the indices of its
+        bags into ``poss[t]`` (one entry per index of table t), then sums those bags, so one
+        parallel region serves every table. Same sums, same order of additions as
+        ``bag_sum_cached``. Returns each table's cached indices; ``nmissed[t]`` gets how
+        many of table t's missed rows are listed, in index order, at the front of
+        ``misseds[t]`` (an empty one: none listed). ``refss[t]`` marks table t's cached rows
+        read (see ``translate``); an index out of its table's range sets ``bad[0]``."""
+        fs = FS or ref.shape[1]
+        rflat = ref.reshape(-1)
+        ntables = len(wheres)
+        nchunks = (nbags + chunk - 1) // chunk
+        cached = np.empty(nchunks * ntables, dtype=np.int64)   # per item: no reduction
+        for it in prange(nchunks * ntables):
+            c = it // ntables
+            t = it - c * ntables      # tables vary fastest: each thread gets a mix of them
+            lo, hi = span(c, chunk, nbags)
+            idx = indices[t]
+            off = offsets[t]
+            pos = poss[t]
+            nidx = idx.shape[0]
+            ilo = bag_bounds(off, lo, nidx)[0]
+            ihi = bag_bounds(off, hi - 1, nidx)[1]
+            cached[it] = translate(wheres[t], idx, ilo, ihi, pos, misseds[t], fs, deltas[t],
+                                   refss[t], np.uint64(wheres[t].shape[0]), bad)
+            origin = origins[t]
+            for j in range(ilo, ihi):
+                pos[j] += origin
+            acc = np.empty(fs, dtype=ref.dtype)
+            bag_sums_flat(rflat, pos, off, lo, hi, out, ostride, cols[t], acc, fs, SPECIALISED)
+        hits = np.zeros(ntables, dtype=np.int64)
+        for t in range(ntables):
+            missed = misseds[t]
+            off = offsets[t]
+            nidx = indices[t].shape[0]
+            n = 0
+            for c in range(nchunks):
+                lo, hi = span(c, chunk, nbags)
+                ilo = bag_bounds(off, lo, nidx)[0]
+                ihi = bag_bounds(off, hi - 1, nidx)[1]
+                got = cached[c * ntables + t]
+                hits[t] += got
+                if missed.shape[0]:
+                    count = ihi - ilo - got
+                    if ilo != n:
+                        for q in range(count):
+                            missed[n + q] = missed[ilo + q]
+                    n += count
+            nmissed[t] = n
+        return hits
+
+    @njit(**PARALLEL)
     def bag_sum_many(tables, indices, offsets, nbags, out, ostride, cols, chunk):
         """All tables into one concatenated output; work items are (bag chunk, table) pairs."""
         ntables = len(tables)
@@ -860,6 +916,7 @@ def make_kernels(FS):
         return nus, rows
 
     return dict(gather=gather, gather_many=gather_many, bag_sum=bag_sum,
-                bag_sum_cached=bag_sum_cached, bag_sum_many=bag_sum_many, apply_sgd=apply_sgd,
+                bag_sum_cached=bag_sum_cached, bag_sum_cached_many=bag_sum_cached_many,
+                bag_sum_many=bag_sum_many, apply_sgd=apply_sgd,
                 apply_sgd_cached=apply_sgd_cached, grad=grad, update_many=update_many,
                 update_many_flat=update_many_flat)

@@ -1038,10 +1038,51 @@ def _bag_offsets(indices_list, offsets_list):
             for i, o in zip(indices_list, offsets_list)]
 
 
+#: Whether ``lookup_tables`` looks up several cached tables in one kernel (False: one at a
+#: time, each its own lookup; for comparisons).
+CACHED_TOGETHER = True
+
+
+def _lookup_cached_together(tables, indices_list, offsets_list, out, cols):
+    """The FORWARD lookups of several cached tables into column blocks of ``out`` in one
+    kernel (``kernels.lookup_cached_many``), each table then caching its missed rows and
+    counting as its own ``lookup`` would; False, having done nothing, when that kernel does
+    not take the ensemble.
+
+    One parallel region for all of them, instead of two per table and the Python around
+    each: DLRM's 26 cached tables of batch 8192 spent 7-9 ms a step looking up one by one,
+    against 2.3 ms for as many SimpleTables in one kernel."""
+    rooms = []
+    for t in tables:
+        if not ca.in_fast(t.cache):
+            ca.prefetch(t.cache)
+        cache = t.caching == "dynamic" and not t.frozen
+        rooms.append(cache and (t._insert < t.page_rows or bool(t._free_pages)))
+    misseds = [kernels.scratch(f"missed{k}", np.shape(i)[0], np.int64) if room else None
+               for k, (i, room) in enumerate(zip(indices_list, rooms))]
+    n = len(tables)
+    with ca.kernel("embedding_lookup", [t.base for t in tables] + [t.cache for t in tables],
+                   ()) as views:
+        got = kernels.lookup_cached_many(
+            views[:n], views[n:], [t.where for t in tables], indices_list, offsets_list, out,
+            cols, misseds, [t.refs if t._second_chance else None for t in tables],
+            names=[t.name for t in tables])
+    if got is None:
+        return False
+    hits, nmissed = got
+    for t, i, missed, h, nm in zip(tables, indices_list, misseds, hits, nmissed):
+        nidx = np.shape(i)[0]
+        if missed is not None and h < nidx:
+            t._cache_rows(missed[:nm])
+        t._account_lookup(nidx, int(h))
+    return True
+
+
 def lookup_tables(tables, indices_list, offsets_list, out, column_offsets=None):
     """Lookups of an ensemble into column blocks of ``out`` (batch, width); returns ``out``.
 
-    SimpleTables run together in one parallel kernel; cached tables go one at a time.
+    SimpleTables run together in one parallel kernel, and so do the cached tables (see
+    ``_lookup_cached_together``) when there are several.
     """
     if len(indices_list) != len(tables) or len(offsets_list) != len(tables):
         raise ValueError(f"{len(tables)} tables but {len(indices_list)} index arrays and "
@@ -1060,10 +1101,17 @@ def lookup_tables(tables, indices_list, offsets_list, out, column_offsets=None):
                                 names=[tables[k].name for k in simple])
             for k in simple:
                 tables[k]._account_lookup(np.shape(indices_list[k])[0])
-        for k, t in enumerate(tables):
-            if not isinstance(t, SimpleTable):
-                c = int(cols[k])
-                t.lookup(indices_list[k], offsets_list[k], o[:, c:c + t.featuresize])
+        rest = [k for k, t in enumerate(tables) if not isinstance(t, SimpleTable)]
+        if CACHED_TOGETHER and len(rest) > 1 and \
+                all(type(tables[k]) is CachedEmbeddingTable for k in rest) and \
+                _lookup_cached_together([tables[k] for k in rest],
+                                        [indices_list[k] for k in rest],
+                                        [offsets_list[k] for k in rest], o, cols[rest]):
+            return out
+        for k in rest:
+            t = tables[k]
+            c = int(cols[k])
+            t.lookup(indices_list[k], offsets_list[k], o[:, c:c + t.featuresize])
     return out
 
 

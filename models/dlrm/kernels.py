@@ -820,6 +820,75 @@ def _one_per_bag(off, nidx, nbags):
     return int(off[nbags - 1]) == nbags - 1 and int(steps.max()) == 1   # all steps 1
 
 
+def lookup_cached_many(bases, caches, wheres, indices_list, offsets_list, out,
+                       column_offsets=None, misseds=None, refss=None, *, names=None):
+    """Bag-sum lookups of an ensemble of indirect tables (row r of table t at
+    ``caches[t][wheres[t][r]]`` where that is >= 0, else ``bases[t][r]``) into column blocks
+    of ``out``, in one parallel kernel; returns ``(hits, nmissed)``, one entry per table.
+
+    ``misseds[t]`` (None, or int64 with one entry per index of table t) gets the rows of
+    table t's indices not served from its cache at its front, in index order (``nmissed[t]``
+    of them); ``refss[t]`` (None, or uint8 with one entry per base row) marks the cached rows
+    read. Returns None, having done nothing, when the ensemble does not suit the kernel (no
+    bags, feature sizes or dtypes that differ, a ``where`` not int32, arrays whose distances
+    are not whole elements): then look the tables up one at a time."""
+    n = len(bases)
+    if names is None:
+        names = [f"table{t}" for t in range(n)]
+    nbags = out.shape[0] if isinstance(out, np.ndarray) and out.ndim == 2 else 0
+    if not n or not nbags or len(caches) != n or len(wheres) != n:
+        return None
+    fs = _common_fs(bases)
+    if not fs or any(c.ndim != 2 or c.shape[1] != fs or c.dtype != bases[0].dtype
+                     for c in caches):
+        return None
+    for b, w in zip(bases, wheres):
+        if not (isinstance(w, np.ndarray) and w.dtype == np.int32 and w.ndim == 1
+                and w.flags.c_contiguous and w.shape[0] == b.shape[0]):
+            return None
+    for b, c in zip(bases, caches):
+        _check_table(c, names[0], "cache")
+    tl, il, ol, _, dtype, names = _ensemble(bases, indices_list, offsets_list, nbags, names)
+    origins = _deltas(tl)
+    deltas = [_distance(b, c) for b, c in zip(tl, caches)]
+    if origins is None or any(d is None for d in deltas):
+        return None
+    cols = _columns(tl, column_offsets, out.shape[1], names)
+    out, flat, stride, scratch_out = _output(out, nbags, out.shape[1], dtype, names[0])
+    misseds = [None] * n if misseds is None else misseds
+    refss = [None] * n if refss is None else refss
+    for t in range(n):
+        m = misseds[t]
+        if m is not None and (not isinstance(m, np.ndarray) or m.dtype != np.int64
+                              or m.shape != (il[t].shape[0],) or not m.flags.writeable):
+            raise ValueError(f"table {names[t]!r}: missed must be a writable int64 array with "
+                             "one entry per index")
+        r = refss[t]
+        if r is not None and (not isinstance(r, np.ndarray) or r.dtype != np.uint8
+                              or r.shape != (tl[t].shape[0],) or not r.flags.writeable
+                              or not r.flags.c_contiguous):
+            raise ValueError(f"table {names[t]!r}: refs must be a writable, contiguous uint8 "
+                             "array with one entry per base row")
+    nthreads = numba.get_num_threads()
+    chunk = max(64, min(nbags, -(-nbags * n // (4 * nthreads))))
+    bad = np.zeros(1, dtype=np.uint8)
+    nmissed = np.zeros(n, dtype=np.int64)
+    hits = _pick("bag_sum_cached_many", fs)(
+        _readonly(tl[0]), TypedList([_readonly(w) for w in wheres]),
+        TypedList([_readonly(i) for i in il]), TypedList([_readonly(o) for o in ol]), nbags,
+        flat, stride, cols, origins, np.array(deltas, dtype=np.uint64),
+        TypedList([_NO_ROWS if m is None else m for m in misseds]),
+        TypedList([scratch(f"positions{t}", il[t].shape[0], np.uint64) for t in range(n)]),
+        TypedList([_NO_MARKS if r is None else r for r in refss]), bad, chunk, nmissed)
+    if bad[0]:
+        for t in range(n):
+            check_indices(il[t], tl[t].shape[0], names[t])     # raises, naming the index
+        raise AssertionError("the lookup kernel flagged an index that is in range")
+    if scratch_out is not None:
+        out[...] = scratch_out
+    return hits, nmissed
+
+
 def _deltas(tables):
     """Each table's start, in elements from the first's (``_distance``), or None."""
     out = np.empty(len(tables), dtype=np.uint64)
