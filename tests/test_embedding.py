@@ -511,6 +511,7 @@ def test_where_dtype_is_int32_while_rows_and_slots_fit():
 # ---- cached tables looked up together --------------------------------------------------------
 
 from cachedarrays.models.dlrm.kernels import lookup_cached_many as _LOOKUP_CACHED_MANY  # noqa: E402
+from cachedarrays.models.dlrm.kernels import update_cached_many as _UPDATE_CACHED_MANY  # noqa: E402
 
 def _ensemble_run(together, kinds, sizes, fss, distribution, flush, monkeypatch, steps=8,
                   bad=None):
@@ -521,13 +522,15 @@ def _ensemble_run(together, kinds, sizes, fss, distribution, flush, monkeypatch,
 
     monkeypatch.setattr(E, "CACHED_TOGETHER", together)
     taken = []
-    real = _LOOKUP_CACHED_MANY
 
-    def spy(*a, **k):
-        got = real(*a, **k)
-        taken.append(got is not None)
-        return got
-    monkeypatch.setattr(K, "lookup_cached_many", spy)
+    def spy(real, what):
+        def call(*a, **k):
+            got = real(*a, **k)
+            taken.append((what, got is not None))
+            return got
+        return call
+    monkeypatch.setattr(K, "lookup_cached_many", spy(_LOOKUP_CACHED_MANY, "lookup"))
+    monkeypatch.setattr(K, "update_cached_many", spy(_UPDATE_CACHED_MANY, "update"))
     data = SyntheticDataset(len(sizes), sizes, 256, pooling=3, distribution=distribution,
                             seed=5, num_batches=steps)
     width = sum(fss)
@@ -559,8 +562,9 @@ def _ensemble_run(together, kinds, sizes, fss, distribution, flush, monkeypatch,
         for t in tables:
             if isinstance(t, E.CachedEmbeddingTable):
                 t.check()
-        state = [(t.stats(), getattr(t, "where", np.empty(0)).copy(), t.snapshot())
-                 for t in tables]
+        state = [(t.stats(), np.concatenate([getattr(t, "where", np.empty(0)),
+                                             getattr(t, "dirty_slots", np.empty(0))]),
+                  t.snapshot()) for t in tables]
     return outs, state, taken
 
 
@@ -569,14 +573,15 @@ def _ensemble_run(together, kinds, sizes, fss, distribution, flush, monkeypatch,
 @pytest.mark.parametrize("flush", ["oldest", "second-chance"])
 def test_cached_tables_looked_up_together_match_one_at_a_time(kind, distribution, flush,
                                                               monkeypatch):
-    """Several cached tables (beside SimpleTables) take one kernel for their lookups, and
-    every output, hit count, cached row, table value and statistic is what looking them up
-    one at a time gives, bit for bit, step after step (with updates and flushes between)."""
+    """Several cached tables (beside SimpleTables) take one kernel for their lookups and one
+    for their updates, and every output, hit count, cached row, dirty mark, table value and
+    statistic is what taking them one at a time gives, bit for bit, step after step (with
+    flushes between)."""
     kinds = [kind, "fast", kind, "simple", kind]
     sizes, fss = [5000, 300, 12000, 77, 40], [8] * 5
     one = _ensemble_run(False, kinds, sizes, fss, distribution, flush, monkeypatch)
     together = _ensemble_run(True, kinds, sizes, fss, distribution, flush, monkeypatch)
-    assert one[2] == [] and together[2] == [True] * 8
+    assert one[2] == [] and together[2] == [("lookup", True), ("update", True)] * 8
     for a, b in zip(one[0], together[0]):
         np.testing.assert_array_equal(a, b)
     for (sa, wa, va), (sb, wb, vb) in zip(one[1], together[1]):
@@ -587,12 +592,12 @@ def test_cached_tables_looked_up_together_match_one_at_a_time(kind, distribution
 
 
 def test_cached_tables_of_different_widths_are_looked_up_one_at_a_time(monkeypatch):
-    """The kernel takes one feature size: an ensemble of several declines (having done
-    nothing) and the tables go one at a time, with the same results."""
+    """The kernels take one feature size: given several, they decline (having done nothing)
+    and the tables go one at a time, with the same results."""
     kinds, sizes, fss = ["dynamic", "dynamic", "static"], [900, 400, 600], [8, 4, 8]
     one = _ensemble_run(False, kinds, sizes, fss, "zipf", "oldest", monkeypatch, steps=4)
     together = _ensemble_run(True, kinds, sizes, fss, "zipf", "oldest", monkeypatch, steps=4)
-    assert together[2] == [False] * 4
+    assert together[2] == [("lookup", False), ("update", False)] * 4
     for a, b in zip(one[0], together[0]):
         np.testing.assert_array_equal(a, b)
     assert [s for s, _, _ in one[1]] == [s for s, _, _ in together[1]]

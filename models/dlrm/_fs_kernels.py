@@ -887,6 +887,37 @@ def make_kernels(FS):
         return nus, rows
 
     @njit(**PARALLEL)
+    def apply_sgd_cached_many(bases, wheres, indices, offsets, obase, idx_base, nbags, dout,
+                              gstride, cols, lr, deltas, dirties, slots, nworkers, rows, nus,
+                              hits):
+        """``apply_sgd_cached`` of an ensemble of indirect tables of one feature size, each
+        re-indexed first (``reindex``): worker w takes tables w, w + nworkers, ... with its
+        row of ``slots``, so one parallel region serves every table. Table t's indices and
+        offsets are concatenated from ``idx_base[t]`` and ``obase[t]``, its unique rows land
+        in ``rows`` from ``idx_base[t]`` (``nus[t]`` of them), its pool lies ``deltas[t]``
+        elements from its base, its written slots are marked in ``dirties[t]``, and
+        ``hits[t]`` gets how many of its unique rows were cached. Same sums as one table at
+        a time."""
+        ntables = len(bases)
+        total = idx_base[ntables]
+        occ = np.empty(total, dtype=np.int64)
+        bounds = np.empty(total + 2 * ntables, dtype=np.int64)
+        for w in prange(nworkers):
+            for t in range(w, ntables, nworkers):
+                base = bases[t]
+                fs = FS or base.shape[1]
+                acc = np.empty(fs, dtype=base.dtype)
+                lo = idx_base[t]
+                hi = idx_base[t + 1]
+                b = bounds[lo + 2 * t:hi + 2 * t + 2]
+                nu = reindex(indices[lo:hi], offsets[obase[t]:obase[t + 1]], nbags, slots[w],
+                             rows[lo:hi], b, occ[lo:hi])
+                nus[t] = nu
+                hits[t] = sgd_rows_flat(base.reshape(-1), wheres[t], rows[lo:hi], b, occ[lo:hi],
+                                        0, nu, dout, gstride, cols[t], lr, acc, fs, deltas[t],
+                                        dirties[t])
+
+    @njit(**PARALLEL)
     def update_many_flat(base, deltas, widths, indices, offsets, obase, nbags, dout, gstride,
                          cols, lr, slots, nworkers, idx_base, dirty, dense):
         """``update_many`` with table t read and written ``deltas[t]`` elements from ``base``
@@ -917,6 +948,7 @@ def make_kernels(FS):
 
     return dict(gather=gather, gather_many=gather_many, bag_sum=bag_sum,
                 bag_sum_cached=bag_sum_cached, bag_sum_cached_many=bag_sum_cached_many,
+                apply_sgd_cached_many=apply_sgd_cached_many,
                 bag_sum_many=bag_sum_many, apply_sgd=apply_sgd,
                 apply_sgd_cached=apply_sgd_cached, grad=grad, update_many=update_many,
                 update_many_flat=update_many_flat)

@@ -1038,8 +1038,8 @@ def _bag_offsets(indices_list, offsets_list):
             for i, o in zip(indices_list, offsets_list)]
 
 
-#: Whether ``lookup_tables`` looks up several cached tables in one kernel (False: one at a
-#: time, each its own lookup; for comparisons).
+#: Whether ``lookup_tables`` and ``update_tables`` take several cached tables in one kernel
+#: (False: one at a time, each its own lookup and update; for comparisons).
 CACHED_TOGETHER = True
 
 
@@ -1075,6 +1075,25 @@ def _lookup_cached_together(tables, indices_list, offsets_list, out, cols):
         if missed is not None and h < nidx:
             t._cache_rows(missed[:nm])
         t._account_lookup(nidx, int(h))
+    return True
+
+
+def _update_cached_together(tables, indices_list, offsets_list, dout, lr, cols):
+    """The SGD of several cached tables from column blocks of ``dout`` in one kernel
+    (``kernels.update_cached_many``), each table counting it as its own ``update`` would;
+    False, having done nothing, when that kernel does not take the ensemble."""
+    n = len(tables)
+    with ca.kernel("embedding_update", (), [t.base for t in tables] + [t.cache for t in tables]
+                   ) as views:
+        got = kernels.update_cached_many(
+            views[:n], views[n:], [t.where for t in tables], indices_list, offsets_list, dout,
+            lr, cols, [t.dirty_slots for t in tables], names=[t.name for t in tables])
+    if got is None:
+        return False
+    for t, rows, h in zip(tables, *got):
+        t._stats["updates"] += 1
+        t._stats["rows_updated"] += rows.shape[0]
+        t._stats["update_hits"] += int(h)
     return True
 
 
@@ -1139,7 +1158,14 @@ def update_tables(tables, indices_list, offsets_list, dout, lr, column_offsets=N
                                        names=[tables[k].name for k in simple])
             for k, r in zip(simple, rows):
                 tables[k]._account_update(r.shape[0])
-        for k, t in enumerate(tables):
-            if not isinstance(t, SimpleTable):
-                c = int(cols[k])
-                t.update(indices_list[k], offsets_list[k], g[:, c:c + t.featuresize], lr)
+        rest = [k for k, t in enumerate(tables) if not isinstance(t, SimpleTable)]
+        if CACHED_TOGETHER and len(rest) > 1 and \
+                all(type(tables[k]) is CachedEmbeddingTable for k in rest) and \
+                _update_cached_together([tables[k] for k in rest],
+                                        [indices_list[k] for k in rest],
+                                        [offsets_list[k] for k in rest], g, lr, cols[rest]):
+            rest = []
+        for k in rest:
+            t = tables[k]
+            c = int(cols[k])
+            t.update(indices_list[k], offsets_list[k], g[:, c:c + t.featuresize], lr)

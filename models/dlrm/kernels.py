@@ -889,6 +889,67 @@ def lookup_cached_many(bases, caches, wheres, indices_list, offsets_list, out,
     return hits, nmissed
 
 
+def update_cached_many(bases, caches, wheres, indices_list, offsets_list, dout, lr,
+                       column_offsets=None, dirties=None, *, names=None):
+    """Fused SGD of an ensemble of indirect tables (see ``lookup_cached_many``) from the
+    gradient of their concatenated lookup output, each table re-indexed and updated by one
+    worker in one parallel kernel; returns ``(rows, hits)``: each table's unique rows and how
+    many of them were cached. ``dirties[t]`` (None, or uint8 with one entry per pool row)
+    gets 1 for every slot written. Returns None, having done nothing, when the ensemble does
+    not suit the kernel (as ``lookup_cached_many``): then update the tables one at a time."""
+    n = len(bases)
+    if names is None:
+        names = [f"table{t}" for t in range(n)]
+    if not isinstance(dout, np.ndarray) or dout.ndim != 2:
+        raise ValueError("dout must be a 2-D numpy.ndarray (batch, width)")
+    nbags = dout.shape[0]
+    if not n or not nbags or len(caches) != n or len(wheres) != n:
+        return None
+    fs = _common_fs(bases)
+    if not fs or any(c.ndim != 2 or c.shape[1] != fs or c.dtype != bases[0].dtype
+                     for c in caches):
+        return None
+    for b, w in zip(bases, wheres):
+        if not (isinstance(w, np.ndarray) and w.dtype == np.int32 and w.ndim == 1
+                and w.flags.c_contiguous and w.shape[0] == b.shape[0]):
+            return None
+    deltas = [_distance(b, c) for b, c in zip(bases, caches)]
+    if any(d is None for d in deltas):
+        return None
+    for c in caches:
+        _check_table(c, names[0], "cache")
+        _check_writable(c, names[0], "cache")
+    tl, il, ol, _, dtype, names = _ensemble(bases, indices_list, offsets_list, nbags, names,
+                                            update=True)
+    lr = check_lr(lr, names[0], dtype)
+    cols = _columns(tl, column_offsets, dout.shape[1], names)
+    gflat, gstride = _gradient(dout, nbags, dout.shape[1], dtype, names[0])
+    dirties = [None] * n if dirties is None else dirties
+    for t, (c, d) in enumerate(zip(caches, dirties)):
+        if d is not None and (not isinstance(d, np.ndarray) or d.dtype != np.uint8
+                              or d.shape != (c.shape[0],) or not d.flags.writeable):
+            raise ValueError(f"table {names[t]!r}: dirty must be a writable uint8 array with "
+                             "one entry per cache row")
+    idx_base = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum([a.shape[0] for a in il], out=idx_base[1:])
+    obase = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum([a.shape[0] for a in ol], out=obase[1:])
+    rows = np.empty(idx_base[-1], dtype=np.int64)
+    nus = np.zeros(n, dtype=np.int64)
+    hits = np.zeros(n, dtype=np.int64)
+    if idx_base[-1]:
+        nworkers = max(1, min(numba.get_num_threads(), n))
+        slots = _slots.take(nworkers, max(t.shape[0] for t in tl))
+        _pick("apply_sgd_cached_many", fs)(
+            TypedList(tl), TypedList([_readonly(w) for w in wheres]), np.concatenate(il),
+            np.concatenate(ol), obase, idx_base, nbags, gflat, gstride, cols, dtype.type(lr),
+            np.array(deltas, dtype=np.uint64),
+            TypedList([_NO_MARKS if d is None else d for d in dirties]), slots, nworkers,
+            rows, nus, hits)
+        _slots.give(slots)  # not on error: a half-used histogram is not zero
+    return [rows[idx_base[t]:idx_base[t] + nus[t]] for t in range(n)], hits
+
+
 def _deltas(tables):
     """Each table's start, in elements from the first's (``_distance``), or None."""
     out = np.empty(len(tables), dtype=np.uint64)
