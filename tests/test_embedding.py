@@ -551,6 +551,13 @@ def _ensemble_run(together, kinds, sizes, fss, distribution, flush, monkeypatch,
                                                      "position 7"):
                     E.lookup_tables(tables, indices, b.offsets, out)
                 assert [t.stats() for t in tables] == before     # nothing cached or counted
+                values = [t.snapshot() for t in tables]
+                with pytest.raises(IndexError, match=f"table 't{bad}': index {sizes[bad]}"):
+                    E.update_tables(tables, indices, b.offsets, np.ones((256, width),
+                                                                       np.float32), 0.01)
+                assert [t.stats() for t in tables] == before     # nothing updated either
+                for t, v in zip(tables, values):
+                    np.testing.assert_array_equal(t.snapshot(), v)
                 break
             E.lookup_tables(tables, indices, b.offsets, out)
             with ca.readable(out) as o:
@@ -606,7 +613,7 @@ def test_cached_tables_of_different_widths_are_looked_up_one_at_a_time(monkeypat
 @pytest.mark.parametrize("together", [False, True])
 def test_a_bad_index_in_a_cached_ensemble_caches_and_counts_nothing(together, monkeypatch):
     """An index out of range in the third of three cached tables raises IndexError naming
-    that table, position and value; looked up together, no table has cached or counted
+    that table, position and value; taken together, no table has cached, counted or updated
     anything (one at a time, the tables before it have, as their own lookups would)."""
     kinds, sizes, fss = ["dynamic"] * 3, [900, 400, 600], [4] * 3
     if together:
