@@ -329,7 +329,7 @@ def _check_dtype(dtype, name):
 
 
 def _check_context(context, name):
-    if context not in _CONTEXTS:
+    if context is not FORWARD and context not in _CONTEXTS:
         raise ValueError(f"table {name!r}: unknown context {context!r}; use "
                          f"None, {FORWARD!r} or {UPDATE!r}")
 
@@ -352,11 +352,11 @@ def _fill(arr, nvectors, featuresize, dtype, init, seed, name):
             a[lo:hi] = rng.uniform(-bound, bound, size=(hi - lo, featuresize)).astype(dtype)
 
 
-def _batch_size(offsets, out, nidx):
+def _batch_size(offsets, out, indices):
     if out is not None:
         return out.shape[0]
     if offsets is None:
-        return nidx
+        return np.shape(indices)[0] if np.ndim(indices) else 0
     return np.shape(offsets)[0]
 
 
@@ -491,7 +491,7 @@ class SimpleTable(EmbeddingTable):
 
     def lookup(self, indices, offsets=None, out=None, context=FORWARD):
         _check_context(context, self.name)
-        nbags = _batch_size(offsets, out, np.shape(indices)[0] if np.ndim(indices) else 0)
+        nbags = _batch_size(offsets, out, indices)
         if offsets is None:
             idx, off = kernels.check_indices(indices, self.nvectors, self.name), None
         else:  # the offsets checked here, the indices here or by the kernel (see bag_inputs)
@@ -775,7 +775,7 @@ class CachedEmbeddingTable(EmbeddingTable):
         return self._lookup(indices, offsets, out, cache=cache)
 
     def _lookup(self, indices, offsets, out, cache):
-        nbags = _batch_size(offsets, out, np.shape(indices)[0] if np.ndim(indices) else 0)
+        nbags = _batch_size(offsets, out, indices)
         if offsets is None:
             (idx, off), check = self._prepare(indices, offsets, nbags), False
         else:  # the offsets checked here, the indices here or by the kernel (see bag_inputs)

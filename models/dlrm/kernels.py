@@ -643,7 +643,10 @@ IN_KERNEL = "in-kernel"
 
 
 def _readonly(a):
-    """A read-only view: every array in an ensemble then has one numba type (one compile)."""
+    """A read-only view: every array in an ensemble then has one numba type (one compile).
+    An array that is read-only already (a ``ca.kernel`` read view) serves as it is."""
+    if not a.flags.writeable:
+        return a
     v = a.view()
     v.flags.writeable = False
     return v
