@@ -623,3 +623,66 @@ def test_a_bad_index_in_a_cached_ensemble_caches_and_counts_nothing(together, mo
         with pytest.raises(AssertionError):      # the first two tables counted their lookups
             _ensemble_run(False, kinds, sizes, fss, "uniform", "oldest", monkeypatch,
                           steps=3, bad=2)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_random_cached_ensembles_match_one_at_a_time(data):
+    """Random ensembles of cached tables (2-4 of them, 1-300 rows, static or dynamic, beside
+    a SimpleTable or not) on random bags (empty ones, empty tables, batches of 1-20) give the
+    same outputs, values and statistics taken together as one at a time, step after step."""
+    rng_seed = data.draw(st.integers(0, 2**16), label="seed")
+    ntables = data.draw(st.integers(2, 4), label="cached tables")
+    sizes = data.draw(st.lists(st.integers(1, 300), min_size=ntables, max_size=ntables),
+                      label="rows")
+    kinds = data.draw(st.lists(st.sampled_from(["static", "dynamic"]), min_size=ntables,
+                               max_size=ntables), label="kinds")
+    simple = data.draw(st.booleans(), label="with a SimpleTable")
+    nbags = data.draw(st.integers(1, 20), label="bags")
+    maxlen = data.draw(st.integers(0, 3), label="longest bag")
+    if simple:
+        kinds, sizes = kinds + ["fast"], sizes + [50]
+    rng = np.random.default_rng(rng_seed)
+    steps = [[_bags(rng, n, nbags, maxlen) for n in sizes] for _ in range(3)]
+    douts = [rng.standard_normal((nbags, 4 * len(sizes))).astype(np.float32) for _ in steps]
+
+    from cachedarrays.models.dlrm import kernels as K
+
+    taken = []
+
+    def counted(*a, **k):
+        got = _LOOKUP_CACHED_MANY(*a, **k)
+        taken.append(got is not None)
+        return got
+
+    def run(together):
+        E.CACHED_TOGETHER = together
+        K.lookup_cached_many = counted
+        try:
+            with ca.Manager(fast="8MiB", slow="8MiB") as m:
+                tables = [E.make_table(kind, n, 4, manager=m, cache=0.3, seed=k, page_rows=8,
+                                       name=f"t{k}") for k, (kind, n) in enumerate(zip(kinds, sizes))]
+                out = ca.empty((nbags, 4 * len(sizes)), dtype=np.float32, manager=m)
+                got = []
+                for bags, dout in zip(steps, douts):
+                    idx, off = [b[0] for b in bags], [b[1] for b in bags]
+                    E.lookup_tables(tables, idx, off, out)
+                    got.append(np.asarray(out))
+                    E.update_tables(tables, idx, off, dout, 0.05)
+                    for t in tables:
+                        t.maintain()
+                for t in tables:
+                    if isinstance(t, E.CachedEmbeddingTable):
+                        t.check()
+                return got, [(t.stats(), t.snapshot()) for t in tables]
+        finally:
+            E.CACHED_TOGETHER = True
+            K.lookup_cached_many = _LOOKUP_CACHED_MANY
+
+    one, together = run(False), run(True)
+    assert taken == [True] * 3                     # the shared kernel took every step
+    for a, b in zip(one[0], together[0]):
+        np.testing.assert_array_equal(a, b)
+    for (sa, va), (sb, vb) in zip(one[1], together[1]):
+        assert sa == sb
+        np.testing.assert_array_equal(va, vb)
