@@ -351,11 +351,24 @@ def test_onednn_1x1_weight_reorders_are_two_dimensional(dnnl):
     assert not any(d[-2:] == [1, 1] for d in dims if len(d) == 4), dims
 
 
-def test_onednn_layout_rule_picks_plain_nhwc_and_blocked(dnnl):
+def test_onednn_channels_last_is_off_by_default_on_amd_zen():
+    """Channels-last convolutions start at 32x32 output pixels on other CPUs and are off on
+    AMD Zen, where their weight gradient measured slower; the machine's default is its CPU's."""
+    import llvmlite.binding as llvm
+
+    from cachedarrays.models.backend import onednn
+    assert onednn.nhwc_min_pixels("znver5") == onednn.nhwc_min_pixels("znver4") == 0
+    assert onednn.nhwc_min_pixels("sapphirerapids") == onednn.nhwc_min_pixels("skylake") == 1024
+    assert onednn.NHWC_MIN_PIXELS == onednn.nhwc_min_pixels(llvm.get_host_cpu_name())
+
+
+def test_onednn_layout_rule_picks_plain_nhwc_and_blocked(dnnl, monkeypatch):
     """The fixed rule: plain for 1x1 kernels with >= 64 output pixels (>= 16 with at most 128
     output channels), channels-last for other kernels with >= 32x32 output pixels and >= 16
-    input channels, else blocked; each of the three gives the reference's result."""
+    input channels (NHWC_MIN_PIXELS as on a Xeon), else blocked; each of the three gives the
+    reference's result."""
     from cachedarrays.models.backend import onednn
+    monkeypatch.setattr(onednn, "NHWC_MIN_PIXELS", 1024)
     rule = onednn._rule_layout
     assert rule((16, 64, 16, 16), (64, 64, 1, 1), (1, 1)) == "plain"
     assert rule((16, 64, 8, 8), (1024, 64, 1, 1), (1, 1)) == "plain"       # 64 pixels
@@ -370,6 +383,8 @@ def test_onednn_layout_rule_picks_plain_nhwc_and_blocked(dnnl):
     assert rule((16, 64, 62, 62), (64, 64, 3, 3), (2, 2)) == "blocked"     # 31x31
     assert rule((16, 3, 64, 64), (64, 3, 3, 3), (1, 1)) == "blocked"       # 3 channels
     assert rule((16, 512, 4, 4), (512, 512, 3, 3), (1, 1)) == "blocked"
+    monkeypatch.setattr(onednn, "NHWC_MIN_PIXELS", 0)                     # off (AMD Zen)
+    assert rule((16, 64, 64, 64), (64, 64, 3, 3), (1, 1)) == "blocked"
     rng = np.random.default_rng(5)
     x, w, b, stride, pad, oshape = conv_arrays(rng, (1, 16, 32, 32, 16, 3, 3, 1, 1))
     dy = rand(rng, *oshape)

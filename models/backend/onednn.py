@@ -33,6 +33,7 @@ import logging
 import threading
 import time
 
+import llvmlite.binding as llvm
 import numpy as np
 
 from . import _checks as ck
@@ -48,7 +49,7 @@ name = "onednn"
 __all__ = ["OneDNNError", "OneDNNNotFoundError", "set_threads", "get_threads", "version",
            "clear_cache", "cache_size", "impl_info", "buffer_bytes", "set_blocked_layouts",
            "set_numba_batchnorm", "set_dense_impl", "dense_choices", "set_conv_layouts",
-           "conv_layout_choices"]
+           "conv_layout_choices", "nhwc_min_pixels"]
 
 _lib = api.load_library()
 _F32 = {"dtypes": (np.dtype(np.float32),), "contiguous": True}
@@ -455,11 +456,26 @@ PLAIN_1X1_MIN_PIXELS = 64
 # for every shape measured (2x2 leaves a GEMM of 4 columns per image).
 PLAIN_1X1_NARROW_MIN_PIXELS = 16
 PLAIN_1X1_NARROW_MAX_K = 128
+
+
+def nhwc_min_pixels(cpu=None):
+    """NHWC_MIN_PIXELS's default on the CPU named ``cpu`` (LLVM's name; default this
+    machine's): 1024, or 0 (channels-last off) on AMD Zen (``znver*``)."""
+    if cpu is None:
+        cpu = llvm.get_host_cpu_name()
+    return 0 if str(cpu).startswith("znver") else 1024
+
+
 # Larger convolutions with at least this many output pixels and NHWC_MIN_CHANNELS input channels
 # run channels-last (nhwc activations): oneDNN then takes its brgemm kernels, 10-30% faster in
-# all three passes than the nChw16c ones for VGG-16's 64x64 and 32x32 layers (2 threads,
-# AVX-512; measured per pass, medians of 9), while at 16x16 and below they are not faster.
-NHWC_MIN_PIXELS = 1024
+# all three passes than the nChw16c ones for VGG-16's 64x64 and 32x32 layers on a Sapphire
+# Rapids Xeon (2 threads, AVX-512; measured per pass, medians of 9), while at 16x16 and below
+# they are not faster. On a Zen 5, oneDNN 3.2 computes the channels-last weight gradient with
+# its older jit kernel: for VGG-16's 64x64 layer it took 20.1 ms against 12.8 ms blocked (the
+# forward pass 12.3 against 11.6, the data gradient 12.3 against 12.8, reorders included), and
+# VGG-16 steps were 1.5-2.5% slower in paired runs. So the rule leaves channels-last off there
+# (``nhwc_min_pixels``). 0 disables it.
+NHWC_MIN_PIXELS = nhwc_min_pixels()
 NHWC_MIN_CHANNELS = 16
 
 LAYOUTS = ("blocked", "plain", "nhwc")
