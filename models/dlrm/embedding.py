@@ -1043,6 +1043,14 @@ def _bag_offsets(indices_list, offsets_list):
 CACHED_TOGETHER = True
 
 
+def _together(tables, rest):
+    """Whether the tables at positions ``rest`` (the ensemble's others than SimpleTables) may
+    share a kernel: several, all CachedEmbeddingTables themselves (a subclass keeps its own
+    lookup and update), and ``CACHED_TOGETHER``."""
+    return CACHED_TOGETHER and len(rest) > 1 and \
+        all(type(tables[k]) is CachedEmbeddingTable for k in rest)
+
+
 def _lookup_cached_together(tables, indices_list, offsets_list, out, cols):
     """The FORWARD lookups of several cached tables into column blocks of ``out`` in one
     kernel (``kernels.lookup_cached_many``), each table then caching its missed rows and
@@ -1121,11 +1129,9 @@ def lookup_tables(tables, indices_list, offsets_list, out, column_offsets=None):
             for k in simple:
                 tables[k]._account_lookup(np.shape(indices_list[k])[0])
         rest = [k for k, t in enumerate(tables) if not isinstance(t, SimpleTable)]
-        if CACHED_TOGETHER and len(rest) > 1 and \
-                all(type(tables[k]) is CachedEmbeddingTable for k in rest) and \
-                _lookup_cached_together([tables[k] for k in rest],
-                                        [indices_list[k] for k in rest],
-                                        [offsets_list[k] for k in rest], o, cols[rest]):
+        if _together(tables, rest) and _lookup_cached_together(
+                [tables[k] for k in rest], [indices_list[k] for k in rest],
+                [offsets_list[k] for k in rest], o, cols[rest]):
             return out
         for k in rest:
             t = tables[k]
@@ -1159,11 +1165,9 @@ def update_tables(tables, indices_list, offsets_list, dout, lr, column_offsets=N
             for k, r in zip(simple, rows):
                 tables[k]._account_update(r.shape[0])
         rest = [k for k, t in enumerate(tables) if not isinstance(t, SimpleTable)]
-        if CACHED_TOGETHER and len(rest) > 1 and \
-                all(type(tables[k]) is CachedEmbeddingTable for k in rest) and \
-                _update_cached_together([tables[k] for k in rest],
-                                        [indices_list[k] for k in rest],
-                                        [offsets_list[k] for k in rest], g, lr, cols[rest]):
+        if _together(tables, rest) and _update_cached_together(
+                [tables[k] for k in rest], [indices_list[k] for k in rest],
+                [offsets_list[k] for k in rest], g, lr, cols[rest]):
             rest = []
         for k in rest:
             t = tables[k]

@@ -405,6 +405,31 @@ def lookup_sum_indirect(base, cache, where, indices, offsets, out=None, *, name=
     return _lookup_bags(base, cache, where, indices, offsets, out, name, check)[0]
 
 
+def _check_missed(missed, nidx, name):
+    """A lookup's ``missed`` is None or a writable int64 array with one entry per index."""
+    if missed is not None and (not isinstance(missed, np.ndarray) or missed.dtype != np.int64
+                               or missed.shape != (nidx,) or not missed.flags.writeable):
+        raise ValueError(f"table {name!r}: missed must be a writable int64 array with one entry "
+                         "per index")
+
+
+def _check_refs(refs, nrows, name):
+    """A lookup's ``refs`` is None or a writable, contiguous uint8 array, one entry per row."""
+    if refs is not None and (not isinstance(refs, np.ndarray) or refs.dtype != np.uint8
+                             or refs.shape != (nrows,) or not refs.flags.writeable
+                             or not refs.flags.c_contiguous):
+        raise ValueError(f"table {name!r}: refs must be a writable, contiguous uint8 array with "
+                         "one entry per base row")
+
+
+def _check_dirty(dirty, nslots, name):
+    """An update's ``dirty`` is None or a writable uint8 array, one entry per cache row."""
+    if dirty is not None and (not isinstance(dirty, np.ndarray) or dirty.dtype != np.uint8
+                              or dirty.shape != (nslots,) or not dirty.flags.writeable):
+        raise ValueError(f"table {name!r}: dirty must be a writable uint8 array with one entry "
+                         "per cache row")
+
+
 def lookup_sum_indirect_hits(base, cache, where, indices, offsets, out, missed=None, *,
                              refs=None, name="table", check=True):
     """``lookup_sum_indirect`` that also returns how many indices were served from the cache:
@@ -414,16 +439,8 @@ def lookup_sum_indirect_hits(base, cache, where, indices, offsets, out, missed=N
     row r read (a table's record of which cached rows were used since it last looked)."""
     _check_table(base, name, "base")
     _check_table(cache, name, "cache")
-    if missed is not None and (not isinstance(missed, np.ndarray) or missed.dtype != np.int64
-                               or missed.shape != (np.shape(indices)[0],)
-                               or not missed.flags.writeable):
-        raise ValueError(f"table {name!r}: missed must be a writable int64 array with one entry "
-                         "per index")
-    if refs is not None and (not isinstance(refs, np.ndarray) or refs.dtype != np.uint8
-                             or refs.shape != (base.shape[0],) or not refs.flags.writeable
-                             or not refs.flags.c_contiguous):
-        raise ValueError(f"table {name!r}: refs must be a writable, contiguous uint8 array with "
-                         "one entry per base row")
+    _check_missed(missed, np.shape(indices)[0], name)
+    _check_refs(refs, base.shape[0], name)
     return _lookup_bags(base, cache, where, indices, offsets, out, name, check, missed, refs)
 
 
@@ -564,10 +581,7 @@ def sgd_update_indirect_hits(base, cache, where, indices, offsets, dout, lr, dir
     _check_table(cache, name, "cache")
     _check_writable(base, name, "base")
     _check_writable(cache, name, "cache")
-    if dirty is not None and (not isinstance(dirty, np.ndarray) or dirty.dtype != np.uint8
-                              or dirty.shape != (cache.shape[0],) or not dirty.flags.writeable):
-        raise ValueError(f"table {name!r}: dirty must be a writable uint8 array with one entry "
-                         "per cache row")
+    _check_dirty(dirty, cache.shape[0], name)
     lr = check_lr(lr, name, base.dtype)
     idx, off, nbags, gflat, gstride = _prepare_update(base.shape[0], indices, offsets, dout,
                                                       base.dtype, base.shape[1], name, check)
@@ -823,6 +837,28 @@ def _one_per_bag(off, nidx, nbags):
     return int(off[nbags - 1]) == nbags - 1 and int(steps.max()) == 1   # all steps 1
 
 
+def _indirect_ensemble(bases, caches, wheres, nbags):
+    """(feature size, each pool's distance from its base) of an ensemble of indirect tables
+    that the ``*_cached_many`` kernels take, or None: some bags and tables, one feature size
+    and dtype, int32 ``where`` arrays of one entry per base row, and pools a whole number of
+    elements from their bases."""
+    n = len(bases)
+    if not n or not nbags or len(caches) != n or len(wheres) != n:
+        return None
+    fs = _common_fs(bases)
+    if not fs or any(c.ndim != 2 or c.shape[1] != fs or c.dtype != bases[0].dtype
+                     for c in caches):
+        return None
+    for b, w in zip(bases, wheres):
+        if not (isinstance(w, np.ndarray) and w.dtype == np.int32 and w.ndim == 1
+                and w.flags.c_contiguous and w.shape[0] == b.shape[0]):
+            return None
+    deltas = [_distance(b, c) for b, c in zip(bases, caches)]
+    if any(d is None for d in deltas):
+        return None
+    return fs, deltas
+
+
 def lookup_cached_many(bases, caches, wheres, indices_list, offsets_list, out,
                        column_offsets=None, misseds=None, refss=None, *, names=None):
     """Bag-sum lookups of an ensemble of indirect tables (row r of table t at
@@ -839,39 +875,23 @@ def lookup_cached_many(bases, caches, wheres, indices_list, offsets_list, out,
     if names is None:
         names = [f"table{t}" for t in range(n)]
     nbags = out.shape[0] if isinstance(out, np.ndarray) and out.ndim == 2 else 0
-    if not n or not nbags or len(caches) != n or len(wheres) != n:
+    suits = _indirect_ensemble(bases, caches, wheres, nbags)
+    if suits is None:
         return None
-    fs = _common_fs(bases)
-    if not fs or any(c.ndim != 2 or c.shape[1] != fs or c.dtype != bases[0].dtype
-                     for c in caches):
-        return None
-    for b, w in zip(bases, wheres):
-        if not (isinstance(w, np.ndarray) and w.dtype == np.int32 and w.ndim == 1
-                and w.flags.c_contiguous and w.shape[0] == b.shape[0]):
-            return None
-    for b, c in zip(bases, caches):
+    fs, deltas = suits
+    for c in caches:
         _check_table(c, names[0], "cache")
     tl, il, ol, _, dtype, names = _ensemble(bases, indices_list, offsets_list, nbags, names)
     origins = _deltas(tl)
-    deltas = [_distance(b, c) for b, c in zip(tl, caches)]
-    if origins is None or any(d is None for d in deltas):
+    if origins is None:
         return None
     cols = _columns(tl, column_offsets, out.shape[1], names)
     out, flat, stride, scratch_out = _output(out, nbags, out.shape[1], dtype, names[0])
     misseds = [None] * n if misseds is None else misseds
     refss = [None] * n if refss is None else refss
     for t in range(n):
-        m = misseds[t]
-        if m is not None and (not isinstance(m, np.ndarray) or m.dtype != np.int64
-                              or m.shape != (il[t].shape[0],) or not m.flags.writeable):
-            raise ValueError(f"table {names[t]!r}: missed must be a writable int64 array with "
-                             "one entry per index")
-        r = refss[t]
-        if r is not None and (not isinstance(r, np.ndarray) or r.dtype != np.uint8
-                              or r.shape != (tl[t].shape[0],) or not r.flags.writeable
-                              or not r.flags.c_contiguous):
-            raise ValueError(f"table {names[t]!r}: refs must be a writable, contiguous uint8 "
-                             "array with one entry per base row")
+        _check_missed(misseds[t], il[t].shape[0], names[t])
+        _check_refs(refss[t], tl[t].shape[0], names[t])
     nthreads = numba.get_num_threads()
     chunk = max(64, min(nbags, -(-nbags * n // (4 * nthreads))))
     bad = np.zeros(1, dtype=np.uint8)
@@ -906,19 +926,10 @@ def update_cached_many(bases, caches, wheres, indices_list, offsets_list, dout, 
     if not isinstance(dout, np.ndarray) or dout.ndim != 2:
         raise ValueError("dout must be a 2-D numpy.ndarray (batch, width)")
     nbags = dout.shape[0]
-    if not n or not nbags or len(caches) != n or len(wheres) != n:
+    suits = _indirect_ensemble(bases, caches, wheres, nbags)
+    if suits is None:
         return None
-    fs = _common_fs(bases)
-    if not fs or any(c.ndim != 2 or c.shape[1] != fs or c.dtype != bases[0].dtype
-                     for c in caches):
-        return None
-    for b, w in zip(bases, wheres):
-        if not (isinstance(w, np.ndarray) and w.dtype == np.int32 and w.ndim == 1
-                and w.flags.c_contiguous and w.shape[0] == b.shape[0]):
-            return None
-    deltas = [_distance(b, c) for b, c in zip(bases, caches)]
-    if any(d is None for d in deltas):
-        return None
+    fs, deltas = suits
     for c in caches:
         _check_table(c, names[0], "cache")
         _check_writable(c, names[0], "cache")
@@ -929,10 +940,7 @@ def update_cached_many(bases, caches, wheres, indices_list, offsets_list, dout, 
     gflat, gstride = _gradient(dout, nbags, dout.shape[1], dtype, names[0])
     dirties = [None] * n if dirties is None else dirties
     for t, (c, d) in enumerate(zip(caches, dirties)):
-        if d is not None and (not isinstance(d, np.ndarray) or d.dtype != np.uint8
-                              or d.shape != (c.shape[0],) or not d.flags.writeable):
-            raise ValueError(f"table {names[t]!r}: dirty must be a writable uint8 array with "
-                             "one entry per cache row")
+        _check_dirty(d, c.shape[0], names[t])
     idx_base = np.zeros(n + 1, dtype=np.int64)
     np.cumsum([a.shape[0] for a in il], out=idx_base[1:])
     obase = np.zeros(n + 1, dtype=np.int64)
