@@ -1,0 +1,54 @@
+"""The embedding benchmark at tiny sizes: every implementation agrees with torch, and the cached
+table that holds every row hits on every lookup, caches nothing more and is reported against
+SimpleTable (the cost of the indirection alone)."""
+
+import numpy as np
+import pytest
+
+import cachedarrays as ca
+
+from helpers import load_benchmark
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return load_benchmark("embedding")
+
+
+def test_a_tiny_run_reports_the_every_row_table_with_every_lookup_a_hit(bench, capsys):
+    pytest.importorskip("torch")
+    bench.main(["--rows", "3000", "--fs", "16", "--batch", "64", "--bag", "4", "--repeats", "3",
+                "--warmup", "2", "--cache", "0.5", "1.0", "--distributions", "uniform", "zipf",
+                "--threads", "1", "--no-progress"])
+    out = capsys.readouterr().out
+    for dist in ("uniform", "zipf"):
+        section = out.split(f"{dist} indices")[1]
+        row = next(line for line in section.splitlines() if line.startswith(bench.EVERY_ROW))
+        assert row.split()[-2] == "1.000"           # hit rate
+        assert f"cached lookup vs SimpleTable, every row cached ({dist}): " in out
+        agreement = section.split("lookup ")[1].split(",")[0]
+        assert float(agreement) < 1e-5              # outputs agree with torch
+
+
+def test_the_every_row_table_caches_nothing_and_never_flushes(bench):
+    rng = np.random.default_rng(3)
+    init = rng.uniform(-1, 1, (1500, 8)).astype(np.float32)   # not a whole number of pages
+    with ca.Manager(fast=8 * init.nbytes, slow=8 * init.nbytes) as m:
+        impl = bench.every_row(init, m)
+        every = impl.table
+        assert every.npages * every.page_rows > init.shape[0]
+        before = every.stats()
+        idx = rng.integers(0, init.shape[0], 200, dtype=np.int64)
+        off = np.arange(0, 200, 4, dtype=np.int64)
+        for _ in range(3):
+            got = np.asarray(impl.lookup(idx, off))
+            impl.after_lookup()
+        after = every.stats()
+        assert after["hits"] - before["hits"] == 600 == after["lookups"] - before["lookups"]
+        assert after["rows_cached"] == before["rows_cached"] == init.shape[0]
+        assert after["flushes"] == before["flushes"]
+        want = np.zeros((off.shape[0], init.shape[1]), np.float32)
+        for b, start in enumerate(off):          # added in index order, as the kernels do
+            for r in idx[start:start + 4]:
+                want[b] += init[r]
+        np.testing.assert_array_equal(got, want)
