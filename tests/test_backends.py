@@ -351,24 +351,29 @@ def test_onednn_1x1_weight_reorders_are_two_dimensional(dnnl):
     assert not any(d[-2:] == [1, 1] for d in dims if len(d) == 4), dims
 
 
-def test_onednn_channels_last_is_off_by_default_on_amd_zen():
-    """Channels-last convolutions start at 32x32 output pixels on other CPUs and are off on
-    AMD Zen, where their weight gradient measured slower; the machine's default is its CPU's."""
+def test_onednn_channels_last_window_depends_on_the_cpu():
+    """Channels-last convolutions start at 32x32 output pixels on other CPUs, and run from 8x8
+    to 16x16 with 128 channels or more on AMD Zen, where the larger ones measured slower; the
+    machine's default is its CPU's."""
     import llvmlite.binding as llvm
 
     from cachedarrays.models.backend import onednn
-    assert onednn.nhwc_min_pixels("znver5") == onednn.nhwc_min_pixels("znver4") == 0
-    assert onednn.nhwc_min_pixels("sapphirerapids") == onednn.nhwc_min_pixels("skylake") == 1024
-    assert onednn.NHWC_MIN_PIXELS == onednn.nhwc_min_pixels(llvm.get_host_cpu_name())
+    assert onednn.nhwc_window("znver5") == onednn.nhwc_window("znver4") == (64, 256, 128)
+    assert onednn.nhwc_window("sapphirerapids") == onednn.nhwc_window("skylake") == (1024, 0, 16)
+    assert (onednn.NHWC_MIN_PIXELS, onednn.NHWC_MAX_PIXELS, onednn.NHWC_MIN_CHANNELS) == \
+        onednn.nhwc_window(llvm.get_host_cpu_name())
 
 
 def test_onednn_layout_rule_picks_plain_nhwc_and_blocked(dnnl, monkeypatch):
     """The fixed rule: plain for 1x1 kernels with >= 64 output pixels (>= 16 with at most 128
     output channels), channels-last for other kernels with >= 32x32 output pixels and >= 16
-    input channels (NHWC_MIN_PIXELS as on a Xeon), else blocked; each of the three gives the
-    reference's result."""
+    input and output channels (the window of a Xeon), else blocked; on AMD Zen's window,
+    channels-last from 8x8 to 16x16 output pixels with >= 128 channels; each of the three
+    gives the reference's result."""
     from cachedarrays.models.backend import onednn
-    monkeypatch.setattr(onednn, "NHWC_MIN_PIXELS", 1024)
+    for name, value in zip(("NHWC_MIN_PIXELS", "NHWC_MAX_PIXELS", "NHWC_MIN_CHANNELS"),
+                           onednn.nhwc_window("sapphirerapids")):
+        monkeypatch.setattr(onednn, name, value)
     rule = onednn._rule_layout
     assert rule((16, 64, 16, 16), (64, 64, 1, 1), (1, 1)) == "plain"
     assert rule((16, 64, 8, 8), (1024, 64, 1, 1), (1, 1)) == "plain"       # 64 pixels
@@ -383,8 +388,21 @@ def test_onednn_layout_rule_picks_plain_nhwc_and_blocked(dnnl, monkeypatch):
     assert rule((16, 64, 62, 62), (64, 64, 3, 3), (2, 2)) == "blocked"     # 31x31
     assert rule((16, 3, 64, 64), (64, 3, 3, 3), (1, 1)) == "blocked"       # 3 channels
     assert rule((16, 512, 4, 4), (512, 512, 3, 3), (1, 1)) == "blocked"
-    monkeypatch.setattr(onednn, "NHWC_MIN_PIXELS", 0)                     # off (AMD Zen)
-    assert rule((16, 64, 64, 64), (64, 64, 3, 3), (1, 1)) == "blocked"
+    assert rule((16, 64, 64, 64), (8, 64, 3, 3), (1, 1)) == "blocked"      # 8 output channels
+    for name, value in zip(("NHWC_MIN_PIXELS", "NHWC_MAX_PIXELS", "NHWC_MIN_CHANNELS"),
+                           onednn.nhwc_window("znver5")):
+        monkeypatch.setattr(onednn, name, value)
+    assert rule((16, 64, 64, 64), (64, 64, 3, 3), (1, 1)) == "blocked"     # 64x64
+    assert rule((16, 128, 32, 32), (128, 128, 3, 3), (1, 1)) == "blocked"  # 32x32
+    assert rule((16, 128, 16, 16), (256, 128, 3, 3), (1, 1)) == "nhwc"     # 16x16
+    assert rule((16, 512, 8, 8), (512, 512, 3, 3), (1, 1)) == "nhwc"       # 8x8
+    assert rule((16, 256, 16, 16), (256, 256, 3, 3), (2, 2)) == "nhwc"     # 8x8 output
+    assert rule((16, 512, 4, 4), (512, 512, 3, 3), (1, 1)) == "blocked"    # 4x4
+    assert rule((16, 64, 16, 16), (64, 64, 3, 3), (1, 1)) == "blocked"     # 64 channels
+    assert rule((16, 128, 16, 16), (32, 128, 3, 3), (1, 1)) == "blocked"   # 32 outputs
+    assert rule((16, 256, 16, 16), (256, 256, 1, 1), (1, 1)) == "plain"    # 1x1: as before
+    monkeypatch.setattr(onednn, "NHWC_MIN_PIXELS", 0)                     # off
+    assert rule((16, 128, 16, 16), (256, 128, 3, 3), (1, 1)) == "blocked"
     rng = np.random.default_rng(5)
     x, w, b, stride, pad, oshape = conv_arrays(rng, (1, 16, 32, 32, 16, 3, 3, 1, 1))
     dy = rand(rng, *oshape)

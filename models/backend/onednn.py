@@ -49,7 +49,7 @@ name = "onednn"
 __all__ = ["OneDNNError", "OneDNNNotFoundError", "set_threads", "get_threads", "version",
            "clear_cache", "cache_size", "impl_info", "buffer_bytes", "set_blocked_layouts",
            "set_numba_batchnorm", "set_dense_impl", "dense_choices", "set_conv_layouts",
-           "conv_layout_choices", "nhwc_min_pixels"]
+           "conv_layout_choices", "nhwc_window"]
 
 _lib = api.load_library()
 _F32 = {"dtypes": (np.dtype(np.float32),), "contiguous": True}
@@ -458,32 +458,38 @@ PLAIN_1X1_NARROW_MIN_PIXELS = 16
 PLAIN_1X1_NARROW_MAX_K = 128
 
 
-def nhwc_min_pixels(cpu=None):
-    """NHWC_MIN_PIXELS's default on the CPU named ``cpu`` (LLVM's name; default this
-    machine's): 1024, or 0 (channels-last off) on AMD Zen (``znver*``)."""
+def nhwc_window(cpu=None):
+    """(NHWC_MIN_PIXELS, NHWC_MAX_PIXELS, NHWC_MIN_CHANNELS) by default on the CPU named
+    ``cpu`` (LLVM's name; default this machine's): (1024, 0, 16), from 32x32 output pixels
+    up, or on AMD Zen (``znver*``) (64, 256, 128), from 8x8 to 16x16."""
     if cpu is None:
         cpu = llvm.get_host_cpu_name()
-    return 0 if str(cpu).startswith("znver") else 1024
+    return (64, 256, 128) if str(cpu).startswith("znver") else (1024, 0, 16)
 
 
-# Larger convolutions with at least this many output pixels and NHWC_MIN_CHANNELS input channels
-# run channels-last (nhwc activations): oneDNN then takes its brgemm kernels, 10-30% faster in
-# all three passes than the nChw16c ones for VGG-16's 64x64 and 32x32 layers on a Sapphire
-# Rapids Xeon (2 threads, AVX-512; measured per pass, medians of 9), while at 16x16 and below
-# they are not faster. On a Zen 5, oneDNN 3.2 computes the channels-last weight gradient with
-# its older jit kernel: for VGG-16's 64x64 layer it took 20.1 ms against 12.8 ms blocked (the
-# forward pass 12.3 against 11.6, the data gradient 12.3 against 12.8, reorders included), and
-# VGG-16 steps were 1.5-2.5% slower in paired runs. So the rule leaves channels-last off there
-# (``nhwc_min_pixels``). 0 disables it.
-NHWC_MIN_PIXELS = nhwc_min_pixels()
-NHWC_MIN_CHANNELS = 16
+# Convolutions (other than 1x1) whose output has NHWC_MIN_PIXELS to NHWC_MAX_PIXELS pixels (0:
+# no upper bound), with at least NHWC_MIN_CHANNELS input and output channels, run channels-last
+# (nhwc activations), where oneDNN takes other kernels than for nChw16c. Which convolutions gain
+# depends on the CPU (measured per pass with the reorders, 2 threads, AVX-512, batch 16):
+# - On a Sapphire Rapids Xeon, its brgemm kernels were 10-30% faster in all three passes for
+#   VGG-16's 64x64 and 32x32 layers, and not faster at 16x16 and below: from 32x32 up.
+# - On a Zen 5, VGG-16's 64x64 layer took 20.1 ms for its weight gradient channels-last
+#   against 12.8 ms blocked, and the 32x32 layers were 3-4% slower over their three passes.
+#   At 16x16 and 8x8 with 128-512 input channels, channels-last was 6-11% faster forward,
+#   6-13% for the data gradient and up to 12% for the weight gradient (ResNet-50's 16x16 layer,
+#   64 channels: 10% forward), while at 4x4 blocked was 10-15% faster forward and for the data
+#   gradient: from 8x8 to 16x16, with 128 channels or more (DenseNet-121's 3x3 convolutions, 32
+#   output channels, had their weight gradient faster blocked; ResNet-50's 64-channel ones
+#   gained too little to matter). VGG-16 steps were 2.7% faster, ResNet-50's and DenseNet-121's
+#   the same within 1%. NHWC_MIN_PIXELS = 0 disables it.
+NHWC_MIN_PIXELS, NHWC_MAX_PIXELS, NHWC_MIN_CHANNELS = nhwc_window()
 
 LAYOUTS = ("blocked", "plain", "nhwc")
 
 # How each convolution picks its layouts: "auto" times each of LAYOUTS (with its reorders) on
 # the first call of each (operation, shapes, geometry) and leaves the rule's choice when another
-# is clearly faster (_CONV_SWITCH_MARGIN); "rule" applies PLAIN_1X1_MIN_PIXELS and
-# NHWC_MIN_PIXELS alone. Blocked layouts off (set_blocked_layouts) means plain.
+# is clearly faster (_CONV_SWITCH_MARGIN); "rule" applies PLAIN_1X1_MIN_PIXELS and the
+# channels-last window alone. Blocked layouts off (set_blocked_layouts) means plain.
 _conv_layouts = "rule"
 _conv_choice: dict = {}
 _CONV_TRIALS = 2
@@ -492,8 +498,8 @@ _CONV_SWITCH_MARGIN = 1.1     # another layout must be this many times faster th
 
 def set_conv_layouts(mode: str) -> str:
     """"auto" (measure each layout once per convolution shape, keep the fastest) or "rule"
-    (plain for large 1x1 convolutions, nhwc for large others, else blocked). Returns the
-    previous setting."""
+    (plain for large 1x1 convolutions, nhwc for others in the CPU's window, else blocked).
+    Returns the previous setting."""
     global _conv_layouts
     if mode not in ("auto", "rule"):
         raise ValueError(f"set_conv_layouts: {mode!r} is not one of auto, rule")
@@ -511,8 +517,8 @@ def conv_layout_choices() -> dict:
 
 def _rule_layout(xs, ws, st):
     """The fixed rule: plain for 1x1 convolutions with many output pixels (or fewer, with few
-    output channels), nhwc for other convolutions with many output pixels and channels, else
-    blocked."""
+    output channels), nhwc for other convolutions with output pixels in the CPU's window and
+    enough channels (``nhwc_window``), else blocked."""
     p, q = (xs[2] - 1) // st[0] + 1, (xs[3] - 1) // st[1] + 1      # output pixels (an upper
     if tuple(ws[2:]) == (1, 1):                                    # bound with padding)
         if PLAIN_1X1_MIN_PIXELS and p * q >= PLAIN_1X1_MIN_PIXELS:
@@ -520,7 +526,9 @@ def _rule_layout(xs, ws, st):
         if PLAIN_1X1_NARROW_MIN_PIXELS and p * q >= PLAIN_1X1_NARROW_MIN_PIXELS and \
                 ws[0] <= PLAIN_1X1_NARROW_MAX_K:
             return "plain"
-    elif NHWC_MIN_PIXELS and p * q >= NHWC_MIN_PIXELS and xs[1] >= NHWC_MIN_CHANNELS:
+    elif (NHWC_MIN_PIXELS and NHWC_MIN_PIXELS <= p * q
+          and (not NHWC_MAX_PIXELS or p * q <= NHWC_MAX_PIXELS)
+          and min(xs[1], ws[0]) >= NHWC_MIN_CHANNELS):
         return "nhwc"
     return "blocked"
 
