@@ -476,12 +476,14 @@ def nhwc_window(cpu=None):
 # - On a Zen 5, VGG-16's 64x64 layer took 20.1 ms for its weight gradient channels-last
 #   against 12.8 ms blocked, and the 32x32 layers were 3-4% slower over their three passes.
 #   At 16x16 and 8x8 with 128-512 input channels, channels-last was 6-11% faster forward,
-#   6-13% for the data gradient and between 1% slower and 13% faster for the weight gradient
-#   (ResNet-50's 16x16 layer, 64 channels: 9% forward), while at 4x4 blocked was 10-15% faster
-#   forward and for the data gradient: from 8x8 to 16x16, with 128 channels or more (DenseNet-121's 3x3 convolutions, 32
-#   output channels, had their weight gradient faster blocked; ResNet-50's 64-channel ones
-#   gained too little to matter). VGG-16 steps were 2.7% faster, ResNet-50's and DenseNet-121's
-#   the same within 1%. NHWC_MIN_PIXELS = 0 disables it.
+#   6-13% for the data gradient and between 1% slower and 13% faster for the weight gradient,
+#   while at 4x4 blocked was 10-15% faster forward and for the data gradient. Below 128
+#   channels the gains were small (ResNet-50's 64-channel 16x16 layer: 9% forward, 2% for the
+#   data gradient) and DenseNet-121's 3x3 convolutions (32 output channels) made its steps up
+#   to 2.6% slower channels-last. So: from 8x8 to 16x16, with 128 channels or more. In paired
+#   runs VGG-16 steps were 2.7-2.9% faster than with channels-last off, ResNet-50's and
+#   DenseNet-121's the same within 1%.
+# NHWC_MIN_PIXELS = 0 disables channels-last.
 NHWC_MIN_PIXELS, NHWC_MAX_PIXELS, NHWC_MIN_CHANNELS = nhwc_window()
 
 LAYOUTS = ("blocked", "plain", "nhwc")
