@@ -481,7 +481,7 @@ def nhwc_window(cpu=None):
 #   channels the gains were small (ResNet-50's 64-channel 16x16 layer: 9% forward, 2% for the
 #   data gradient) and DenseNet-121's 3x3 convolutions (32 output channels) made its steps up
 #   to 2.6% slower channels-last. So: from 8x8 to 16x16, with 128 channels or more. In paired
-#   runs VGG-16 steps were 2.7-2.9% faster than with channels-last off, ResNet-50's and
+#   runs VGG-16 steps were 1.9-2.9% faster than with channels-last off, ResNet-50's and
 #   DenseNet-121's the same within 1%.
 # NHWC_MIN_PIXELS = 0 disables channels-last.
 NHWC_MIN_PIXELS, NHWC_MAX_PIXELS, NHWC_MIN_CHANNELS = nhwc_window()
