@@ -21,7 +21,7 @@ Goals: SimpleTable (in fast memory, as torch's table is in DRAM) looks up >= 1.2
 torch under uniform and Zipf indices; a cached table whose timed hit rate is >= 80% (the
 smallest such cache of --cache) looks up at >= 0.8x SimpleTable's speed.
 
-"Cached, every row (static)" is a cached table whose pool holds every row from the start
+"Cached, every row" is a cached table whose pool holds every row from the start
 (static caching, ``prepopulate`` with all rows, never flushed): every lookup hits and caches
 nothing, so its time against SimpleTable's is the cost of the indirection alone (finding each
 row through ``where``), the bound a cached table approaches as its misses go to zero.
@@ -50,7 +50,7 @@ GOAL_HIT_RATE = 0.8
 GOAL_LOOKUP = 1.2
 GOAL_CACHED = 0.8
 #: The label of the cached table that holds every row (see the module docstring).
-EVERY_ROW = "Cached, every row (static)"
+EVERY_ROW = "Cached, every row"
 
 
 class Ours:
