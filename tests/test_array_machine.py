@@ -122,7 +122,9 @@ class ArrayMachine(RuleBasedStateMachine):
         view = x[0][start::step]
         view *= 0
         view += v
-        x[1][start::step] = v
+        mview = x[1][start::step]     # the same operations: inf * 0 is nan, not 0
+        mview *= 0
+        mview += v
 
     @rule(i=st.integers(0, 50), what=st.sampled_from(["evict", "prefetch", "force",
                                                       "softevict"]))
@@ -258,3 +260,23 @@ class ArrayMachine(RuleBasedStateMachine):
 TestArrayMachine = ArrayMachine.TestCase
 TestArrayMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None,
                                      suppress_health_check=[HealthCheck.too_slow])
+
+
+def test_a_write_through_a_view_of_overflowed_values_matches_numpy():
+    """The sequence a long stress run found: a multiply.accumulate that overflows to inf, then
+    ``view *= 0; view += v`` through a view, which leaves nan where the values were inf, in the
+    array and in the model alike (the model once assigned v instead, and the two disagreed)."""
+    state = ArrayMachine()
+    state.setup(policy="lru", debug=False)
+    try:
+        state.create(n=700, seed=0)
+        state.threaded_updates(i=0)
+        state.routine(how="where", i=0, j=0, t=0.0)
+        with np.errstate(over="ignore", invalid="ignore"):
+            state.positional_out(i=1, j=1, k=0, name="multiply.accumulate")
+            state.write_through_view(i=0, start=0, step=1, v=0.0)
+        arr, model = state.arrays[0]
+        assert np.isnan(model).any() and not np.isnan(model).all()
+        state.values_and_heaps()
+    finally:
+        state.teardown()
