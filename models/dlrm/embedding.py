@@ -694,6 +694,18 @@ class CachedEmbeddingTable(EmbeddingTable):
         self._stats["hits"] += hits
         self._stats["misses"] += nidx - hits
 
+    def _account_update(self, nrows, hits):
+        self._stats["updates"] += 1
+        self._stats["rows_updated"] += nrows
+        self._stats["update_hits"] += hits
+
+    def _pool_ready(self, cache):
+        """Bring the pool to fast memory before a lookup; whether the lookup may cache the
+        rows it misses (``cache``, and room left in the pool)."""
+        if not ca.in_fast(self.cache):
+            ca.prefetch(self.cache)
+        return cache and (self._insert < self.page_rows or bool(self._free_pages))
+
     def _scan(self, idx):
         """Plan caching the batch's uncached rows (batch-synchronous): (hits, miss rows, slots).
 
@@ -783,13 +795,11 @@ class CachedEmbeddingTable(EmbeddingTable):
                                                  self.name)
         if out is None:
             out = self._new_output(nbags)
-        if not ca.in_fast(self.cache):
-            ca.prefetch(self.cache)
         # Look up through the pointers (rows not cached are read from the base, which holds
         # their value), listing the rows of the indices that missed; then cache those rows
         # while there is room.  The sums are those of caching first: a cached row is a copy
         # of its base row.
-        room = cache and (self._insert < self.page_rows or bool(self._free_pages))
+        room = self._pool_ready(cache)
         missed = kernels.scratch("missed", idx.shape[0], np.int64) if room else None
         with _kernel("embedding_lookup", (self.base, self.cache), (out,)) as (b, c, o):
             _, hits = kernels.lookup_sum_indirect_hits(
@@ -810,9 +820,7 @@ class CachedEmbeddingTable(EmbeddingTable):
             rows, hits = kernels.sgd_update_indirect_hits(b, c, self.where, idx, off, g, lr,
                                                           self.dirty_slots, name=self.name,
                                                           check=False)
-        self._stats["updates"] += 1
-        self._stats["rows_updated"] += rows.shape[0]
-        self._stats["update_hits"] += hits
+        self._account_update(rows.shape[0], hits)
         return rows
 
     # ---- static and dynamic caching, flushing ---------------------------------------------
@@ -1060,12 +1068,7 @@ def _lookup_cached_together(tables, indices_list, offsets_list, out, cols):
     One parallel region for all of them, instead of two per table and the Python around
     each: DLRM's 26 cached tables of batch 8192 spent 7-9 ms a step looking up one by one,
     against 2.3 ms for as many SimpleTables in one kernel."""
-    rooms = []
-    for t in tables:
-        if not ca.in_fast(t.cache):
-            ca.prefetch(t.cache)
-        cache = t.caching == "dynamic" and not t.frozen
-        rooms.append(cache and (t._insert < t.page_rows or bool(t._free_pages)))
+    rooms = [t._pool_ready(t.caching == "dynamic" and not t.frozen) for t in tables]
     misseds = [kernels.scratch(f"missed{k}", np.shape(i)[0], np.int64) if room else None
                for k, (i, room) in enumerate(zip(indices_list, rooms))]
     n = len(tables)
@@ -1099,9 +1102,7 @@ def _update_cached_together(tables, indices_list, offsets_list, dout, lr, cols):
     if got is None:
         return False
     for t, rows, h in zip(tables, *got):
-        t._stats["updates"] += 1
-        t._stats["rows_updated"] += rows.shape[0]
-        t._stats["update_hits"] += int(h)
+        t._account_update(rows.shape[0], int(h))
     return True
 
 

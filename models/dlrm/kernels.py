@@ -859,6 +859,22 @@ def _indirect_ensemble(bases, caches, wheres, nbags):
     return fs, deltas
 
 
+def _cached_ensemble(bases, caches, wheres, nbags, names, write):
+    """The checks both ``*_cached_many`` kernels start with: ``(fs, deltas, names)`` (see
+    ``_indirect_ensemble``; names default to table0, table1, ...) with every pool checked
+    (and writable when ``write``), or None when the ensemble does not suit the kernels."""
+    if names is None:
+        names = [f"table{t}" for t in range(len(bases))]
+    suits = _indirect_ensemble(bases, caches, wheres, nbags)
+    if suits is None:
+        return None
+    for c in caches:
+        _check_table(c, names[0], "cache")
+        if write:
+            _check_writable(c, names[0], "cache")
+    return suits + (names,)
+
+
 def lookup_cached_many(bases, caches, wheres, indices_list, offsets_list, out,
                        column_offsets=None, misseds=None, refss=None, *, names=None):
     """Bag-sum lookups of an ensemble of indirect tables (row r of table t at
@@ -872,15 +888,11 @@ def lookup_cached_many(bases, caches, wheres, indices_list, offsets_list, out,
     bags, feature sizes or dtypes that differ, a ``where`` not int32, arrays whose distances
     are not whole elements): then look the tables up one at a time."""
     n = len(bases)
-    if names is None:
-        names = [f"table{t}" for t in range(n)]
     nbags = out.shape[0] if isinstance(out, np.ndarray) and out.ndim == 2 else 0
-    suits = _indirect_ensemble(bases, caches, wheres, nbags)
+    suits = _cached_ensemble(bases, caches, wheres, nbags, names, write=False)
     if suits is None:
         return None
-    fs, deltas = suits
-    for c in caches:
-        _check_table(c, names[0], "cache")
+    fs, deltas, names = suits
     tl, il, ol, _, dtype, names = _ensemble(bases, indices_list, offsets_list, nbags, names)
     origins = _deltas(tl)
     if origins is None:
@@ -921,18 +933,13 @@ def update_cached_many(bases, caches, wheres, indices_list, offsets_list, dout, 
     gets 1 for every slot written. Returns None, having done nothing, when the ensemble does
     not suit the kernel (as ``lookup_cached_many``): then update the tables one at a time."""
     n = len(bases)
-    if names is None:
-        names = [f"table{t}" for t in range(n)]
     if not isinstance(dout, np.ndarray) or dout.ndim != 2:
         raise ValueError("dout must be a 2-D numpy.ndarray (batch, width)")
     nbags = dout.shape[0]
-    suits = _indirect_ensemble(bases, caches, wheres, nbags)
+    suits = _cached_ensemble(bases, caches, wheres, nbags, names, write=True)
     if suits is None:
         return None
-    fs, deltas = suits
-    for c in caches:
-        _check_table(c, names[0], "cache")
-        _check_writable(c, names[0], "cache")
+    fs, deltas, names = suits
     tl, il, ol, _, dtype, names = _ensemble(bases, indices_list, offsets_list, nbags, names,
                                             update=True)
     lr = check_lr(lr, names[0], dtype)
