@@ -232,9 +232,26 @@ def _overlap(a, m, b, n):
     return a < b + n and b < a + m
 
 
+def _seconds_list(times):
+    """times as floats: finite seconds >= 0, one per kernel."""
+    if isinstance(times, (str, bytes, Mapping)) or not hasattr(times, "__iter__"):
+        raise ValueError(f"times={times!r}: give a sequence of compute seconds, one per kernel")
+    out = []
+    for k, x in enumerate(times):
+        try:
+            v = float(x) if _number(x) else math.nan
+        except OverflowError:
+            v = math.nan
+        if not (math.isfinite(v) and v >= 0):
+            raise ValueError(f"times[{k}]={x!r}: a kernel's compute time is a finite number of "
+                             "seconds >= 0")
+        out.append(v)
+    return out
+
+
 class _Model:
     def __init__(self, times, profiles, factor, fault_latency=0.0):
-        self.times, self.F, self.t = [float(x) for x in times], factor, 0.0
+        self.times, self.F, self.t = _seconds_list(times), factor, 0.0
         self.fault_latency = fault_latency
         self.devices = tuple(profiles)
         self.fast = self.devices[0]
@@ -269,6 +286,8 @@ class _Model:
         return w
 
     def run(self, decisions) -> Result:
+        if isinstance(decisions, (str, bytes, Mapping)) or not hasattr(decisions, "__iter__"):
+            raise ValueError(f"decisions={decisions!r}: give a sequence of decision records")
         decisions = list(decisions)
         i = 0
         while i < len(decisions):
@@ -301,9 +320,16 @@ class _Model:
         self.total.t1 = self.t
         return Result([a.result(self.devices) for a in self.steps], self.total.result(self.devices))
 
+    def _sizes(self, rec, *values):
+        for v in values:
+            if not (_number(v) and v >= 0):
+                raise ValueError(f"decision {rec!r}: offsets and byte counts are numbers >= 0, "
+                                 f"not {v!r}")
+
     def alloc(self, rec):
         _, sid, dev, off, n = rec
         self._dev(rec, dev)
+        self._sizes(rec, off, n)
         off, n = int(off), int(n)
         self._prune(dev)
         self.dep[(sid, dev)] = [c for c in self.sources[dev] if _overlap(c.off, c.n, off, n)]
@@ -324,6 +350,7 @@ class _Model:
     def copy(self, rec):
         _, sid, src, so, dst, do, n, wait = rec
         self._dev(rec, src, dst)
+        self._sizes(rec, so, do, n)
         so, do, n, link, name = int(so), int(do), int(n), (src, dst), f"{src}->{dst}"
         self._prune(src)
         self._prune(dst)
@@ -372,9 +399,9 @@ class _Model:
                              f"range({len(self.times)}); give times for every kernel of the log")
         ops = [tuple(op) for op in ops]
         for op in ops:
-            if len(op) != 4:
+            if len(op) != 4 or not (_number(op[1]) and op[1] >= 0):
                 raise ValueError(f"decision {rec!r}: operand {op!r} should be "
-                                 "(sid, nbytes, device, is_write)")
+                                 "(sid, nbytes, device, is_write), nbytes a number >= 0")
             self._dev(rec, op[2])
         w = max([self.t] + [self._ready(sid, dev) for sid, _, dev, _ in ops])
         if w > self.t:

@@ -7,13 +7,14 @@ for the modelled time. A real run of a policy and the replay of its trace make t
 decisions, so they report the same bytes moved and modelled times.
 """
 
+import numbers
 from dataclasses import dataclass, field
 
 from . import costmodel
 from .lineage import Recipe
 from .manager import Manager
 from .sizes import parse_size
-from .trace import KernelClock, Recorder, Trace, TraceError
+from .trace import Recorder, Trace, TraceError
 
 __all__ = ["replay", "Run", "evaluate"]
 
@@ -72,19 +73,21 @@ def replay(trace, policy="lru", fast=None, slow=None, *, tiers=None, policy_opti
            fault_latency=0.0):
     """Run policy over trace on virtual devices; returns a Run.
 
-    fast: fast memory size (bytes, "256MiB", or a fraction such as 0.25 of the trace's
-    footprint); slow: slow size (default twice the footprint). tiers: as for Manager, sizes
-    only (the tiers are virtual). policy: a name, a Policy class or a new Policy instance.
+    fast: fast memory size: bytes (an int) or a size string ("256MiB"); a float is a fraction
+    of the trace's footprint (0.25, 1.0, 2.0). slow: the same (default twice the footprint).
+    tiers: as for Manager, sizes only (the tiers are virtual), each size as fast's. policy: a
+    name, a Policy class or a new Policy instance.
     fault_latency: seconds the cost model charges per on-demand fetch under kernels-in-fast
     mode (``policy_options={"kernels_in_fast": True}``; a GPU's unified-memory fault: 45e-6).
     """
     if not isinstance(trace, Trace):
         raise TypeError(f"replay takes a Trace (ca.trace or Trace.load), not "
                         f"{type(trace).__name__}")
+    trace.validate()
     foot = trace.footprint()
     if tiers is None:
-        fast = _size(fast if fast is not None else 1.0, foot, "fast")
-        slow = _size(slow, foot, "slow") if slow is not None else \
+        fast = _size(fast if fast is not None else 1.0, foot, "fast", granularity)
+        slow = _size(slow, foot, "slow", granularity) if slow is not None else \
             max(_SLOW_FACTOR * foot, 1 << 20)
         if isinstance(profile, (str, costmodel.Profile)):   # the tiers carry it: policies
             m = Manager(tiers=[("fast", fast, None, "dram"),    # that plan read it there
@@ -95,16 +98,17 @@ def replay(trace, policy="lru", fast=None, slow=None, *, tiers=None, policy_opti
             m = Manager(fast=fast, slow=slow, policy=policy, virtual=True,
                         policy_options=policy_options, granularity=granularity)
     else:
-        tiers = [(t[0], _size(t[1], foot, t[0]), None, *t[3:]) if not hasattr(t, "name") else t
-                 for t in tiers]
+        tiers = _tiers(tiers, foot, granularity)
         m = Manager(tiers=tiers, policy=policy, virtual=True, policy_options=policy_options,
                     granularity=granularity)
     with m:
         rec = Recorder(m, events=False)
         m.observe(rec)
-        live = _drive(m, trace, rec)    # the trace's objects stay alive until the stats are
-        #                                 taken, as the real run's were when it was recorded
-        m.unobserve(rec)
+        try:
+            live = _drive(m, trace, rec)    # the trace's objects stay alive until the stats
+            #                                 are taken, as the real run's were when recorded
+        finally:
+            rec.close()
         stats = m.stats()
         devices = [d.name for d in m.tiers]
         profiles = profile if profile is not None else {d.name: d.profile for d in m.tiers}
@@ -115,10 +119,41 @@ def replay(trace, policy="lru", fast=None, slow=None, *, tiers=None, policy_opti
     return run
 
 
-def _size(spec, footprint, what):
-    if isinstance(spec, float) and 0 < spec <= 16:
-        return max(int(spec * footprint), 1 << 16)
+def _size(spec, footprint, what, granularity=0):
+    """Bytes of a replay's memory: an int or size string as is; a float (Python or NumPy) a
+    fraction of the trace's footprint, never raised to a minimum (an error instead)."""
+    if isinstance(spec, numbers.Real) and not isinstance(spec, numbers.Integral):
+        share = float(spec)
+        if not (share >= 0 and share != float("inf")):
+            raise ValueError(f"{what}={spec!r}: a float is a fraction of the trace's footprint "
+                             "(0.25, 1.0, 2.0): give a finite number >= 0, or bytes as an int "
+                             "or a size string")
+        n = int(share * footprint)
+        smallest = granularity or 256           # one heap granule
+        if 0 < n < smallest:
+            raise ValueError(f"{what}={spec!r} of the trace's footprint ({footprint} B) is {n} B, "
+                             f"less than the smallest memory of {smallest} B (one heap granule); "
+                             "give a larger fraction, 0.0 for none, or a size in bytes")
+        return n
     return parse_size(spec, f"{what} memory size of the replay")
+
+
+def _tiers(tiers, footprint, granularity):
+    """Manager tiers from replay's tiers=: (name, size, ...) sequences or Device specs."""
+    form = ("give a list of (name, size) pairs, fastest first, e.g. [('fast', 0.5), "
+            "('slow', 4.0)] (a size: bytes, a size string or a float fraction of the "
+            "trace's footprint)")
+    if isinstance(tiers, (str, bytes)) or not hasattr(tiers, "__iter__"):
+        raise ValueError(f"tiers={tiers!r}: {form}")
+    out = []
+    for t in tiers:
+        if hasattr(t, "name"):
+            out.append(t)
+        elif isinstance(t, (tuple, list)) and len(t) >= 2 and isinstance(t[0], str):
+            out.append((t[0], _size(t[1], footprint, t[0], granularity), None, *t[3:]))
+        else:
+            raise ValueError(f"tiers: {t!r} is not a tier; {form}")
+    return out
 
 
 def _drive(m, trace, rec):
@@ -127,12 +162,13 @@ def _drive(m, trace, rec):
     live = {}       # stable id -> object
     held = {}       # kernel index -> operands it pins (released at its end, or on an error)
     made = {}       # kernel index -> new objects it keeps pinned until its end
-    pending = []    # new objects held until the next kernel's end
+    pending = []    # [new object, kernels of other threads to let pass]: held until the end
+    #                 of the next kernel after those
     try:
         _issue(m, trace, rec, held, made, pending, live)
     finally:
         if pending:
-            m.release(pending)
+            m.release([obj for obj, _ in pending])
         # A failure inside a kernel (an OutOfMemoryError) or a trace that ends inside one
         # leaves pins behind; close() would wait for them and then hide the error.
         for k, objs in reversed(list(held.items())):
@@ -155,7 +191,7 @@ def _issue(m, trace, rec, held, made, pending, live):
     kernels = trace.kernels
     times = trace.times
     ids = rec.ids
-    clock = KernelClock.of(m)
+    clock = rec.clock
     pure = trace.pure
     for i, e in enumerate(trace.events):
         kind = e[0]
@@ -172,8 +208,10 @@ def _issue(m, trace, rec, held, made, pending, live):
                           _recipe(trace, e[1], live) if e[1] in pure else None)
                 held[e[1]] = reads + writes
                 if pending:                     # new arrays held through this kernel
-                    made.setdefault(e[1], []).extend(pending)
-                    pending.clear()
+                    mine = [obj for obj, skip in pending if not skip]
+                    pending[:] = [[obj, skip - 1] for obj, skip in pending if skip]
+                    if mine:
+                        made.setdefault(e[1], []).extend(mine)
             elif kind == "end":
                 if e[1] not in held:
                     raise TraceError(f"event {i} {e!r}: ends a kernel that is not open; the "
@@ -187,9 +225,12 @@ def _issue(m, trace, rec, held, made, pending, live):
                 obj = m.new_pinned(e[2], e[3])
                 live[e[1]] = obj
                 if len(e) > 4 and e[4] == "next":       # pinned until the next kernel ends
-                    pending.append(obj)
-                elif len(e) > 4 and e[4] and held:      # pinned until the kernel's end
-                    made.setdefault(next(reversed(held)), []).append(obj)
+                    pending.append([obj, e[5] if len(e) > 5 else 0])
+                elif len(e) > 4 and e[4] and held:      # pinned until its kernel's end: the
+                    # last opened, or the one opened e[5] kernels before it (other threads')
+                    later = e[5] if len(e) > 5 else 0
+                    k = list(held)[-1 - later] if later else next(reversed(held))
+                    made.setdefault(k, []).append(obj)
                 else:
                     m.release((obj,))
             elif kind == "free":

@@ -13,10 +13,13 @@ mark; objects made before the first mark are ``init:`` ones. A trace is saved to
 one gzip-compressed JSON file.
 """
 
+import errno
 import gzip
 import json
 import os
 import math
+import numbers
+import stat
 import statistics
 import sys
 import threading
@@ -72,22 +75,70 @@ def _site():
     return "?"
 
 
-def _first_observer(cls, manager):
-    """The manager's observer of class cls, made and put first in its list if it has none."""
-    for o in manager._observers:
-        if isinstance(o, cls):
-            return o
-    made = cls()
-    with manager.atomic():
+_SHARED = weakref.WeakKeyDictionary()  # manager -> {class: its shared observer, attached or not}
+
+
+class _Shared(Observer):
+    """An observer of which a manager has one, shared by its recorders and policies.
+
+    ``of(m)`` attaches it for good (a policy holds it while bound); ``use(m)`` attaches it until
+    the matching ``done(m)`` (a recording): when no user is left it detaches, and the manager's
+    calls take their fast paths again. A detached one keeps its state for the next user.
+    """
+
+    _users = 0          # recordings using it now
+    _kept = False       # attached for good (``of``)
+    _manager = None
+
+    @classmethod
+    def of(cls, manager):
+        """The manager's instance, attached from now on."""
+        with manager.atomic():
+            made = cls._attach(manager)
+            made._kept = True
+        return made
+
+    @classmethod
+    def use(cls, manager):
+        """The manager's instance, attached until the matching ``done``."""
+        with manager.atomic():
+            made = cls._attach(manager)
+            made._users += 1
+        return made
+
+    def done(self, manager):
+        """One user less; detached from manager when none is left and ``of`` never kept it."""
+        with manager.atomic():
+            self._users = max(0, self._users - 1)
+            if not self._users and not self._kept:
+                manager.unobserve(self)
+
+    @classmethod
+    def _attach(cls, manager):
+        """The manager's instance, put first in its observers if it is not there (first: the
+        others read its ids and times)."""
+        for o in manager._observers:
+            if isinstance(o, cls):
+                return o
+        mine = _SHARED.setdefault(manager, {})
+        made = mine.get(cls)
+        if made is None:
+            made = mine[cls] = cls()
+        else:
+            made._resume(manager)
+        made._manager = weakref.ref(manager)
         manager._observers = (made,) + manager._observers
-    return made
+        return made
+
+    def _resume(self, manager):
+        """Forget what went stale while detached (it saw none of the manager's calls)."""
 
 
-class StableIds(Observer):
+class StableIds(_Shared):
     """Gives every new object of a manager a stable id: site#ordinal within the step.
 
-    One per manager (``StableIds.of(m)``), shared by traces and plans. A replay forces the ids
-    it knows with ``force_next``.
+    One per manager (``StableIds.of(m)``, or ``use``/``done`` while a trace records), shared by
+    traces and plans. A replay forces the ids it knows with ``force_next``.
     """
 
     def __init__(self):
@@ -99,9 +150,12 @@ class StableIds(Observer):
         self.steps = 0
         self._anon = 0
 
-    @classmethod
-    def of(cls, manager):
-        return _first_observer(cls, manager)      # first: others read its ids
+    def _resume(self, manager):
+        # Objects freed while detached lose their ids; the ordinals count afresh.
+        for oid in [o for o in self.sid if manager.object(o) is None]:
+            self.on_free(oid)
+        self._ordinal.clear()
+        self._forced = None
 
     def force_next(self, sid):
         """The next new object gets this id (replays)."""
@@ -144,15 +198,15 @@ class StableIds(Observer):
             self._ordinal.clear()
 
 
-class KernelClock(Observer):
+class KernelClock(_Shared):
     """Kernel times of a manager: the exclusive seconds of each kernel, measured once.
 
-    One per manager (``KernelClock.of(m)``), shared by every recorder (traces, the profiles of
-    planning policies), so they all see the same figure. A replay forces each kernel's recorded
-    time with ``force_next``: what a policy measures in a replay is what the trace measured.
-    ``model``, when set to a function ``(name, reads, writes) -> seconds``, gives every kernel
-    not otherwise forced its time in place of the wall clock: profiles of a live run that do
-    not move with the machine's load.
+    One per manager (``KernelClock.of(m)``, or ``use``/``done``), shared by every recorder
+    (traces, the profiles of planning policies), so they all see the same figure. A replay
+    forces each kernel's recorded time with ``force_next``: what a policy measures in a replay
+    is what the trace measured. ``model``, when set to a function ``(name, reads, writes) ->
+    seconds``, gives every kernel not otherwise forced its time in place of the wall clock:
+    profiles of a live run that do not move with the machine's load.
     """
 
     _model = None
@@ -184,13 +238,10 @@ class KernelClock(Observer):
         self._forced = None
         self._last = {}                    # thread id -> seconds of its last ended kernel
 
-    @classmethod
-    def of(cls, manager):
-        clock = _first_observer(cls, manager)     # before the recorders
-        clock._manager = weakref.ref(manager)     # its reruns (regenerate) may carry a time
-        return clock
-
-    _manager = None
+    def _resume(self, manager):
+        # Kernels that began or ended while detached are not on its stacks.
+        self._stacks.clear()
+        self._forced = None
 
     def force_next(self, seconds):
         """The next kernel takes this many seconds, whatever the wall clock says (replays)."""
@@ -226,6 +277,35 @@ class KernelClock(Observer):
 
 # ---- the trace ---------------------------------------------------------------------------
 
+# event kind -> (fewest, most) fields, the kind included
+_EVENT_FIELDS = {"alloc": (4, 6), "free": (2, 2), "kernel": (2, 2), "end": (2, 2),
+                 "prefetch": (4, 4), "evict": (4, 4), "softevict": (2, 2), "drop": (2, 2),
+                 "regenerate": (2, 2), "layer": (1, 1), "step": (1, 1), "defrag": (2, 2)}
+_SID_EVENTS = ("alloc", "free", "prefetch", "evict", "softevict", "drop", "regenerate")
+
+
+def _whole(n):
+    """A byte count: a whole number >= 0 (not a bool)."""
+    return isinstance(n, numbers.Integral) and not isinstance(n, bool) and n >= 0
+
+
+def _short(v, n=40):
+    """repr(v), cut to n characters (a number of 400 digits in an error message)."""
+    r = repr(v)
+    return r if len(r) <= n else r[:n] + "..."
+
+
+def _seconds(t):
+    """A kernel time: a finite number of seconds >= 0 (not a bool)."""
+    if isinstance(t, bool) or not isinstance(t, numbers.Real):
+        return False
+    try:
+        t = float(t)
+    except OverflowError:
+        return False
+    return math.isfinite(t) and t >= 0
+
+
 class Trace:
     """A recorded program: objects, events, kernels, kernel times and a decision log.
 
@@ -235,7 +315,10 @@ class Trace:
     ``("defrag", device)``); an alloc made inside a kernel that kept the new object pinned
     until the kernel's end (a ufunc's output) ends with True: ``("alloc", sid, nbytes,
     placement, True)``; one made before a kernel and held until that kernel's end (a copy's
-    output) ends with "next"; ``kernels``: (name, read sids, write sids) per kernel index;
+    output) ends with "next". When kernels of several threads interleave, a sixth field says
+    which kernel: after True, how many kernels opened after the object's own are still open;
+    after "next", how many kernels of other threads open between the object and its own.
+    ``kernels``: (name, read sids, write sids) per kernel index;
     ``times``: seconds per kernel; ``decisions``: the decision log of the run (see
     ``cachedarrays.costmodel``); ``devices``: the tier names of that run, fastest first;
     ``touched``: kernel index -> {sid: bytes} for kernels that touch only part of an object;
@@ -298,16 +381,39 @@ class Trace:
         return sum(self.times[k] for k in groups[step]) if groups else 0.0
 
     def validate(self):
-        """Raise TraceError if the events do not make a well-formed program."""
+        """Raise TraceError if the events do not make a well-formed program (or the tables
+        beside them have entries of the wrong kind: sizes are whole bytes >= 0, kernel times
+        finite seconds >= 0)."""
+        self._validate_tables()
         live = set()
         open_ = {}      # kernel index -> its operands (kernels of several threads interleave)
         for i, e in enumerate(self.events):
             kind = e[0] if isinstance(e, (tuple, list)) and e else None
             where = f"event {i} {e!r}"
-            if kind in ("alloc", "free", "kernel", "end", "prefetch", "evict", "softevict",
-                        "drop", "regenerate") and len(e) < 2:
-                raise TraceError(f"{where}: malformed event")
+            if not isinstance(kind, str) or kind not in _EVENT_FIELDS:
+                raise TraceError(f"{where}: unknown event; the kinds are {sorted(_EVENT_FIELDS)}")
+            lo, hi = _EVENT_FIELDS[kind]
+            if not lo <= len(e) <= hi:
+                want = f"{lo} field" + ("" if hi == 1 else "s") if lo == hi else \
+                    f"{lo} to {hi} fields"
+                raise TraceError(f"{where}: malformed event: {kind!r} events have {want}, "
+                                 f"not {len(e)}")
+            if kind in _SID_EVENTS and not isinstance(e[1], str):
+                raise TraceError(f"{where}: malformed event: object ids are strings, not "
+                                 f"{type(e[1]).__name__}")
             if kind == "alloc":
+                if not _whole(e[2]):
+                    raise TraceError(f"{where}: size {e[2]!r} is not a whole number of bytes >= 0")
+                if e[3] not in (None, "fast", "slow"):
+                    raise TraceError(f"{where}: placement {e[3]!r} is not None, 'fast' or 'slow'")
+                if len(e) > 4 and not (isinstance(e[4], bool) or e[4] == "next"):
+                    raise TraceError(f"{where}: the fifth field is True (pinned until its "
+                                     f"kernel ends) or 'next', not {e[4]!r}")
+                if len(e) > 5 and not (type(e[5]) is int and (
+                        0 <= e[5] < len(open_) if e[4] is True else e[4] == "next" and e[5] >= 0)):
+                    raise TraceError(f"{where}: the sixth field counts the kernels of other "
+                                     f"threads opened after the object's own (with True: still "
+                                     f"open, {len(open_)} are) or before it (with 'next')")
                 if e[1] in live:
                     raise TraceError(f"{where}: {e[1]!r} is allocated twice")
                 live.add(e[1])
@@ -331,20 +437,59 @@ class Trace:
                                          "which is not live")
                 open_[k] = {*self.kernels[k][1], *self.kernels[k][2]}
             elif kind == "end":
-                if open_.pop(e[1], None) is None:
+                if type(e[1]) is not int or open_.pop(e[1], None) is None:
                     raise TraceError(f"{where}: ends a kernel that is not open")
             elif kind in ("prefetch", "evict", "softevict", "drop", "regenerate"):
                 if e[1] not in live:
                     raise TraceError(f"{where}: {kind} of an object that is not live")
-            elif kind not in ("layer", "step", "defrag"):
-                raise TraceError(f"{where}: unknown event")
-        if len(self.times) != len(self.kernels):
-            raise TraceError(f"{len(self.kernels)} kernels but {len(self.times)} kernel times")
-        bad = sorted(k for k in self.pure if not 0 <= k < len(self.kernels))
+                if kind == "prefetch" and not all(isinstance(x, bool) for x in e[2:]):
+                    raise TraceError(f"{where}: a prefetch's force and wait are True or False")
+                if kind == "evict" and not ((e[2] is None or isinstance(e[2], str)) and
+                                            isinstance(e[3], bool)):
+                    raise TraceError(f"{where}: an evict's destination is None or a device "
+                                     "name and its wait True or False")
+            elif kind == "defrag" and not isinstance(e[1], str):
+                raise TraceError(f"{where}: a defrag names its device (a string)")
+        return True
+
+    def _validate_tables(self):
+        """The tables beside the events: kernels, times, objects, touched, pure, partial."""
+        nk = len(self.kernels)
+        for k, row in enumerate(self.kernels):
+            if not (isinstance(row, (tuple, list)) and len(row) >= 3 and
+                    isinstance(row[0], str) and
+                    all(isinstance(x, (tuple, list)) and all(isinstance(s, str) for s in x)
+                        for x in row[1:3])):
+                raise TraceError(f"kernel {k} {row!r}: a kernel is (name, read ids, write "
+                                 "ids), its name and ids strings")
+        if len(self.times) != nk:
+            raise TraceError(f"{nk} kernels but {len(self.times)} kernel times")
+        for k, t in enumerate(self.times):
+            if not _seconds(t):
+                raise TraceError(f"kernel {k} ({self.kernels[k][0]!r}): time {_short(t)} is not a "
+                                 "finite number of seconds >= 0")
+        for sid, n in self.objects.items():
+            if not (isinstance(sid, str) and _whole(n)):
+                raise TraceError(f"object {sid!r}: {n!r} is not a whole number of bytes >= 0 "
+                                 "(objects map string ids to sizes)")
+        if not all(isinstance(d, str) for d in self.devices) or \
+                len(set(self.devices)) != len(self.devices):
+            raise TraceError(f"devices {self.devices!r}: give distinct tier names, fastest first")
+        for k, part in self.touched.items():
+            ops = {*self.kernels[k][1], *self.kernels[k][2]} if 0 <= k < nk else None
+            for sid, n in part.items():
+                if ops is None or sid not in ops or not _whole(n):
+                    raise TraceError(f"touched bytes {sid!r}: {n!r} of kernel {k}: give whole "
+                                     "bytes >= 0 of an operand of a kernel in the kernel table")
+        bad = sorted(k for k in self.pure if not 0 <= k < nk)
         if bad:
             raise TraceError(f"pure kernels {bad[:5]} are not in the kernel table of "
-                             f"{len(self.kernels)} kernels")
-        return True
+                             f"{nk} kernels")
+        for k, sids in self.partial.items():
+            writes = set(self.kernels[k][2]) if 0 <= k < nk else ()
+            if not all(s in writes for s in sids):
+                raise TraceError(f"partial writes {sids!r} of kernel {k}: give write ids of a "
+                                 "kernel in the kernel table")
 
     # -- kernel times ---------------------------------------------------------------------
 
@@ -394,7 +539,18 @@ class Trace:
 
     def save(self, path):
         """Write the trace to one gzip-compressed JSON file (atomically: a temporary file is
-        renamed over path)."""
+        renamed over path, which must be a regular file, a symlink or not exist yet)."""
+        path = _path(path, "Trace.save")
+        try:
+            mode = os.lstat(path).st_mode
+        except OSError:
+            mode = None                         # nothing there yet (or the write will say why)
+        if mode is not None and stat.S_ISDIR(mode):
+            raise IsADirectoryError(errno.EISDIR, "Trace.save writes a file, and this is a "
+                                    "directory: pass the path of a regular file", path)
+        if mode is not None and not (stat.S_ISREG(mode) or stat.S_ISLNK(mode)):
+            raise TraceError(f"{path}: is {_file_kind(mode)}, and Trace.save replaces the file at "
+                             "its path: pass the path of a regular file")
         meta = dict(self.meta)
         if isinstance(meta.get("profiles"), dict):    # a tier's Profile: as its fields
             meta["profiles"] = {d: asdict(p) if isinstance(p, Profile) else p
@@ -406,7 +562,6 @@ class Trace:
                "touched": [[k, list(v.items())] for k, v in sorted(self.touched.items())],
                "pure": sorted(self.pure),
                "partial": [[k, v] for k, v in sorted(self.partial.items())]}
-        path = os.fspath(path)
         tmp = f"{path}.tmp{os.getpid()}-{threading.get_ident()}"    # one per saving thread
         try:
             with gzip.open(tmp, "wt", encoding="utf-8", compresslevel=6) as f:
@@ -421,17 +576,26 @@ class Trace:
     @classmethod
     def load(cls, path):
         """Read a trace written by ``save``; TraceError if the file is not one."""
+        path = _path(path, "Trace.load")
         try:
-            with gzip.open(os.fspath(path), "rt", encoding="utf-8") as f:
+            with gzip.open(path, "rt", encoding="utf-8") as f:
                 doc = json.load(f)
+        except RecursionError:
+            raise TraceError(f"{path}: not a trace file (its JSON nests too deeply); write "
+                             "traces with Trace.save") from None
         except (OSError, EOFError, zlib.error, json.JSONDecodeError, UnicodeDecodeError) as e:
             raise TraceError(f"{path}: not a trace file ({e}); write traces with Trace.save") \
                 from None
         if not isinstance(doc, dict) or doc.get("format") != _FORMAT:
             raise TraceError(f"{path}: not a trace file (no {_FORMAT!r} header)")
-        if doc.get("version") != _VERSION:
+        if type(doc.get("version")) is not int or doc["version"] != _VERSION:
             raise TraceError(f"{path}: trace format version {doc.get('version')}, this library "
                              f"reads version {_VERSION}; record the trace again")
+        odd = [k for k in ("objects", "events", "kernels", "times", "decisions", "devices",
+                           "touched", "pure", "partial") if not isinstance(doc.get(k, []), list)]
+        if odd or not isinstance(doc.get("meta") or {}, dict):
+            raise TraceError(f"{path}: malformed trace (the {(odd or ['meta'])[0]!r} section is "
+                             "not what Trace.save writes); record the trace again")
         try:
             t = cls({s: n for s, n in doc["objects"]}, [tuple(e) for e in doc["events"]],
                     [(n, tuple(r), tuple(w)) for n, r, w in doc["kernels"]], doc["times"],
@@ -446,7 +610,8 @@ class Trace:
             t.validate()
         except TraceError as e:
             raise TraceError(f"{path}: malformed trace: {e}") from None
-        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError, OverflowError,
+                RecursionError) as e:
             what = f"no {e.args[0]!r} section" if isinstance(e, KeyError) else e
             raise TraceError(f"{path}: malformed trace ({what}); the file was not written by "
                              "Trace.save or was altered: record the trace again") from None
@@ -455,6 +620,25 @@ class Trace:
     def __repr__(self):
         return (f"<Trace {len(self.objects)} objects, {len(self.kernels)} kernels, "
                 f"{self.steps} steps, {len(self.decisions)} decisions>")
+
+
+def _path(path, who):
+    """A str path from a str, bytes or os.PathLike one."""
+    try:
+        return os.fsdecode(path)
+    except TypeError:
+        raise TypeError(f"{who} takes a file path (str, bytes or os.PathLike), not "
+                        f"{type(path).__name__}") from None
+
+
+def _file_kind(mode):
+    """What a file that is not regular is, for an error message."""
+    for test, name in ((stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO"),
+                       (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "not a regular file"
 
 
 def _decision(d):
@@ -468,22 +652,37 @@ def _decision(d):
 class Recorder(Observer):
     """Records a manager's events into a Trace (the observer behind ``ca.trace``).
 
-    events=False records the decision log only (replays write the events themselves).
+    events=False records the decision log only (replays write the events themselves). It uses
+    the manager's ``StableIds`` and ``KernelClock`` until ``close``.
     """
 
     def __init__(self, manager, events=True):
         self.m = manager
-        self.ids = StableIds.of(manager)
-        self.clock = KernelClock.of(manager)
+        self.ids = StableIds.use(manager)
+        self.clock = KernelClock.use(manager)
+        self._closed = False
         self.record_events = events
         self.trace = Trace(devices=[d.name for d in manager.tiers],
                            meta={"profiles": {d.name: d.profile for d in manager.tiers}})
         # thread id -> [[k, key, {new object id: its alloc event}]]
         self._stacks = defaultdict(list)
-        self._loose = defaultdict(dict)         # thread id -> {new object id: its alloc event}
+        # thread id -> {new object id: (its alloc event, kernels recorded before it)}
+        self._loose = defaultdict(dict)
         self._lock = threading.Lock()
         self._traffic = getattr(getattr(manager, "policy", None), "kernel_traffic", None)
         self._ref = weakref.ref(self)           # what recipes keep of this recorder
+
+    def close(self):
+        """Stop recording: unobserve the manager, and let go of its stable ids and kernel clock
+        (detached when nothing else uses them). Idempotent."""
+        m = self.m
+        with m.atomic():
+            if self._closed:
+                return
+            self._closed = True
+            m.unobserve(self)
+            self.clock.done(m)
+            self.ids.done(m)
 
     def _sid(self, obj):
         return self.ids.get(obj.id)
@@ -496,9 +695,9 @@ class Recorder(Observer):
             tid = threading.get_ident()
             stack = self._stacks.get(tid)
             if stack:                           # made inside a kernel: see on_release
-                stack[-1][2][obj.id] = len(self.trace.events) - 1
+                stack[-1][2][obj.id] = (len(self.trace.events) - 1, self._later(stack[-1][0]))
             else:                               # it may stay pinned through the next kernel
-                self._loose[tid][obj.id] = len(self.trace.events) - 1
+                self._loose[tid][obj.id] = (len(self.trace.events) - 1, len(self.trace.kernels))
 
     def on_free(self, obj_id):
         sid = self.ids.sid.get(obj_id)
@@ -593,11 +792,22 @@ class Recorder(Observer):
         self.trace.times[k] = self.clock.last()
         if self.record_events:
             events = self.trace.events
-            for i in made.values():             # new arrays still pinned: released after the
-                events[i] = (*events[i], True)  # kernel's operands (a ufunc's output)
-            for i in carried.values():          # made before the kernel, held through it
-                events[i] = (*events[i], "next")
+            for i, later in made.values():      # new arrays still pinned: released after the
+                # kernel's operands (a ufunc's output); with the number of kernels of other
+                # threads opened after this one and still open, when there are any
+                events[i] = (*events[i], True, later) if later else (*events[i], True)
+            for i, before in carried.values():  # made before the kernel, held through it;
+                skip = k - before               # with the kernels of other threads opened in
+                #                                 between, when there are any
+                events[i] = (*events[i], "next", skip) if skip else (*events[i], "next")
             events.append(("end", k))
+
+    def _later(self, k):
+        """Kernels (of any thread) opened after kernel k and not ended yet."""
+        if k is None:
+            return 0
+        return sum(1 for stack in self._stacks.values() for top in stack
+                   if not top[4] and top[0] > k)
 
     def on_annotation(self, op, obj, args):
         if self.record_events:
@@ -650,25 +860,36 @@ class trace:
             raise TypeError(f"ca.trace takes a Manager, not {type(manager).__name__}")
         self.m = manager
         self.recorder = None
+        self._active = False
 
     def __enter__(self):
         m = self.m
         with m.atomic():
+            if self._active:
+                raise RuntimeError(f"this ca.trace is already recording (into "
+                                   f"{self.recorder.trace!r}); nest a new ca.trace(m) to record "
+                                   "into a second trace")
             m._check_open()
             m.drain()
             rec = self.recorder = Recorder(m)
-            for obj in sorted(m.objects(), key=lambda o: o.id):
-                sid = rec.ids.get(obj.id)
-                rec.trace.objects[sid] = obj.nbytes
-                where = obj.primary.device if obj.primary is not None else None
-                # Where it is now, as a placement hint, so that a replay starts the same way.
-                rec.trace.events.append(("alloc", sid, obj.nbytes,
-                                         "fast" if where is m.fast else "slow"))
-                for r in obj.regions.values():
-                    rec.on_region(r, True)
-            m.observe(rec)
+            try:
+                for obj in sorted(m.objects(), key=lambda o: o.id):
+                    sid = rec.ids.get(obj.id)
+                    rec.trace.objects[sid] = obj.nbytes
+                    where = obj.primary.device if obj.primary is not None else None
+                    # Where it is now, as a placement hint, so that a replay starts the same way.
+                    rec.trace.events.append(("alloc", sid, obj.nbytes,
+                                             "fast" if where is m.fast else "slow"))
+                    for r in obj.regions.values():
+                        rec.on_region(r, True)
+                m.observe(rec)
+            except BaseException:
+                rec.close()
+                raise
+            self._active = True
         return rec.trace
 
     def __exit__(self, *exc):
-        self.m.unobserve(self.recorder)
+        self._active = False
+        self.recorder.close()
         return False
