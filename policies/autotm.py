@@ -43,7 +43,7 @@ from ..errors import OutOfMemoryError
 from ..registry import register_policy
 from ..stepprofile import StepProfile
 from ..trace import Trace
-from .planned import PlannedPolicy
+from .planned import PlannedPolicy, repeat_step
 
 __all__ = ["AutoTM", "Solution", "Move", "solve", "optimum", "MOVES"]
 
@@ -773,7 +773,7 @@ class AutoTM(PlannedPolicy):
 
         m = self.manager
         if self.profile_source is None:
-            trace = _repeated(step.trace, step.step, 2)
+            trace = repeat_step(step.trace, step.step, 2)
             probe = _Probe(sol, None, step.step)
         else:
             trace, probe = step.trace, _Probe(sol, step, self.profile_step)
@@ -907,33 +907,6 @@ class _Probe(AutoTM):
             fast = self.manager.fast.stats()
             short = max(nbytes - fast["largest_free"], 1)
             self.overflow[k] = max(self.overflow.get(k, 0), short)
-
-
-def _repeated(trace, step, times):
-    """The trace up to the end of one step, then that step's events again, times times (its
-    kernels copied under new indices, as a recording of those steps would number them)."""
-    marks = [i for i, e in enumerate(trace.events) if e[0] == "step"]
-    start = marks[step - 1] + 1 if step > 0 else 0
-    end = marks[step] + 1 if step < len(marks) else len(trace.events)
-    body = trace.events[start:end]
-    if not body or body[-1][0] != "step":
-        body = body + [("step",)]
-    events, kernels, ktimes = trace.events[:end], list(trace.kernels), list(trace.times)
-    touched = dict(trace.touched)
-    for _ in range(times):
-        new = {}
-        for e in body:
-            if e[0] in ("kernel", "end"):
-                if e[1] not in new:
-                    new[e[1]] = len(kernels)
-                    kernels.append(trace.kernels[e[1]])
-                    ktimes.append(trace.times[e[1]])
-                    if e[1] in trace.touched:
-                        touched[new[e[1]]] = trace.touched[e[1]]
-                e = (e[0], new[e[1]], *e[2:])
-            events.append(e)
-    return Trace(trace.objects, events, kernels, ktimes, trace.meta, devices=trace.devices,
-                 touched=touched)
 
 
 def _lowered(limits, over):

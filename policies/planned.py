@@ -209,3 +209,99 @@ class PlannedPolicy(Policy):
         objs.sort(key=distance, reverse=True)
         return objs
 
+
+# ---- a profiled step, repeated ---------------------------------------------------------------
+
+_SID_EVENTS = ("alloc", "free", "prefetch", "evict", "softevict", "drop", "regenerate")
+
+
+def _role(sid):
+    """A stable id without what tells steps apart (the first step's ``init:``, ``@step``)."""
+    sid = sid[5:] if sid.startswith("init:") else sid
+    head, at, tail = sid.rpartition("@")
+    return head if at and tail.isdigit() else sid
+
+
+def repeat_step(trace, step, times=1):
+    """The trace up to the end of step ``step``, then that step's events again, times times, as
+    a recording of those steps would have them: kernels copied under new indices (with their
+    touched bytes, and still ``ca.compute`` kernels when they were), the step's frees of the
+    previous step's objects applied to this step's own, and an id still in use when the step
+    makes its object again given the step's number, as ``StableIds`` would."""
+    marks = [i for i, e in enumerate(trace.events) if e[0] == "step"]
+    start = marks[step - 1] + 1 if step > 0 else 0
+    end = marks[step] + 1 if step < len(marks) else len(trace.events)
+    body = trace.events[start:end]
+    if not body or body[-1][0] != "step":
+        body = body + [("step",)]
+    events, kernels, ktimes = list(trace.events[:end]), list(trace.kernels), list(trace.times)
+    if events and events[-1][0] != "step":
+        events.append(("step",))
+    objects, touched = dict(trace.objects), dict(trace.touched)
+    pure, partial = set(trace.pure), dict(trace.partial)
+    live = set()
+    for e in events:
+        if e[0] == "alloc":
+            live.add(e[1])
+        elif e[0] == "free":
+            live.discard(e[1])
+    # the objects of the step before that this step frees, each with the object this step
+    # leaves to the next one in its place (made at the same site)
+    made, inherited, kept = set(), [], {}
+    for e in body:
+        if e[0] == "alloc":
+            made.add(e[1])
+            kept[e[1]] = True
+        elif e[0] == "free":
+            if e[1] not in made:
+                inherited.append(e[1])
+            if e[1] in kept:
+                kept[e[1]] = False
+    heirs = {}
+    for sid in (s for s, alive in kept.items() if alive):
+        heirs.setdefault(_role(sid), []).append(sid)
+    after = {sid: heirs[_role(sid)][0] for sid in inherited
+             if len(heirs.get(_role(sid), ())) == 1}
+    names = {sid: sid for sid in made}      # the body's ids -> their names in the last copy
+    carry = {}
+
+    def name(sid):
+        return names.get(sid) or carry.get(sid, sid)
+
+    for r in range(1, times + 1):
+        carry = {old: names[heir] for old, heir in after.items()}
+        names = {}
+        new = {}
+        for e in body:
+            if e[0] == "alloc":
+                sid = e[1]
+                fresh, n = sid if sid not in live else _role(sid), 1
+                while fresh in live:            # as StableIds names a site's object anew
+                    fresh = f"{_role(sid)}@{step + r}" + (f".{n}" if n > 1 else "")
+                    n += 1
+                names[sid] = fresh
+                objects.setdefault(fresh, e[2])
+                live.add(fresh)
+                e = ("alloc", fresh, *e[2:])
+            elif e[0] in _SID_EVENTS:
+                e = (e[0], name(e[1]), *e[2:])
+                if e[0] == "free":
+                    live.discard(e[1])
+            elif e[0] in ("kernel", "end"):
+                k = e[1]
+                if k not in new:
+                    new[k] = len(kernels)
+                    kname, reads, writes = trace.kernels[k][:3]
+                    kernels.append((kname, tuple(map(name, reads)), tuple(map(name, writes)),
+                                    *trace.kernels[k][3:]))
+                    ktimes.append(trace.times[k])
+                    if k in trace.touched:
+                        touched[new[k]] = {name(s): b for s, b in trace.touched[k].items()}
+                    if k in trace.pure:           # a ca.compute kernel stays recomputable
+                        pure.add(new[k])
+                    if k in trace.partial:
+                        partial[new[k]] = [name(s) for s in trace.partial[k]]
+                e = (e[0], new[k], *e[2:])
+            events.append(e)
+    return Trace(objects, events, kernels, ktimes, trace.meta, devices=trace.devices,
+                 touched=touched, pure=pure, partial=partial)

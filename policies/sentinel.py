@@ -47,7 +47,7 @@ from ..registry import register_policy
 from ..replay import replay
 from ..stepprofile import StepProfile
 from ..trace import Trace
-from .planned import PlannedPolicy
+from .planned import PlannedPolicy, repeat_step
 
 __all__ = ["Sentinel", "characterize", "format_characterization", "mil_sweep",
            "mil_candidates", "PAGE"]
@@ -753,30 +753,13 @@ def _steady(step):
     plan replayed on it from the start reaches a steady state in that last step. (Step 0
     also makes the program's first objects: it is not repeated.)"""
     trace = step.trace
+    if step.step:
+        return repeat_step(trace, step.step)
     marks = [i for i, e in enumerate(trace.events) if e[0] == "step"]
-    end = marks[step.step] + 1 if step.step < len(marks) else len(trace.events)
-    events = trace.events[:end]
-    if not step.step:
-        return Trace(trace.objects, events, trace.kernels, trace.times, trace.meta,
-                     devices=trace.devices, touched=trace.touched)
-    begin = marks[step.step - 1] + 1
-    if end == len(trace.events) and events[-1][0] != "step":
-        events.append(("step",))
-    kernels, times, touched = list(trace.kernels), list(trace.times), dict(trace.touched)
-    again = {}                        # kernel of the profiled step -> its repetition
-    for e in trace.events[begin:end]:
-        if e[0] in ("kernel", "end"):
-            k = e[1]
-            if k not in again:
-                again[k] = len(kernels)
-                kernels.append(trace.kernels[k])
-                times.append(trace.times[k])
-                if k in trace.touched:
-                    touched[again[k]] = trace.touched[k]
-            e = (e[0], again[k])
-        events.append(e)
-    return Trace(trace.objects, events, kernels, times, trace.meta, devices=trace.devices,
-                 touched=touched)
+    end = marks[0] + 1 if marks else len(trace.events)
+    return Trace(trace.objects, trace.events[:end], trace.kernels, trace.times, trace.meta,
+                 devices=trace.devices, touched=trace.touched, pure=trace.pure,
+                 partial=trace.partial)
 
 
 def mil_sweep(trace, fast, profile="optane", mils=None):
