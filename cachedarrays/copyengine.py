@@ -49,6 +49,14 @@ _copy_u = lib.ca_copy_u
 _chosen = False
 
 
+def _after_fork_in_child():
+    global _engine_lock
+    _engine_lock = threading.Lock()     # a thread of the parent may have held it (calibrating)
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def _ptr(addr, what):
     if isinstance(addr, ffi.CData):
         return ffi.cast("void *", addr)
@@ -256,6 +264,7 @@ class _Shared:
         self.running = {}     # key -> CopyJob being copied or finishing (callbacks)
         self.threads = {}     # key -> Thread
         self.closed = False
+        self.pid = os.getpid()    # a forked child has none of these threads
 
 
 def _close(shared, cancel):
@@ -413,6 +422,10 @@ class CopyWorkers:
         job = CopyJob(self._s, key, _addr_int(dst_addr, "destination"),
                       _addr_int(src_addr, "source"), _size(nbytes), bool(persist), keepalive, chunk)
         s = self._s
+        if s.pid != os.getpid():
+            raise RuntimeError(f"this CopyWorkers was made in process {s.pid}, and its worker "
+                               "threads do not exist in this forked process; create a new "
+                               "CopyWorkers here")
         with s.cond:
             if s.closed:
                 raise RuntimeError("CopyWorkers.submit after shutdown(); create a new CopyWorkers "

@@ -9,7 +9,9 @@ import numpy as np
 from ._records import new_array as _new_array
 from .array import CachedArray, check_dtype, from_ndarray, new_layout, new_pinned, unpin
 from .defaults import default_manager
+from .manager import Manager
 from .scopes import readable
+from .sizes import MAX_SIZE
 
 # (shape, dtype) as given -> new_layout(shape, dtype), for the spellings that hash safely
 _LAYOUTS = {}
@@ -35,6 +37,9 @@ def _c_layout(shape, dtype):
 
 def _manager(manager, like=None):
     if manager is not None:
+        if not isinstance(manager, Manager):
+            raise TypeError(f"manager must be a ca.Manager (or None for the default one), "
+                            f"not {type(manager).__name__}")
         return manager
     if isinstance(like, CachedArray):
         return like.manager
@@ -79,7 +84,7 @@ def empty(shape, dtype=float, order="C", *, manager=None, placement=None):
     m = _manager(manager)
     if placement is None and order == "C":
         lay = _c_layout(shape, dtype)
-        if lay is not None:
+        if lay is not None and lay[3] <= MAX_SIZE:   # else new_pinned says it is too large
             out = _new_array(m, *lay)           # in C unless the manager is busy
             if out is not None:
                 return out

@@ -8,6 +8,7 @@ import atexit
 import os
 import threading
 
+from .errors import PinnedError
 from .manager import Manager
 
 _default_lock = threading.Lock()
@@ -41,7 +42,22 @@ def set_default_manager(manager):
     return prev
 
 
+def _forget_in_child():
+    """A forked child makes its own default manager (its parent's is refused there)."""
+    global _default, _default_lock
+    _default_lock = threading.Lock()
+    _default = None
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
+
+
 @atexit.register
 def _close_default():
+    """At exit, close the default manager unless a thread still uses it (no wait: a daemon
+    thread's scope never ends; the process releases everything anyway)."""
     if _default is not None:
-        _default.close()
+        try:
+            _default.close(timeout=0)
+        except PinnedError:
+            pass

@@ -8,6 +8,7 @@ import errno
 import fcntl
 import logging
 import mmap
+import operator
 import os
 import re
 import stat
@@ -102,11 +103,13 @@ class Device(DeviceRecord):
     kind = "device"
     virtual = False                   # True: a heap without data (replay): copies move no bytes
     _ro = None                        # read-only byte array over the mapping, built on first use
+    _owner = None                     # weak reference to the manager using it
 
     def __init__(self, name, size, granularity=0):
         self.name = name
         self.size = parse_size(size, f"size of device {name!r}")
-        self.granularity = granularity
+        self.granularity = _whole(granularity, "granularity", "a power of two >= 64, or 0 for "
+                                  "the default")
         self.dax = False
         self.path = None
         self._mm = None
@@ -115,6 +118,7 @@ class Device(DeviceRecord):
         self.capacity = 0
         self.closed = False
         self.profile = None           # cost-model profile name (costmodel.PROFILES), if known
+        self._pid = os.getpid()       # a forked child shares the memory: it makes its own
 
     def _attach(self, mm):
         """Take ownership of a mapping and build the heap over it."""
@@ -123,7 +127,15 @@ class Device(DeviceRecord):
         self._mm = mm
         self._base = ffi.from_buffer(mm)
         self.address = int(ffi.cast("uintptr_t", self._base))
-        self.heap = Heap(self.address, self.size, self.granularity)
+        try:
+            self.heap = Heap(self.address, self.size, self.granularity, name=self.name)
+        except BaseException as e:
+            ffi.release(self._base)               # nothing else maps it yet: unmap it now
+            self._base = self._mm = None
+            mm.close()
+            if isinstance(e, ValueError):
+                raise ValueError(f"device {self.name!r} ({format_size(self.size)}): {e}") from None
+            raise
         self.capacity = self.heap.stats().capacity
 
     @property
@@ -235,6 +247,7 @@ class DRAM(Device):
         if self.size == 0:
             return
         if numa_node is not None:
+            numa_node = _whole(numa_node, "numa_node", "a node number such as 0")
             _check_numa_node(numa_node)
         flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
         if populate and numa_node is None:
@@ -300,6 +313,17 @@ class VirtualDevice(Device):
                 pass
         self._attach(mm)
         self.heap.set_nodata(True)                 # defrag slides headers, never data
+
+
+def _whole(value, what, example):
+    """value as an int; TypeError naming what otherwise (a bool or a string is no number)."""
+    if isinstance(value, bool):
+        raise TypeError(f"{what} must be an int ({example}), not a bool")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{what} must be an int ({example}), not {type(value).__name__} "
+                        f"{value!r}") from None
 
 
 def _check_numa_node(node):
@@ -405,11 +429,12 @@ class SlowDevice(Device):
     """The slow device: a devdax device, a file on a DAX file system, or a plain file.
 
     ``path=None`` (the embedded default) or a directory (a symbolic link to one is resolved) gets a
-    fresh private file (mode 0600) whose name is removed as soon as it exists, so nothing is left
-    behind, even by a crash. A new file name is created exclusively with mode 0600, locked against
-    other managers for the device's lifetime and removed at close. A symbolic link to a file, an
-    existing file, a character device the kernel does not list as DAX, and any other special file
-    are refused; a devdax device is locked the same way, so two managers never share one.
+    fresh private file (mode 0600) that never has a name (``O_TMPFILE``), or whose name is removed
+    as soon as it exists where the file system lacks that, so nothing is left behind by a crash.
+    A new file name is created exclusively with mode 0600, locked against other managers for the
+    device's lifetime and removed at close. A symbolic link to a file, an existing file, a
+    character device the kernel does not list as DAX, and any other special file are refused; a
+    devdax device is locked the same way, so two managers never share one.
     """
 
     kind = "slow"
@@ -417,13 +442,14 @@ class SlowDevice(Device):
     def __init__(self, size, path=None, name="slow", populate=False, granularity=0):
         super().__init__(name, size, granularity)
         self._release = None       # drops the lock and removes a file this device created
+        self._where = None         # what the not-DAX report names: the path, or the directory
         if self.size == 0:
             return
         fd, locked, chardev = self._open(path)
         try:
             self.dax = chardev or is_dax(self.path)
             self._reserve(fd)
-            mm = self._map(fd, populate)
+            self._attach(self._map(fd, populate))
         except BaseException:
             if not locked:
                 os.close(fd)
@@ -432,13 +458,12 @@ class SlowDevice(Device):
         if not locked:
             os.close(fd)           # the nameless private file: the mapping keeps it alive
         if not self.dax:
-            shown = self.path if path is not None else "a temporary file"
+            shown = self._where                  # a directory's private files: the directory
             if shown not in _reported_not_dax:
                 _reported_not_dax.add(shown)
                 level = logging.INFO if path is None else logging.WARNING
                 log.log(level, "slow device %r on %s is not DAX: the OS page cache serves this "
                         "device", name, shown)
-        self._attach(mm)
 
     def _open(self, path):
         """Open what the device maps and set self.path; return (fd, locked, chardev).
@@ -446,10 +471,19 @@ class SlowDevice(Device):
         A locked fd stays open for the device's lifetime; ``_cleanup_file`` closes it.
         """
         size = format_size(self.size)
+        if path is not None:
+            if not isinstance(path, (str, bytes, os.PathLike)):
+                raise TypeError(f"slow_path must be a path (str or os.PathLike) or None, not "
+                                f"{type(path).__name__}")
+            path = os.fsdecode(os.fspath(path))
+            if not path:
+                raise DeviceError(f"slow_path is empty: pass None for a temporary file, a "
+                                  f"directory or a new file name for the slow device ({size})")
         if path is None or os.path.isdir(path):
-            directory = tempfile.gettempdir() if path is None else path
-            return self._create_private(os.path.realpath(directory)), False, False
-        path = os.path.abspath(os.fspath(path))
+            directory = os.path.realpath(tempfile.gettempdir() if path is None else path)
+            self._where = "a temporary file" if path is None else f"a file in {directory}"
+            return self._create_private(directory), False, False
+        path = self._where = os.path.abspath(os.fspath(path))
         try:
             st = os.lstat(path)
         except FileNotFoundError:
@@ -463,13 +497,26 @@ class SlowDevice(Device):
                           f"{_refusal(path, st)}")
 
     def _create_private(self, directory):
-        """A fresh file in directory (O_EXCL|O_NOFOLLOW, mode 0600), its name removed at once."""
+        """A fresh file in directory (mode 0600): one without a name (O_TMPFILE) where the file
+        system has them, else one made with O_EXCL|O_NOFOLLOW whose name is removed at once."""
         size = format_size(self.size)
         if not os.access(directory, os.W_OK | os.X_OK):
             raise DeviceError(
                 f"cannot create the slow device ({size}) in {directory!r}: the directory is "
                 "not writable; pass slow_path= a writable directory or file"
             )
+        if hasattr(os, "O_TMPFILE"):
+            try:
+                fd = os.open(directory, os.O_TMPFILE | os.O_RDWR, 0o600)
+            except OSError as e:
+                if e.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+                    raise DeviceError(
+                        f"cannot create a file for the slow device ({size}) in {directory!r}: "
+                        f"{e.strerror}; pass slow_path= a writable directory"
+                    ) from None
+            else:
+                self.path = os.path.join(directory, "cachedarrays-(unnamed).heap")
+                return fd
         try:
             fd, self.path = tempfile.mkstemp(prefix="cachedarrays-", suffix=".heap", dir=directory)
         except OSError as e:

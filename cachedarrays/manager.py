@@ -10,11 +10,14 @@ by their finalizer; the queue drains at the next manager call.
 """
 
 import itertools
+import math
+import os
 import sys
 import threading
 import time
 import weakref
 from collections import deque
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -35,8 +38,8 @@ from .lineage import why_not as _why_not
 from .poison import Poison
 from .poison import enabled as debug_enabled
 from .registry import resolve as resolve_policy
-from .sizes import format_size, parse_size
-from .telemetry import Telemetry
+from .sizes import _MAX_TEXT, MAX_SIZE, format_size, parse_size
+from .telemetry import Telemetry, check_event_log
 
 
 class Region(RegionRecord):
@@ -126,10 +129,19 @@ class _Copy:
 _bind_records(*Heap.entry_points(), Region, Object)
 
 
-def _closed_error(objs=()):
+def _closed_error(objs=(), manager=None):
     """The error for any use of a closed manager or of its arrays, naming the objects."""
     objs = list({id(o): o for o in objs}.values())
     named = ", ".join(f"object {o.id} ({format_size(o.nbytes)})" for o in objs[:3])
+    if manager is None and objs:
+        manager = objs[0]._manager()
+    if manager is not None and manager._inherited:
+        return UseAfterFreeError(
+            f"this manager was created in process {manager._pid} and this process is a "
+            f"fork of it{f' ({named} belonged to it)' if named else ''}: a forked process "
+            "shares the manager's slow memory with its parent, so it cannot use the manager or "
+            "its arrays; create a new Manager in this process (ca.default_manager() makes one), "
+            "or start processes with the 'spawn' or 'forkserver' method of multiprocessing")
     return UseAfterFreeError(
         f"this manager is closed{f' ({named} belonged to it)' if named else ''}: its arrays "
         "cannot be used any more; create a new Manager, and close a manager only after its "
@@ -150,6 +162,22 @@ def _describe(obj, shape=None):
     where = obj.primary.device.name if obj.primary is not None else "no device"
     return (f"object {obj.id} ({format_size(obj.nbytes)}"
             f"{f', shape {shape}' if shape is not None else ''}, on {where}, pins={obj._pins})")
+
+
+def _check_free(dev):
+    """DeviceError unless dev can serve a new manager (not closed, no other manager's)."""
+    what = f"device {dev.name!r} ({format_size(dev.size)})"
+    if dev.closed:
+        raise DeviceError(f"{what} is closed (closing its manager closed it): create a new "
+                          "device, or pass a size and let the manager make one")
+    if dev._pid != os.getpid():
+        raise DeviceError(f"{what} was made in process {dev._pid}, of which this process is a "
+                          "fork, and shares its memory: create a new device in this process")
+    owner = dev._owner() if dev._owner is not None else None
+    if owner is not None and not owner.closed:
+        raise DeviceError(f"{what} belongs to another manager ({owner!r}); two managers on one "
+                          "device overwrite each other's arrays: give each manager its own "
+                          "device, or close the other manager first")
 
 
 def _make_device(spec, name, default_cls, **kw):
@@ -278,18 +306,31 @@ class Observer:
         (kernels-in-fast mode: ``Policy.stage``)."""
 
 
+def _after_fork_in_child():
+    """A forked child shares the slow memory of its parent's managers: none may be used."""
+    for m in list(_MANAGERS):
+        m._forsake()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 class Manager(ManagerRecord):
     """Owns the devices (fast and slow heaps), every object and region, the policy and telemetry.
 
     ``Manager(fast="256MiB", slow="4GiB", slow_path=None, policy="lru")``; usable as a context
     manager; ``close()`` is idempotent. ``debug=True`` (or ``CACHEDARRAYS_DEBUG=1``) poisons
     memory that objects leave behind and reports writes into it (see ``cachedarrays.poison``).
+    A forked child process cannot use the managers of its parent (it makes its own).
     """
+
+    _inherited = False                # in a forked child: the manager is the parent's
 
     def __init__(self, fast="256MiB", slow="4GiB", slow_path=None, policy="lru", *,
                  tiers=None, virtual=False, granularity=0, populate=False, hugepages=True,
                  numa_node=None, event_log=None, policy_options=None, debug=None):
         self.closed = True
+        self._pid = os.getpid()
         self._gate = True             # closing or closed: pins and allocations take the slow path
         self._closing = False
         self._lock = threading.RLock()
@@ -310,11 +351,20 @@ class Manager(ManagerRecord):
         self._copier = None           # copyengine.CopyWorkers, made at the first background copy
         self._copies = {}             # object id -> _Copy: background copies not yet waited for
         self._reading = []            # (device, start, end, job): freed blocks still being read
+        self._unpoisoned = []         # debug mode: (job, region, why) to poison once job read it
         self._ids = itertools.count(1)
         self._last_id = 0
         self._objects = {}            # id -> weakref to the Object (entries leave at free)
         self._ref = weakref.ref(self)
         self._observers = ()
+        check_event_log(event_log)
+        if policy_options is not None and not isinstance(policy_options, Mapping):
+            raise TypeError(f"policy_options must be a dict of the policy's options, e.g. "
+                            f"policy_options={{'kernels_in_fast': True}}; got {policy_options!r}")
+        given = [d for d in (tiers if isinstance(tiers, (tuple, list)) else (fast, slow))
+                 if isinstance(d, Device)]
+        for d in given:
+            _check_free(d)
         if tiers is not None:
             if (fast, slow, slow_path) != ("256MiB", "4GiB", None):     # not the defaults
                 raise ValueError("pass either tiers=[...] or fast=/slow=/slow_path=, not both: "
@@ -355,7 +405,15 @@ class Manager(ManagerRecord):
         self.fast, self.slow = devs[0], devs[1]
         self._alias = {"fast": self.fast, "slow": self.slow}
         self._by_offset = {name: {} for name in self.devices}
-        self.telemetry = Telemetry(self.devices, event_log=event_log)
+        try:
+            self.telemetry = Telemetry(self.devices, event_log=event_log)
+        except BaseException:
+            for d in devs:
+                if not any(d is g for g in given):
+                    d.close()
+            raise
+        for d in devs:
+            d._owner = self._ref
         self.closed = self._gate = False
         _MANAGERS[self] = None
         try:
@@ -444,6 +502,8 @@ class Manager(ManagerRecord):
             pinned = self._pinned()
             mine = {id(o) for o, _ in here}
             raise self._pinned_error(sorted(pinned, key=lambda o: id(o) not in mine), True)
+        if timeout is not None and math.isinf(float(timeout)) and timeout > 0:
+            timeout = None                        # no limit
         deadline = None if timeout is None else time.monotonic() + max(0.0, float(timeout))
         self._closing = True
         self._gate = True
@@ -474,24 +534,10 @@ class Manager(ManagerRecord):
                 self._copier.shutdown(cancel=True)
             self._copier = None
         self._reading = []
+        self._unpoisoned = []
         self._copies.clear()
         self.closed = self._gate = True
-        for obj in self._live_objects():
-            obj.primary = None                    # its arrays now raise UseAfterFreeError
-            obj.regions = {}
-        for table in self._by_offset.values():
-            for r in table.values():
-                r.freed = True
-                r._buffer = None
-            table.clear()
-        self._objects.clear()
-        self._kept.clear()
-        self._dependents.clear()
-        self._dropped.clear()
-        self._deferred.clear()
-        self._scopes.clear()
-        self._pinned_by.clear()
-        self._fresh.clear()
+        self._drop_records()
         if self._debug is not None:
             self._debug.clear()
         try:
@@ -501,6 +547,41 @@ class Manager(ManagerRecord):
         finally:
             self._cond.notify_all()
 
+    def _drop_records(self):
+        """Forget every object and region: their arrays now raise UseAfterFreeError."""
+        for obj in self._live_objects():
+            obj.primary = None
+            obj.regions = {}
+        for table in self._by_offset.values():
+            for r in table.values():
+                r.freed = True
+                r._buffer = None
+            table.clear()
+        for held in (self._objects, self._kept, self._dependents, self._dropped,
+                     self._deferred, self._scopes, self._pinned_by, self._fresh):
+            held.clear()
+
+    def _forsake(self):
+        """In a forked child: refuse every use of this manager of the parent, and let go
+        of its devices without writing to them (the slow mapping, its heap headers included,
+        is shared with the parent) or removing the parent's files."""
+        self._lock = threading.RLock()            # held at the fork by a thread now gone
+        self._cond = threading.Condition(self._lock)
+        self._copier = None                       # its worker threads are the parent's
+        self._reading = []
+        self._unpoisoned = []
+        self._copies = {}
+        self._closing = False
+        was_closed = self.closed
+        self.closed = self._gate = True
+        if was_closed:
+            return
+        self._inherited = True
+        self._drop_records()
+        self._debug = None
+        for dev in self.devices.values():
+            dev.close()                           # drops the child's references only
+
     def __del__(self):
         try:
             self.close(timeout=0)
@@ -509,7 +590,7 @@ class Manager(ManagerRecord):
 
     def _check_open(self, objs=()):
         if self.closed:
-            raise _closed_error(objs)
+            raise _closed_error(objs, self)
 
     def _pass_gate(self, objs=()):
         """Slow path of pin and acquire while the manager is closing or closed.
@@ -520,7 +601,7 @@ class Manager(ManagerRecord):
         while self._closing and not self._held_here():
             self._cond.wait()
         if self.closed:
-            raise _closed_error(objs)
+            raise _closed_error(objs, self)
 
     def _pass_alloc_gate(self):
         """Slow path of allocations while closing: wait only if nothing is pinned.
@@ -531,7 +612,7 @@ class Manager(ManagerRecord):
         while self._closing and not self._pinned():
             self._cond.wait()
         if self.closed:
-            raise _closed_error()
+            raise _closed_error((), self)
 
     def scope_opened(self, key, held):
         """Record an access scope of the calling thread pinning held ((object, shape) pairs).
@@ -718,7 +799,7 @@ class Manager(ManagerRecord):
             raise UseAfterFreeError(f"object {obj.id} ({format_size(obj.nbytes)}) was freed; "
                                     "it cannot be used any more")
         if self.closed:
-            raise _closed_error((obj,))
+            raise _closed_error((obj,), self)
 
     def _own(self, obj, region):
         if region.freed:
@@ -753,6 +834,10 @@ class Manager(ManagerRecord):
         any copy the policy links elsewhere) and ends with ``release((obj,))``. placement: None
         lets the policy choose; "fast" or "slow" is a hint (see ``Policy.place``).
         """
+        if nbytes > MAX_SIZE:
+            raise OutOfMemoryError(
+                f"cannot allocate an array of {nbytes} bytes: more than any device can hold "
+                f"(at most {_MAX_TEXT}); check the array's shape and dtype")
         with self._lock:
             policy = self.policy
             obj = policy.allocate(nbytes) if placement is None else \
@@ -919,7 +1004,8 @@ class Manager(ManagerRecord):
 
     def _copy_region_freed(self, region, c):
         """A region with a background copy c is being freed: cancel a copy into it; keep a
-        copy out of it safe (new blocks over it wait until the copy has read it)."""
+        copy out of it safe (new blocks over it wait until the copy has read it). Returns the
+        copy still reading it, if any."""
         if c.dst is region:
             del self._copies[region.owner]
             for o in self._observers:
@@ -931,6 +1017,8 @@ class Manager(ManagerRecord):
             self._reading.append((region.device, region.offset,
                                   region.offset + region.device.block_size(region.nbytes),
                                   c.job))
+            return c.job
+        return None
 
     def _await_readers(self, dev):
         """A block is about to be handed out on dev: wait for background copies still reading
@@ -948,6 +1036,8 @@ class Manager(ManagerRecord):
                 continue
             keep.append(entry)
         self._reading = keep
+        if self._unpoisoned:
+            self._debug_poison_read()
 
     def cancel(self, obj):
         """Cancel obj's background prefetch: its primary goes back to the copy it came from.
@@ -982,6 +1072,12 @@ class Manager(ManagerRecord):
         observers match each release to its acquire.
         """
         with self._lock:
+            for o in objs:
+                if o._pins <= 0:
+                    raise CachedArraysError(
+                        f"object {o.id} ({format_size(o.nbytes)}) is not pinned; release without "
+                        "acquire (release exactly the objects that acquire or new_pinned pinned, "
+                        "once)")
             fresh = self._fresh
             if fresh:
                 new = [o for o in objs if o.id in fresh]
@@ -1523,10 +1619,11 @@ class Manager(ManagerRecord):
 
     def _free_region(self, region, why=None):
         dev = region.device
+        job = None
         if self._copies:
             c = self._copies.get(region.owner)
             if c is not None:
-                self._copy_region_freed(region, c)
+                job = self._copy_region_freed(region, c)
         if region.nbytes:
             heap = dev.heap
             if heap is not None:
@@ -1535,7 +1632,7 @@ class Manager(ManagerRecord):
                 dev.free(region.offset, region.owner)     # raises: the device has no heap
             self._by_offset[dev.name].pop(region.offset, None)
             if self._debug is not None:
-                self._debug_vacate(region, why)
+                self._debug_vacate(region, why, job)
         region.freed = True
         region._buffer = None
         self.telemetry.on_free(dev.name, region.nbytes, region.owner)
@@ -1550,16 +1647,30 @@ class Manager(ManagerRecord):
             if obj.primary is region:
                 obj.primary = None
 
-    def _debug_vacate(self, region, why):
-        """Debug mode: poison a region's bytes as they leave their object."""
+    def _debug_vacate(self, region, why, job=None):
+        """Debug mode: poison a region's bytes as they leave their object (once job, a
+        background copy still reading them, has read them)."""
         if why is None:
             obj = self.object(region.owner)
             p = obj.primary if obj is not None else None
             why = (f"moved from {region.device.name!r} to {p.device.name!r}"
                    if p is not None and p is not region and p.device is not region.device else
                    f"left its {region.device.name!r} region")
+        if job is not None:
+            self._unpoisoned.append((job, region, why))
+            return
         self._debug.vacate(region.device, region.data_offset, region.nbytes, region.owner,
                            region.nbytes, why)
+
+    def _debug_poison_read(self):
+        """Debug mode: poison the freed regions whose background copies have read them."""
+        keep = []
+        for job, region, why in self._unpoisoned:
+            if job.done():
+                self._debug_vacate(region, why)
+            else:
+                keep.append((job, region, why))
+        self._unpoisoned = keep
 
     def _debug_reuse(self, dev, offset):
         """Debug mode: a block was handed out; report writes made into it since it was vacated."""
@@ -1718,6 +1829,8 @@ class Manager(ManagerRecord):
             if self._copier is not None:          # nothing slides under a running copy
                 self._copier.drain()
                 self._reading = []
+                if self._unpoisoned:
+                    self._debug_poison_read()
             table = self._by_offset[dev.name]
             moves = []
 
@@ -1798,6 +1911,8 @@ class Manager(ManagerRecord):
             return True
 
     def _debug_check(self):
+        if self._unpoisoned:
+            self._debug_poison_read()
         earlier, found = self._debug.verify(self.devices.values())
         for w in found:                           # those found at reuse were counted there
             self.telemetry.count("debug_stale_writes", w.changed, id=w.owner, device=w.device)

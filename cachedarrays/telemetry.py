@@ -4,6 +4,7 @@ These counts are the ground truth for comparing policies on machines without per
 """
 
 import json
+import os
 import threading
 import time
 from collections import defaultdict
@@ -54,6 +55,7 @@ class Telemetry(TelemetryRecord):
         self._names = tuple(self._devices)
         self._index = {d: i for i, d in enumerate(self._devices)}
         self._c = memoryview(self).cast("q")    # the C counters: [kind * MAX_DEVICES + device]
+        check_event_log(event_log)
         self._log_path = event_log
         self._log = open(event_log, "a", buffering=1 << 16) if event_log else None
         self._log_lock = threading.Lock()
@@ -153,6 +155,13 @@ class Telemetry(TelemetryRecord):
                 rec.update({"heap_" + k: v for k, v in device_stats[d].items()})
             out["devices"][d] = rec
         return out
+
+
+def check_event_log(event_log):
+    """TypeError unless event_log is None or a path (a str or os.PathLike)."""
+    if event_log is not None and not isinstance(event_log, (str, os.PathLike)):
+        raise TypeError(f"event_log must be the path of a file to append events to (a str or "
+                        f"os.PathLike), or None for no log; got {event_log!r}")
 
 
 def read_event_log(path):
