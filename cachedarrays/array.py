@@ -25,8 +25,8 @@ from ._records import bind_views as _bind_views
 from ._records import getitem as _c_getitem
 from ._records import operator as _c_operator
 from .defaults import default_manager
-from .layout import (basic_index, c_strides, check_dtype, contiguous_strides, is_fortran,
-                     shape_tuple)
+from .layout import (basic_index, c_strides, cast_dtype, check_dtype, contiguous_strides,
+                     creation_dtype, is_fortran, shape_tuple)
 from .heap import HEADER
 from .pinning import (OPEN_SCOPES, SHORT_BYTES, ObjectView, acquire_grouped, new_object,
                       objects_in, plain_key, pop_scope, push_scope, readable, record_new,
@@ -54,8 +54,9 @@ def _caller_is_pandas():
 
 def new_layout(shape, dtype, order="C"):
     """(shape, dtype, strides, nbytes) of a new contiguous array, as NumPy lays it out: a
-    sub-array dtype becomes trailing dimensions; any order but "F" is C order."""
-    dt = check_dtype(dtype)
+    sub-array dtype becomes trailing dimensions; any order but "F" is C order; a string dtype
+    without a size holds one character, as in np.empty(3, "U")."""
+    dt = creation_dtype(dtype)
     shape = shape_tuple(shape)
     if dt.subdtype is not None:          # (np.float64, (2,)): as NumPy, (*shape, 2) of float64
         dt, sub = dt.subdtype
@@ -153,10 +154,12 @@ class CachedArray(ObjectView, NDArrayOperatorsMixin):
     # ---- resolution (call only while pinned) ---------------------------------------------
 
     def _derive(self, base, view):
-        """A CachedArray view for ndarray `view`, which shares memory with `base` (self's view)."""
+        """A CachedArray view for ndarray `view`, which shares memory with `base` (self's view);
+        read-only when NumPy made `view` so (np.broadcast_to, x.diagonal(), ...)."""
         start = base.__array_interface__["data"][0] - self._offset
         off = view.__array_interface__["data"][0] - start
-        return CachedArray._make(self._obj, self._m, view.shape, view.dtype, view.strides, off)
+        cls = CachedArray if view.flags.writeable else ReadOnlyCachedArray
+        return cls._make(self._obj, self._m, view.shape, view.dtype, view.strides, off)
 
     # ---- properties ----------------------------------------------------------------------
 
@@ -238,11 +241,13 @@ class CachedArray(ObjectView, NDArrayOperatorsMixin):
             raise TypeError("array does not have imaginary part to set")
         self.imag[...] = value
 
+    _writeable = True           # False for the views NumPy makes read-only
+
     @property
     def flags(self):
         """A snapshot of the layout flags (they cannot be set; see setflags)."""
         with readable(self) as v:
-            return Flags(v.flags, self.base is None)
+            return Flags(v.flags, self.base is None, self._writeable)
 
     # ---- NumPy protocols -----------------------------------------------------------------
 
@@ -279,8 +284,8 @@ class CachedArray(ObjectView, NDArrayOperatorsMixin):
             # nothing is pinned or used (the view resolves its bytes at its own use).
             sel = basic_index(self._shape, self._strides, key)
             if sel is not None and self._obj.primary is not None:
-                return CachedArray._make(self._obj, self._m, sel[0], self._dtype, sel[1],
-                                         self._offset + sel[2])
+                return type(self)._make(self._obj, self._m, sel[0], self._dtype, sel[1],
+                                        self._offset + sel[2])
         key = plain_key(key)
         m, obj = self._m, self._obj
         m.acquire((obj,))
@@ -395,7 +400,11 @@ class CachedArray(ObjectView, NDArrayOperatorsMixin):
             if isinstance(r, np.ndarray) and not r.flags.owndata and np.may_share_memory(r, v):
                 return self._derive(v, r)
             if isinstance(r, np.ndarray):
-                return from_ndarray(m, r)
+                out = from_ndarray(m, r)
+                if r.flags.writeable:
+                    return out
+                return ReadOnlyCachedArray._make(out._obj, m, out._shape, out._dtype,
+                                                 out._strides, 0)
             return r
         finally:
             m.release((obj,))
@@ -432,9 +441,10 @@ class CachedArray(ObjectView, NDArrayOperatorsMixin):
                 f"a CachedArray cannot be viewed as {type.__name__}: that view would keep a raw "
                 "pointer that an evict or prefetch can leave stale; use `with ca.readable(x) as "
                 "a:` for an ndarray view inside a pinned scope, or np.asarray(x) for a copy")
-        if dtype is None:
-            return CachedArray._make(self._obj, self._m, self._shape, self._dtype,
-                                     self._strides, self._offset)
+        if dtype is None:               # a read-only view stays read-only
+            cls = builtins.type(self) if type is None or not self._writeable else type
+            return cls._make(self._obj, self._m, self._shape, self._dtype, self._strides,
+                             self._offset)
         check_dtype(dtype)
         return self._viewop(lambda v: v.view(dtype))
 
@@ -448,6 +458,8 @@ class CachedArray(ObjectView, NDArrayOperatorsMixin):
 
     def astype(self, dtype, order="K", casting="unsafe", subok=True, copy=True):
         dt = check_dtype(dtype)
+        if not dt.itemsize:                  # 'U', 'S', 'V': sized as NumPy's cast sizes them
+            dt = cast_dtype(self._dtype, dt)
         if not copy and dt == self._dtype:
             return self
         if order == "K":
@@ -591,6 +603,29 @@ class CachedArray(ObjectView, NDArrayOperatorsMixin):
 
     def __deepcopy__(self, memo):
         return self.copy()
+
+
+class ReadOnlyCachedArray(CachedArray):
+    """A view NumPy makes read-only (np.broadcast_to, sliding_window_view, x.diagonal(), the
+    imaginary part of a real array): as NumPy's own, it refuses writes."""
+
+    __slots__ = ()
+    _writeable = False
+
+    def _view(self, readonly=False):
+        """A read-only ndarray over the current bytes: NumPy refuses writes through it."""
+        return ObjectView._view(self, True)
+
+    _kview = _view
+
+    def __setitem__(self, key, value):
+        raise ValueError("assignment destination is read-only")
+
+    def setflags(self, write=None, align=None, uic=None):
+        """Accepted when it changes nothing; a CachedArray's flags cannot be set."""
+        if write in (None, False) and align in (None, True) and not uic:
+            return
+        raise TypeError(FLAGS_FIXED)
 
 
 def _binary(ufunc, name):

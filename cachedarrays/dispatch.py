@@ -2,8 +2,9 @@
 
 ``implements`` registers a dedicated implementation of NumPy functions (those in
 ``cachedarrays.routines``, and any a user adds); every other NumPy function runs on pinned views
-of the arrays' current bytes (``_call_on_views``), with what it writes (its out, or the input an
-in-place function changes) acquired as a write, and its result wrapped as CachedArrays.
+of the arrays' current bytes (``_call_on_views``), with what it writes (its out, the input an
+in-place function changes, or every array given to a function not known to be read-only)
+acquired as a write, and its result wrapped as CachedArrays.
 Importing this module installs its handler behind ``CachedArray.__array_function__``.
 """
 
@@ -29,6 +30,59 @@ _INPLACE_FIRST = {np.copyto, np.put, np.place, np.putmask, np.fill_diagonal,
 _INPLACE_WHEN = {np.nan_to_num: ("copy", False),
                  **dict.fromkeys((np.median, np.nanmedian, np.percentile, np.nanpercentile,
                                   np.quantile, np.nanquantile), ("overwrite_input", True))}
+
+
+def _functions(module, names):
+    """The functions of module with these names (those this NumPy version has)."""
+    return {getattr(module, n) for n in names.split() if hasattr(module, n)}
+
+
+# NumPy functions whose writes are known: out=, the target of an in-place function
+# (_INPLACE_FIRST, _INPLACE_WHEN), and no other argument. Any other function (recfunctions,
+# callbacks such as apply_along_axis, a library's own dispatched function) may write what it is
+# given, so its arrays are acquired as writes and marked dirty: no eviction can drop the write.
+_WRITES_KNOWN = _functions(np, """
+    all allclose amax amin angle any append argmax argmin argpartition argsort argwhere around
+    array2string array_equal array_equiv array_repr array_split array_str astype atleast_1d
+    atleast_2d atleast_3d average bincount block broadcast_arrays broadcast_to busday_count
+    busday_offset can_cast choose clip column_stack common_type compress concat concatenate
+    convolve copy corrcoef correlate count_nonzero cov cross cumprod cumsum cumulative_prod
+    cumulative_sum datetime_as_string delete diag diag_indices_from diagflat diagonal diff
+    digitize dot dsplit dstack ediff1d einsum einsum_path empty_like expand_dims extract fix
+    flatnonzero flip fliplr flipud full_like geomspace gradient histogram histogram2d
+    histogram_bin_edges histogramdd hsplit hstack i0 imag inner insert interp intersect1d
+    is_busday isclose iscomplex iscomplexobj isin isneginf isposinf isreal isrealobj ix_ kron
+    lexsort linspace logspace matrix_transpose max may_share_memory mean median meshgrid min
+    min_scalar_type moveaxis nan_to_num nanargmax nanargmin nancumprod nancumsum nanmax nanmean
+    nanmedian nanmin nanpercentile nanprod nanquantile nanstd nansum nanvar ndim nonzero
+    ones_like outer packbits pad partition percentile permute_dims poly polyadd polyder polydiv
+    polyfit polyint polymul polysub polyval prod ptp quantile ravel ravel_multi_index real
+    real_if_close repeat reshape resize result_type roll rollaxis roots rot90 round save savetxt
+    savez savez_compressed searchsorted select setdiff1d setxor1d shape shares_memory sinc size
+    sort sort_complex split squeeze stack std sum swapaxes take take_along_axis tensordot tile
+    trace transpose trapezoid tril tril_indices_from trim_zeros triu triu_indices_from union1d
+    unique unique_all unique_counts unique_inverse unique_values unpackbits unravel_index unstack
+    unwrap vander var vdot vsplit vstack where zeros_like""")
+_WRITES_KNOWN |= _functions(np.linalg, """
+    cholesky cond cross det diagonal eig eigh eigvals eigvalsh inv lstsq matmul matrix_norm
+    matrix_power matrix_rank matrix_transpose multi_dot norm outer pinv qr slogdet solve svd
+    svdvals tensordot tensorinv tensorsolve trace vecdot vector_norm""")
+_WRITES_KNOWN |= _functions(np.fft, """
+    fft fft2 fftn fftshift hfft ifft ifft2 ifftn ifftshift ihfft irfft irfft2 irfftn rfft rfft2
+    rfftn""")
+_WRITES_KNOWN |= _functions(np.char, """
+    add capitalize center decode encode equal expandtabs greater greater_equal join less
+    less_equal ljust lower mod multiply not_equal replace rjust rsplit split splitlines swapcase
+    title translate upper zfill""")
+_WRITES_KNOWN |= _functions(np.emath, "arccos arcsin arctanh log log10 log2 logn power sqrt")
+_WRITES_KNOWN |= _functions(np.lib.stride_tricks, "sliding_window_view")
+_WRITES_KNOWN = frozenset(_WRITES_KNOWN | _INPLACE_FIRST)
+# NumPy functions reached only through like= (NEP 35); NumPy passes the like= array as self and
+# drops the keyword, which the call gets back so its result lands on that array's manager.
+_LIKE_ONLY = frozenset(_functions(np, """
+    arange array asanyarray asarray ascontiguousarray asfortranarray empty eye frombuffer
+    fromfile fromfunction fromiter fromstring full genfromtxt identity loadtxt ones require tri
+    zeros"""))
 
 
 def implements(*numpy_functions):
@@ -62,6 +116,8 @@ def _array_function(self, func, types, args, kwargs):
     for t in types:
         if t is not CachedArray and not (issubclass(t, CachedArray) or issubclass(t, np.ndarray)):
             return NotImplemented
+    if func in _LIKE_ONLY:
+        kwargs = {**kwargs, "like": self}
     impl = HANDLED_FUNCTIONS.get(func)
     if impl is not None:
         return impl(*args, **kwargs)
@@ -141,7 +197,8 @@ def _call_on_views(func, args, kwargs):
     """Run a NumPy function on views of the current primary regions, then wrap the result.
 
     What the function writes (its out, or the array an in-place function changes), given by
-    position or by keyword, is acquired as a write, which marks it dirty.
+    position or by keyword, is acquired as a write, which marks it dirty; so is every array
+    given to a function whose writes are not known (``_WRITES_KNOWN``).
     """
     out_at, target_at, flag_at, truth = _WRITES.get(func) or _writes_of(func)
     out = _given(args, kwargs, out_at) if out_at is not None else None
@@ -149,10 +206,12 @@ def _call_on_views(func, args, kwargs):
     if target_at is not None and (flag_at is None or
                                   bool(_given(args, kwargs, flag_at, not truth)) is truth):
         target = _given(args, kwargs, target_at)       # an absent flag never writes
-    if out is None and target is None:
+    known = func in _WRITES_KNOWN
+    if out is None and target is None and known:
         res = _read_only_call(func, args, kwargs)
         if res is not _GENERAL:
             return res
+    like = kwargs.pop("like", None)
     written = list(objects_in(out)) if out is not None else []
     if target is not None:
         written += list(objects_in(target))
@@ -160,7 +219,9 @@ def _call_on_views(func, args, kwargs):
     if out is not None and out_at[0] is not None and out_at[0] < len(args):
         rest = args[:out_at[0]] + args[out_at[0] + 1:]
     read = list(objects_in(list(rest) + [v for k, v in kwargs.items() if k != "out"]))
-    like = kwargs.pop("like", None)
+    if not known:                                  # it may write any array it is given
+        written += read
+        read = []
     m = first_manager(list(args) + list(kwargs.values())) or \
         (like._m if isinstance(like, CachedArray) else None)
     done = acquire_grouped(read, written, getattr(func, "__name__", "function"))
@@ -186,6 +247,7 @@ def _call_on_views(func, args, kwargs):
 
 
 _GENERAL = object()
+_NONE = object()          # _call_wrap's None result (run_read returns None when not taken)
 
 
 def _read_only_call(func, args, kwargs):
@@ -228,8 +290,8 @@ def _read_only_call(func, args, kwargs):
     if flat and len(reads) <= 8:    # in C (run_read) unless the manager is busy
         res = _run_read(m, functools.partial(_call_wrap, func, m, args, kwargs), args,
                         tuple(reads), short)
-        if res is not None:
-            return res
+        if res is not None:                        # None: not taken (the manager is busy)
+            return None if res is _NONE else res
 
     def kernel(_):
         views = []
@@ -246,8 +308,10 @@ def _call_wrap(func, m, args, kwargs, *kviews):
     the general path: a NumPy function may change the shape or flags of an array it is given,
     which the cached kernel views must never see."""
     views = [v.view() if type(a) is CachedArray else v for a, v in zip(args, kviews)]
-    return wrap(m, func(*views, **kwargs),
-                [(a, v) for a, v in zip(args, views) if type(a) is CachedArray])
+    res = func(*views, **kwargs)
+    if res is None:
+        return _NONE
+    return wrap(m, res, [(a, v) for a, v in zip(args, views) if type(a) is CachedArray])
 
 
 set_function_handler(_array_function)

@@ -42,6 +42,29 @@ def _checked(dt):
     return dt
 
 
+def _unsized(dt):
+    """True for a string or void dtype given without a size ('U', 'S', str, bytes, 'V')."""
+    return not dt.itemsize and dt.kind in "SUV" and dt.names is None and dt.subdtype is None
+
+
+def cast_dtype(src, dtype):
+    """The dtype ``a.astype(dtype)`` gives for an array a of dtype src: an unsized string or
+    void dtype takes the size NumPy's cast gives (int64 to str is <U21, <U3 to 'S' is |S3)."""
+    dt = check_dtype(dtype)
+    if _unsized(dt):
+        dt = np.empty(0, src).astype(dt).dtype
+    return dt
+
+
+def creation_dtype(dtype):
+    """The dtype NumPy's creation functions give for dtype: 'U' and 'S' without a size hold
+    one character (<U1, |S1), as in np.zeros(3, 'U')."""
+    dt = check_dtype(dtype)
+    if _unsized(dt):
+        dt = np.empty(0, dt).dtype
+    return dt
+
+
 def shape_tuple(shape):
     """shape as a tuple of non-negative ints (an int is a 1-d shape)."""
     if type(shape) is tuple:

@@ -212,15 +212,26 @@ def _array_ufunc(self, ufunc, method, *inputs, **kwargs):
     if method == "at" and isinstance(inputs[0], CachedArray):
         reads.remove(inputs[0]._obj)
         writes.append(inputs[0]._obj)
-    m = first_manager(inputs) or first_manager(out or ())
+    where = kwargs.get("where")
+    if isinstance(where, CachedArray):             # a mask is read like the inputs
+        reads.append(where._obj)
+    else:
+        where = None
+    m = first_manager(inputs) or first_manager(out or ()) or \
+        (where._m if where is not None else None)
     done = acquire_grouped(reads, writes, getattr(ufunc, "__name__", "ufunc"))
     try:
         args = tuple(x._view() if isinstance(x, CachedArray) else x
                      for x in inputs)
+        if where is not None:
+            kwargs["where"] = where._view()
         if out is not None:
             outs = tuple(o._view() if isinstance(o, CachedArray) else o for o in out)
-            getattr(ufunc, method)(*args, out=outs, **kwargs)
-            return out[0] if len(out) == 1 else out
+            res = getattr(ufunc, method)(*args, out=outs, **kwargs)
+            if len(out) == 1:
+                return out[0]
+            # out=(o, None): NumPy makes the outputs given as None
+            return tuple(wrap(m, r, ()) if o is None else o for o, r in zip(out, res))
         if method == "__call__" and ufunc.nout == 1 and ufunc.signature is None and \
                 not (set(kwargs) - {"where", "casting", "order"}):
             shape = _broadcast_shape(args)

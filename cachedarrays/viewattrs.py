@@ -70,12 +70,12 @@ class Flags:
              "B": "behaved", "BEHAVED": "behaved", "CA": "carray", "CARRAY": "carray",
              "FA": "farray", "FARRAY": "farray"}
 
-    def __init__(self, flags, owndata):
+    def __init__(self, flags, owndata, writeable=True):
         set_ = object.__setattr__
         set_(self, "c_contiguous", flags.c_contiguous)
         set_(self, "f_contiguous", flags.f_contiguous)
         set_(self, "owndata", owndata)
-        set_(self, "writeable", True)          # every CachedArray can be written
+        set_(self, "writeable", writeable)     # False only for views NumPy makes read-only
         set_(self, "aligned", flags.aligned)
         set_(self, "writebackifcopy", False)
 

@@ -10,15 +10,31 @@ from ..array import CachedArray
 from ..creation import (_manager, array, empty, empty_like, full, full_like, ones, ones_like,
                         zeros, zeros_like)
 from ..dispatch import implements
+from ..layout import creation_dtype
+
+
+def _sized(fn, at):
+    """fn with its dtype argument (position `at`, or keyword) sized as NumPy's creation
+    functions size it: 'U' and 'S' without a size hold one character."""
+    def impl(*args, **kwargs):
+        if len(args) > at and args[at] is not None:
+            args = args[:at] + (creation_dtype(args[at]),) + args[at + 1:]
+        elif kwargs.get("dtype") is not None:
+            kwargs["dtype"] = creation_dtype(kwargs["dtype"])
+        return fn(*args, **kwargs)
+    return impl
+
 
 # np.empty_like(x) and friends on a CachedArray return CachedArrays with no copy.
-implements(np.empty_like)(empty_like)
-implements(np.zeros_like)(zeros_like)
-implements(np.ones_like)(ones_like)
-implements(np.full_like)(full_like)
+implements(np.empty_like)(_sized(empty_like, 1))
+implements(np.zeros_like)(_sized(zeros_like, 1))
+implements(np.ones_like)(_sized(ones_like, 1))
+implements(np.full_like)(_sized(full_like, 2))
 
 
-def _like_creation(fn):
+def _like_creation(fn, at):
+    fn = _sized(fn, at)
+
     def impl(*args, like=None, device=None, **kwargs):
         if device not in (None, "cpu"):        # NumPy passes device= from np.ones and np.full
             raise ValueError(f"device must be None or 'cpu', not {device!r}")
@@ -27,10 +43,12 @@ def _like_creation(fn):
 
 
 # like= dispatch (NEP 35): np.empty(3, like=x) -> a CachedArray on x's manager.
-implements(np.empty)(_like_creation(empty))
-implements(np.zeros)(_like_creation(zeros))
-implements(np.ones)(_like_creation(ones))
-implements(np.full)(_like_creation(full))
+implements(np.empty)(_like_creation(empty, 1))
+implements(np.zeros)(_like_creation(zeros, 1))
+implements(np.ones)(_like_creation(ones, 1))
+implements(np.full)(_like_creation(full, 2))
+
+
 def _array_like(a, dtype=None, *, copy=True, order="K", subok=False, ndmin=0, like=None,
                 device=None):
     """np.array / np.asarray with ``like=`` a CachedArray: a CachedArray on like's manager

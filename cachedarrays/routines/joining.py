@@ -32,17 +32,21 @@ def concatenate(arrays, axis=0, out=None, *, dtype=None, casting="same_kind"):
     shape[ax] = sum(s[ax] for s in shapes)
     dt = np.dtype(dtype) if dtype is not None else np.result_type(
         *[a.dtype if hasattr(a, "dtype") else np.asarray(a).dtype for a in arrays])
+    if not dt.itemsize:                  # 'U', 'S': NumPy sizes the result from the inputs
+        return _call_on_views(np.concatenate, (arrays,), dict(axis=axis, dtype=dtype,
+                                                               casting=casting))
     m = first._m
+    # NumPy takes out= or dtype=, not both: out (of dtype dt) carries the dtype
     if all(type(a) is CachedArray and a._m is m for a in arrays):
         # every input on one manager: one step pins them and places the result
 
         def fill(*views, out):
-            return np.concatenate(views, axis=axis, out=out, dtype=dtype, casting=casting)
+            return np.concatenate(views, axis=axis, out=out, casting=casting)
         return into_new(m, fill, tuple(arrays), tuple(a._obj for a in arrays), tuple(shape), dt,
                         "concatenate")
     res = new_pinned(first.manager, tuple(shape), dt)
     try:
         return _call_on_views(np.concatenate, (arrays,), dict(axis=axis, out=res,
-                                                               dtype=dtype, casting=casting))
+                                                               casting=casting))
     finally:
         unpin(res)
