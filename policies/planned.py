@@ -22,7 +22,7 @@ import math
 
 from .. import costmodel
 from ..stepprofile import StepProfile
-from ..trace import Recorder, StableIds, Trace
+from ..trace import _SID_EVENTS, Recorder, StableIds, Trace
 from .base import Policy
 
 __all__ = ["PlannedPolicy"]
@@ -211,9 +211,6 @@ class PlannedPolicy(Policy):
 
 
 # ---- a profiled step, repeated ---------------------------------------------------------------
-
-_SID_EVENTS = ("alloc", "free", "prefetch", "evict", "softevict", "drop", "regenerate")
-
 
 def _role(sid):
     """A stable id without what tells steps apart (the first step's ``init:``, ``@step``)."""
