@@ -288,11 +288,13 @@ class VirtualDevice(Device):
 
     The mapping is reserved (``MAP_NORESERVE``, no huge pages) and only the heap's 64-byte block
     headers are ever written, so a replay of a 4 GiB heap costs a few pages per live block. Copies
-    to or from a virtual device are counted but move no bytes; arrays on one cannot be read.
+    to or from a virtual device are counted but move no bytes; arrays on one cannot be read:
+    its regions have no buffer, so ``Manager.ndarray`` refuses every view of their data.
     """
 
     kind = "virtual"
     virtual = True
+    _reserved = None                  # the mapping under the heap (``_mm`` stays None: no data)
 
     def __init__(self, size, name="fast", granularity=0, profile=None):
         super().__init__(name, size, granularity)
@@ -313,6 +315,18 @@ class VirtualDevice(Device):
                 pass
         self._attach(mm)
         self.heap.set_nodata(True)                 # defrag slides headers, never data
+        self._reserved, self._mm = self._mm, None  # regions made on it get no buffer
+
+    @property
+    def buffer(self):
+        """None: a virtual device holds no data to view."""
+        return None
+
+    def close(self):
+        if not self.closed and self._reserved is not None:
+            self._mm = self._reserved              # the heap keeps it until its last call
+        self._reserved = None
+        super().close()
 
 
 def _whole(value, what, example):

@@ -248,6 +248,24 @@ def _build_tiers(tiers, virtual, **kw):
     return devs
 
 
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_NOT_PINNING = ("annotations.py",)          # decorators hold arrays without pinning them
+
+
+def _objects_in(v, depth):
+    """The objects v refers to: an Object, an array's object, or those in a list or tuple."""
+    if isinstance(v, ObjectRecord):
+        yield v
+    elif isinstance(v, (list, tuple)):
+        if depth > 1:
+            for x in v[:256]:
+                yield from _objects_in(x, depth - 1)
+    else:
+        o = getattr(v, "_obj", None) if hasattr(type(v), "_obj") else None
+        if isinstance(o, ObjectRecord):
+            yield o
+
+
 _MANAGERS = weakref.WeakKeyDictionary()     # live managers, in creation order (mark_step)
 
 
@@ -393,6 +411,18 @@ class Manager(ManagerRecord):
                 fast_dev.close()
                 raise
             devs = [fast_dev, slow_dev]
+        if len({d.virtual for d in devs}) > 1:
+            for d in devs:
+                if not any(d is g for g in given):
+                    d.close()
+            names = ", ".join(f"{d.name!r} ({'virtual' if d.virtual else d.kind}, "
+                              f"{format_size(d.size)})" for d in devs)
+            raise DeviceError(f"devices {names} mix virtual and real memory: a virtual device "
+                              "holds no data, so an array moved onto it would lose its contents; "
+                              "make every device virtual (Manager(..., virtual=True), for "
+                              "replays) or none")
+        if devs[0].virtual:
+            self._debug = None                    # no data to poison
         for i, d in enumerate(devs):
             if d.profile is None:
                 d.profile = TIER_PROFILES.get(d.name, "dram" if i == 0 else "optane")
@@ -442,7 +472,9 @@ class Manager(ManagerRecord):
                             f"not {type(policy).__name__}")
         if in_fast is not None:
             policy.kernels_in_fast = in_fast
-        policy.bind(self)
+        # A proxy: a policy (and the observers it attaches) must not keep its manager alive,
+        # so that a manager dropped without close() is closed as soon as its last use goes.
+        policy.bind(weakref.proxy(self))
         return policy
 
     # ---- lifetime --------------------------------------------------------------------------
@@ -462,6 +494,13 @@ class Manager(ManagerRecord):
         open, PinnedError names the pinned objects and the manager stays open and usable.
         After a close, every use of the manager's arrays raises UseAfterFreeError.
         """
+        self._close(timeout)
+        policy = getattr(self, "policy", None)
+        if type(getattr(policy, "manager", None)) is weakref.ProxyType:
+            policy.manager = self                 # closed, it holds nothing: the policy may
+            #                                       keep it (to read its records afterwards)
+
+    def _close(self, timeout):
         with self._lock:
             while self._closing:                  # another thread is closing: take its outcome
                 self._cond.wait()
@@ -481,14 +520,32 @@ class Manager(ManagerRecord):
         held += [(o, None) for (tid, _), (o, _) in list(self._pinned_by.items()) if tid == me]
         return [(o, shape) for o, shape in held if o._pins]
 
+    def _held_by_calls(self):
+        """Pinned objects that library calls on the calling thread's stack hold: the operands
+        of a kernel or ``run`` whose code called back into the program (the function given to
+        np.apply_along_axis). Read off the frames, so the calls themselves record nothing."""
+        pinned = {id(o): o for o in self._pinned()}
+        found = []
+        f = sys._getframe(1)
+        while f is not None and pinned:
+            name = f.f_code.co_filename
+            if name.startswith(_PACKAGE_DIR) and not name.endswith(_NOT_PINNING):
+                for v in f.f_locals.values():
+                    for o in _objects_in(v, 3):
+                        if id(o) in pinned:
+                            found.append(pinned.pop(id(o)))
+            f = f.f_back
+        return found
+
     def _pinned_error(self, pinned, here):
         shapes = {id(o): shape for _, held in list(self._scopes.values()) for o, shape in held}
         names = "; ".join(_describe(o, shapes.get(id(o))) for o in pinned[:8])
         more = f" and {len(pinned) - 8} more" if len(pinned) > 8 else ""
         if here:
             why = ("the calling thread pins them (an open ca.readable, ca.writable or ca.access "
-                   "scope, or Manager.pin) and close() would wait for itself: end the scope "
-                   "(or unpin) first")
+                   "scope, Manager.pin, or a call on the arrays whose callback called close()) "
+                   "and close() would wait for itself: end the scope (or unpin, or close after "
+                   "the call returns) first")
         else:
             why = ("running kernels or access scopes on other threads still pin them: end those "
                    "scopes (or let the kernels finish) first, or pass close(timeout=...) longer")
@@ -497,7 +554,7 @@ class Manager(ManagerRecord):
 
     def _wait_unpinned(self, timeout):
         """Wait (lock released) until no object is pinned; PinnedError if that cannot happen."""
-        here = self._held_here()
+        here = self._held_here() or [(o, None) for o in self._held_by_calls()]
         if here:
             pinned = self._pinned()
             mine = {id(o) for o, _ in here}
@@ -584,7 +641,7 @@ class Manager(ManagerRecord):
 
     def __del__(self):
         try:
-            self.close(timeout=0)
+            self._close(timeout=0)
         except Exception:
             pass
 
@@ -1873,6 +1930,12 @@ class Manager(ManagerRecord):
         if buf is None:                           # a freed region, or one of zero bytes
             if region.freed:
                 raise UseAfterFreeError(f"{region!r} was freed")
+            if region.nbytes and region.device.virtual:
+                raise DeviceError(
+                    f"object {region.owner} ({format_size(region.nbytes)}) is on virtual device "
+                    f"{region.device.name!r}, which holds no data (a replay's device): its array "
+                    "cannot be read or written; make arrays you read on a Manager without "
+                    "virtual=True")
             # Nothing to read or write; a read-only one sits on an immutable (empty) buffer.
             return np.ndarray(shape, dtype, b"" if readonly else None)
         if readonly:

@@ -85,9 +85,10 @@ def replay(trace, policy="lru", fast=None, slow=None, *, tiers=None, policy_opti
                         f"{type(trace).__name__}")
     trace.validate()
     foot = trace.footprint()
+    blocks = trace.footprint(granularity)
     if tiers is None:
-        fast = _size(fast if fast is not None else 1.0, foot, "fast", granularity)
-        slow = _size(slow, foot, "slow", granularity) if slow is not None else \
+        budget, fast = _size(fast if fast is not None else 1.0, foot, "fast", granularity, blocks)
+        slow = _size(slow, foot, "slow", granularity, blocks)[1] if slow is not None else \
             max(_SLOW_FACTOR * foot, 1 << 20)
         if isinstance(profile, (str, costmodel.Profile)):   # the tiers carry it: policies
             m = Manager(tiers=[("fast", fast, None, "dram"),    # that plan read it there
@@ -98,7 +99,7 @@ def replay(trace, policy="lru", fast=None, slow=None, *, tiers=None, policy_opti
             m = Manager(fast=fast, slow=slow, policy=policy, virtual=True,
                         policy_options=policy_options, granularity=granularity)
     else:
-        tiers = _tiers(tiers, foot, granularity)
+        tiers, budget = _tiers(tiers, foot, granularity, blocks)
         m = Manager(tiers=tiers, policy=policy, virtual=True, policy_options=policy_options,
                     granularity=granularity)
     with m:
@@ -114,14 +115,16 @@ def replay(trace, policy="lru", fast=None, slow=None, *, tiers=None, policy_opti
         profiles = profile if profile is not None else {d.name: d.profile for d in m.tiers}
     run = evaluate(trace, rec.trace.decisions, profiles, devices, stats, slow_output_factor,
                    fault_latency)
-    run.info = {"fast": m.fast.size, "footprint": foot,
+    run.info = {"fast": m.fast.size if budget is None else budget, "footprint": foot,
                 "policy": type(m.policy).__name__}
     return run
 
 
-def _size(spec, footprint, what, granularity=0):
-    """Bytes of a replay's memory: an int or size string as is; a float (Python or NumPy) a
-    fraction of the trace's footprint, never raised to a minimum (an error instead)."""
+def _size(spec, footprint, what, granularity=0, blocks=None):
+    """(budget, heap size) in bytes of a replay's memory: an int or size string as is; a float
+    (Python or NumPy) a fraction of the trace's footprint, never raised to a minimum (an error
+    instead), with a heap of that share of blocks (the footprint in heap blocks: headers and
+    rounding), so that 1.0 holds every array the trace held at once."""
     if isinstance(spec, numbers.Real) and not isinstance(spec, numbers.Integral):
         share = float(spec)
         if not (share >= 0 and share != float("inf")):
@@ -134,26 +137,33 @@ def _size(spec, footprint, what, granularity=0):
             raise ValueError(f"{what}={spec!r} of the trace's footprint ({footprint} B) is {n} B, "
                              f"less than the smallest memory of {smallest} B (one heap granule); "
                              "give a larger fraction, 0.0 for none, or a size in bytes")
-        return n
-    return parse_size(spec, f"{what} memory size of the replay")
+        if blocks is None or not n:
+            return n, n
+        return n, max(n, -(-int(share * blocks) // smallest) * smallest)
+    n = parse_size(spec, f"{what} memory size of the replay")
+    return n, n
 
 
-def _tiers(tiers, footprint, granularity):
-    """Manager tiers from replay's tiers=: (name, size, ...) sequences or Device specs."""
+def _tiers(tiers, footprint, granularity, blocks=None):
+    """Manager tiers from replay's tiers=: (name, size, ...) sequences or Device specs; and
+    the first tier's budget (None for a Device)."""
     form = ("give a list of (name, size) pairs, fastest first, e.g. [('fast', 0.5), "
             "('slow', 4.0)] (a size: bytes, a size string or a float fraction of the "
             "trace's footprint)")
     if isinstance(tiers, (str, bytes)) or not hasattr(tiers, "__iter__"):
         raise ValueError(f"tiers={tiers!r}: {form}")
-    out = []
+    out, budgets = [], []
     for t in tiers:
         if hasattr(t, "name"):
             out.append(t)
+            budgets.append(None)
         elif isinstance(t, (tuple, list)) and len(t) >= 2 and isinstance(t[0], str):
-            out.append((t[0], _size(t[1], footprint, t[0], granularity), None, *t[3:]))
+            budget, size = _size(t[1], footprint, t[0], granularity, blocks)
+            out.append((t[0], size, None, *t[3:]))
+            budgets.append(budget)
         else:
             raise ValueError(f"tiers: {t!r} is not a tier; {form}")
-    return out
+    return out, budgets[0] if budgets else None
 
 
 def _drive(m, trace, rec):

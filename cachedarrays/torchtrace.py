@@ -98,10 +98,11 @@ class _Recorder:
         self.closed = False
 
     # -- objects ------------------------------------------------------------------------------
-    def _new(self, key, s, prefix):
+    def _new(self, key, s, prefix, base=None):
         """Register a storage seen for the first time; returns its internal id."""
         iid = len(self.base)
-        base = self.prenamed.get(key)
+        if base is None:
+            base = self.prenamed.get(key)
         if base is None:
             n = self.counters.get(prefix, 0)
             self.counters[prefix] = n + 1
@@ -124,6 +125,16 @@ class _Recorder:
                 del self.live[key]
             self.events.append(("free", iid))
         return died
+
+    def _sized(self, key, s, iid):
+        """iid, or a new id if the storage's size changed since it was recorded (``resize_``,
+        an ``out=`` that grew it): the old object is freed and the storage allocated anew at
+        its size (its death then frees the new one only)."""
+        if not self.weak or s.nbytes() == self.nbytes[iid]:
+            return iid
+        del self.live[key]
+        self.events.append(("free", iid))
+        return self._new(key, s, None, self.base[iid])
 
     def _free(self, key):
         """Fallback mode: the storage at key died (its memory now holds a new one)."""
@@ -156,8 +167,11 @@ class _Recorder:
         if key is None:
             return None
         iid = self.live.get(key)
-        if iid is None and self._check(t, s):
-            iid = self._new(key, s, ext)
+        if iid is None:
+            if self._check(t, s):
+                iid = self._new(key, s, ext)
+        else:
+            iid = self._sized(key, s, iid)
         return iid
 
     # -- kernels ------------------------------------------------------------------------------
@@ -224,6 +238,8 @@ class _Recorder:
             if key is None:
                 continue
             iid = self.live.get(key)
+            if iid is not None and self.weak:
+                iid = self._sized(key, s, iid)
             if iid is not None and iid in reads:
                 continue                 # an alias of an operand: written only if mutated
             if iid is not None and not self.weak:

@@ -31,6 +31,7 @@ from dataclasses import asdict
 
 from .costmodel import Profile
 from .errors import CachedArraysError
+from .heap import HEADER
 from .manager import Observer
 
 __all__ = ["Trace", "trace", "StableIds", "KernelClock", "Recorder", "TraceError"]
@@ -75,6 +76,8 @@ def _site():
     return "?"
 
 
+DEFAULT_GRANULARITY = 256              # the heap's granularity when given 0 (native/heap.c)
+
 _SHARED = weakref.WeakKeyDictionary()  # manager -> {class: its shared observer, attached or not}
 
 
@@ -117,6 +120,7 @@ class _Shared(Observer):
     def _attach(cls, manager):
         """The manager's instance, put first in its observers if it is not there (first: the
         others read its ids and times)."""
+        manager = manager._ref()                  # the manager itself, not a policy's proxy
         for o in manager._observers:
             if isinstance(o, cls):
                 return o
@@ -350,13 +354,18 @@ class Trace:
         """Number of step marks."""
         return sum(1 for e in self.events if e[0] == "step")
 
-    def footprint(self):
-        """Peak bytes of live objects (what fast memory needs to hold everything)."""
+    def footprint(self, granularity=None):
+        """Peak bytes of live objects (what fast memory needs to hold everything).
+
+        granularity: count each object as the heap block that holds it (its 64-byte header
+        and rounding to granularity, 0 for the heap's default) instead of its data."""
+        g = None if granularity is None else (granularity or DEFAULT_GRANULARITY)
         live, cur, peak = {}, 0, 0
         for e in self.events:
             if e[0] == "alloc":
-                cur += e[2] - live.get(e[1], 0)
-                live[e[1]] = e[2]
+                n = e[2] if g is None or not e[2] else -(-(e[2] + HEADER) // g) * g
+                cur += n - live.get(e[1], 0)
+                live[e[1]] = n
                 peak = max(peak, cur)
             elif e[0] == "free":
                 cur -= live.pop(e[1], 0)
@@ -830,11 +839,11 @@ class Recorder(Observer):
 
     def on_region(self, region, live):
         self.trace.decisions.append(("alloc" if live else "free", self.ids.get(region.owner),
-                                     region.device.name, region.offset, region.nbytes))
+                                     region.device.name, _at(region), region.nbytes))
 
     def on_copy(self, src, dst, wait):
         self.trace.decisions.append(("copy", self.ids.get(src.owner), src.device.name,
-                                     src.offset, dst.device.name, dst.offset, src.nbytes,
+                                     _at(src), dst.device.name, _at(dst), src.nbytes,
                                      bool(wait)))
 
     def on_cancel(self, obj_id, src, dst):
@@ -843,6 +852,11 @@ class Recorder(Observer):
 
     def on_fault(self, obj):
         self.trace.decisions.append(("fault", self.ids.get(obj.id)))
+
+
+def _at(region):
+    """A region's offset in decisions: 0 for an empty one (it has no heap block)."""
+    return region.offset if region.nbytes else 0
 
 
 class trace:

@@ -98,7 +98,7 @@ class PlannedPolicy(Policy):
         self.ordinal = 0
         rec = self._recorder
         if rec is not None and self.steps_seen == self.profile_step + 1:
-            self.manager.unobserve(rec)
+            rec.close()
             self._recorder = None
             self._install(StepProfile(rec.trace, self.profile_step))
 
