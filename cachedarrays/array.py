@@ -17,6 +17,8 @@ import operator
 import os
 import pickle
 import sys
+import threading
+import weakref
 
 import numpy as np
 from numpy.lib.mixins import NDArrayOperatorsMixin
@@ -296,6 +298,8 @@ class CachedArray(ObjectView, NDArrayOperatorsMixin):
                 if not r.flags.owndata and np.may_share_memory(r, v):
                     return self._derive(v, r)
                 return from_ndarray(m, r)
+            if type(r) is np.void:           # a record views the bytes, which can move
+                return r.copy()
             return r
         finally:
             m.release((obj,))
@@ -308,12 +312,56 @@ class CachedArray(ObjectView, NDArrayOperatorsMixin):
                 self._kview()[key] = value
             m.run(put, (), (obj,), None, "use", obj.nbytes <= SHORT_BYTES)
             return
+        if type(key) is int and isinstance(value, CachedArray) and value._obj is obj and \
+                self._shape:
+            return self._set_row(key, value)
         reads = tuple(objects_in(value))
         m.acquire(reads, (obj,))
         try:
             self._view()[key] = to_views(value)
         finally:
             m.release(reads + (obj,))
+
+    def _set_row(self, i, row):
+        """x[i] = row, where row views x's own bytes (x[i] = x[j]).
+
+        A swap through views, ``x[i], x[j] = x[j], x[i]`` (what np.random.shuffle and
+        Generator.shuffle do with an array that is not a numpy.ndarray), would copy row j over
+        row i and then row i's new bytes back: a duplicated row. Its second half is refused,
+        with row i restored, so the array is left as it was.
+        """
+        m, obj = self._m, self._obj
+        n = self._shape[0]
+        if not -n <= i < n:
+            raise IndexError(f"index {i} is out of bounds for axis 0 with size {n}")
+        if i < 0:
+            i += n
+        dst_off = self._offset + i * self._strides[0]
+        layout = (obj.id, row._shape, row._strides, row._dtype)
+        last = getattr(_last_row, "copy", None)
+        m.acquire((obj,), (obj,))
+        try:
+            v = self._view()
+            dst, src = v[i], ObjectView._view(row)      # src writable: it may be restored
+            if last is not None and last[:2] == (layout, (row._offset, dst_off)) and \
+                    last[3]() is obj and dst.shape == src.shape and \
+                    dst.tobytes() == src.tobytes() != last[2].tobytes():
+                _last_row.copy = None
+                np.copyto(src, last[2])
+                st = self._strides[0]
+                k = (row._offset - self._offset) // st if st else i
+                raise ValueError(
+                    f"cannot set row {i} of this CachedArray of shape {self._shape} (object "
+                    f"{obj.id}) from a view of row {k}, just set from row {i}: a swap through "
+                    "views (x[i], x[j] = x[j], x[i], as np.random.shuffle does with arrays that "
+                    "are not numpy.ndarray) would duplicate a row, so the array is left as it "
+                    "was; shuffle rows with x[...] = x[rng.permutation(len(x))], or call "
+                    "rng.shuffle(a) inside `with ca.writable(x) as a:`")
+            _last_row.copy = (layout, (dst_off, row._offset), dst.copy(), weakref.ref(obj)) \
+                if dst_off != row._offset else None
+            dst[...] = src
+        finally:
+            m.release((obj, obj))
 
     def __len__(self):
         if not self._shape:
@@ -332,6 +380,9 @@ class CachedArray(ObjectView, NDArrayOperatorsMixin):
     # ---- conversions ---------------------------------------------------------------------
 
     def _scalar(self, kind):
+        if self._shape and kind is not bool:
+            raise TypeError(f"only 0-dimensional arrays can be converted to Python scalars; "
+                            f"this one has shape {self._shape}; use x.item() or x[0]")
         if self.size != 1:
             raise TypeError(f"only arrays of size 1 can be converted to Python scalars; this "
                             f"one has shape {self._shape}")
@@ -386,6 +437,11 @@ class CachedArray(ObjectView, NDArrayOperatorsMixin):
         with readable(self) as v:
             return str(v)
 
+    def __format__(self, spec):
+        """As ndarray's: a 0-d array formats as its element, another only with an empty spec."""
+        with readable(self) as v:
+            return format(v, spec)
+
     __hash__ = None
 
     # ---- views ---------------------------------------------------------------------------
@@ -410,6 +466,8 @@ class CachedArray(ObjectView, NDArrayOperatorsMixin):
             m.release((obj,))
 
     def reshape(self, *shape, order="C", copy=None):
+        if not shape:
+            raise TypeError("reshape() takes exactly 1 argument (0 given): the new shape")
         if len(shape) == 1 and not isinstance(shape[0], (int, np.integer)):
             shape = shape[0]
         return self._viewop(lambda v: v.reshape(shape, order=order, copy=copy))
@@ -460,9 +518,9 @@ class CachedArray(ObjectView, NDArrayOperatorsMixin):
         dt = check_dtype(dtype)
         if not dt.itemsize:                  # 'U', 'S', 'V': sized as NumPy's cast sizes them
             dt = cast_dtype(self._dtype, dt)
-        if not copy and dt == self._dtype:
+        if not copy and dt == self._dtype and (order == "K" or self._in_order(order)):
             return self
-        if order == "K":
+        if order in ("K", "A"):
             order = "F" if self.ndim > 1 and is_fortran(self._shape, self._strides,
                                                     self.itemsize) else "C"
         out = new_pinned(self._m, self._shape, dt, order)
@@ -474,6 +532,13 @@ class CachedArray(ObjectView, NDArrayOperatorsMixin):
         finally:
             unpin(out)
         return out
+
+    def _in_order(self, order):
+        """True when the array is contiguous in order "C", "F" or "A" (either)."""
+        if order != "F" and self._strides == c_strides(self._shape, self.itemsize):
+            return True
+        return order != "C" and \
+            self._strides == contiguous_strides(self._shape, self.itemsize, "F")
 
     def _write(self, fn, *args):
         """fn(view, *args) with self pinned as written (marked dirty, so no eviction drops the
@@ -599,10 +664,10 @@ class CachedArray(ObjectView, NDArrayOperatorsMixin):
         raise TypeError(_RAW_POINTER.format(name="data"))
 
     def __copy__(self):
-        return self.copy()
+        return self.copy(order="K")
 
     def __deepcopy__(self, memo):
-        return self.copy()
+        return self.copy(order="K")
 
 
 class ReadOnlyCachedArray(CachedArray):
@@ -626,6 +691,9 @@ class ReadOnlyCachedArray(CachedArray):
         if write in (None, False) and align in (None, True) and not uic:
             return
         raise TypeError(FLAGS_FIXED)
+
+
+_last_row = threading.local()   # .copy: the last x[i] = x[j]: layout, offsets, old row i, object
 
 
 def _binary(ufunc, name):
@@ -682,10 +750,38 @@ for _uf, _name in ((np.add, "add"), (np.subtract, "sub"), (np.multiply, "mul"),
     setattr(CachedArray, _r.__name__, _c_operator(_uf, _r, 1))
     _i = _inplace(_uf, _name)
     setattr(CachedArray, _i.__name__, _c_operator(_uf, _i, 4))      # x op= y: in C first
+
+
+def _equality(ufunc, name, op):
+    """x == y, x != y as _binary's operator, and where the ufunc has no loop for the dtypes,
+    ndarray's operator on the pinned views (it compares records field by field and unlike
+    types as unequal)."""
+    def compare(self, other):
+        if type(other) is CachedArray or type(other) in _PY_SCALARS:
+            res = _fast_ufunc(ufunc, (self, other))
+            if res is not _SLOW:
+                return res
+        if getattr(type(other), "__array_ufunc__", False) is None:
+            return NotImplemented
+        try:
+            return ufunc(self, other)
+        except TypeError:
+            done = acquire_grouped(list(objects_in((self, other))), [], name)
+            try:
+                res = op(self._view(), to_views(other))
+                return from_ndarray(self._m, res) if isinstance(res, np.ndarray) else res
+            finally:
+                release_grouped(done)
+    compare.__name__ = f"__{name}__"
+    return compare
+
+
 for _uf, _name in ((np.less, "lt"), (np.less_equal, "le"), (np.greater, "gt"),
-                   (np.greater_equal, "ge"), (np.equal, "eq"), (np.not_equal, "ne")):
+                   (np.greater_equal, "ge")):
     # Python reflects comparisons itself (x < y is y > x)
     setattr(CachedArray, f"__{_name}__", _c_operator(_uf, _binary(_uf, _name)[0], 0))
+for _uf, _name, _op in ((np.equal, "eq", operator.eq), (np.not_equal, "ne", operator.ne)):
+    setattr(CachedArray, f"__{_name}__", _c_operator(_uf, _equality(_uf, _name, _op), 0))
 for _uf, _name in ((np.negative, "neg"), (np.positive, "pos"), (np.absolute, "abs"),
                    (np.invert, "invert")):
     setattr(CachedArray, f"__{_name}__", _c_operator(_uf, _unary(_uf, _name), 2))
@@ -710,7 +806,8 @@ def _reduction(name):
     def method(self, *args, **kwargs):
         if kwargs and (kwargs.get("out") is not None or
                        any(isinstance(v, CachedArray) for v in kwargs.values())) or \
-                args and any(isinstance(v, (CachedArray, list, tuple)) for v in args):
+                args and any(isinstance(v, (CachedArray, np.ndarray, list, tuple))
+                             for v in args):
             return fn(self, *args, **kwargs)
         m = self._m
 

@@ -9,6 +9,7 @@ import numpy as np
 from ._records import new_array as _new_array
 from .array import CachedArray, check_dtype, from_ndarray, new_layout, new_pinned, unpin
 from .defaults import default_manager
+from .layout import c_strides, is_fortran
 from .manager import Manager
 from .scopes import readable
 from .sizes import MAX_SIZE
@@ -75,6 +76,23 @@ def _copy_in(m, a, dtype, order, placement=None):
     return from_ndarray(m, src, placement)
 
 
+def _order(order):
+    """order as NumPy's creation functions take it: "C" or "F" (either case), None for "C"."""
+    if order is None or order in ("C", "c"):
+        return "C"
+    if order in ("F", "f"):
+        return "F"
+    if order in ("A", "a", "K", "k"):
+        raise ValueError(f"only 'C' or 'F' order is permitted, not {order!r}")
+    raise ValueError(f"order must be one of 'C', 'F', 'A', or 'K' (got {order!r})")
+
+
+def _check_device(device):
+    if device not in (None, "cpu"):
+        raise ValueError(f"device must be None or 'cpu' (fast and slow memory are both host "
+                         f"memory), not {device!r}")
+
+
 def empty(shape, dtype=float, order="C", *, manager=None, placement=None):
     """An uninitialised CachedArray.
 
@@ -82,6 +100,8 @@ def empty(shape, dtype=float, order="C", *, manager=None, placement=None):
     that is read sparsely), "fast" in fast memory if it fits after forced evictions.
     """
     m = _manager(manager)
+    if order != "C":
+        order = _order(order)
     if placement is None and order == "C":
         lay = _c_layout(shape, dtype)
         if lay is not None and lay[3] <= MAX_SIZE:   # else new_pinned says it is too large
@@ -94,12 +114,18 @@ def empty(shape, dtype=float, order="C", *, manager=None, placement=None):
 
 
 def full(shape, fill_value, dtype=None, order="C", *, manager=None, placement=None):
-    """A CachedArray filled with fill_value."""
+    """A CachedArray filled with fill_value, which broadcasts to shape and is cast unsafely
+    (as np.full: np.nan in an int array is INT_MIN, 1j in a float array is 0.0, warned)."""
+    if isinstance(fill_value, CachedArray):
+        with readable(fill_value) as v:
+            return full(shape, v, dtype, order, manager=_manager(manager, fill_value),
+                        placement=placement)
     if dtype is None:
         dtype = np.asarray(fill_value).dtype
-    out = new_pinned(_manager(manager), shape, dtype, order, placement)
+    out = new_pinned(_manager(manager), shape, dtype, order if order == "C" else _order(order),
+                     placement)
     try:
-        out._view().fill(fill_value)
+        np.copyto(out._view(), fill_value, casting="unsafe")
     finally:
         unpin(out)
     return out
@@ -107,7 +133,8 @@ def full(shape, fill_value, dtype=None, order="C", *, manager=None, placement=No
 
 def zeros(shape, dtype=float, order="C", *, manager=None, placement=None):
     """A CachedArray of zeros (zero bytes, as np.zeros: '' for strings, 0 in every field)."""
-    out = new_pinned(_manager(manager), shape, dtype, order, placement)
+    out = new_pinned(_manager(manager), shape, dtype, order if order == "C" else _order(order),
+                     placement)
     try:
         # All bytes zero, padding of aligned structs included; the new array is contiguous,
         # so its K-order ravel is a view.
@@ -128,27 +155,39 @@ def _like_args(a, dtype, order, shape):
     if shape is None:       # a CachedArray's own shape: np.shape would dispatch once more
         shape = a.shape if isinstance(a, CachedArray) else np.shape(a)
     if order in ("K", "A", None):
+        if isinstance(a, CachedArray):
+            f = a._strides != c_strides(a._shape, a.itemsize) and \
+                is_fortran(a._shape, a._strides, a.itemsize)
+            return dtype, "F" if f else "C", shape
         flags = a.flags if isinstance(a, np.ndarray) else None
         order = "F" if flags is not None and flags.f_contiguous and not flags.c_contiguous \
             else "C"
     return dtype, order, shape
 
 
-def empty_like(a, dtype=None, order="K", subok=True, shape=None, *, manager=None):
+def empty_like(a, dtype=None, order="K", subok=True, shape=None, *, device=None,
+               manager=None):
+    _check_device(device)
     dtype, order, shape = _like_args(a, dtype, order, shape)
     return empty(shape, dtype, order, manager=_manager(manager, a))
 
 
-def zeros_like(a, dtype=None, order="K", subok=True, shape=None, *, manager=None):
+def zeros_like(a, dtype=None, order="K", subok=True, shape=None, *, device=None,
+               manager=None):
+    _check_device(device)
     dtype, order, shape = _like_args(a, dtype, order, shape)
     return zeros(shape, dtype, order, manager=_manager(manager, a))
 
 
-def ones_like(a, dtype=None, order="K", subok=True, shape=None, *, manager=None):
+def ones_like(a, dtype=None, order="K", subok=True, shape=None, *, device=None,
+              manager=None):
+    _check_device(device)
     dtype, order, shape = _like_args(a, dtype, order, shape)
     return ones(shape, dtype, order, manager=_manager(manager, a))
 
 
-def full_like(a, fill_value, dtype=None, order="K", subok=True, shape=None, *, manager=None):
+def full_like(a, fill_value, dtype=None, order="K", subok=True, shape=None, *, device=None,
+              manager=None):
+    _check_device(device)
     dtype, order, shape = _like_args(a, dtype, order, shape)
     return full(shape, fill_value, dtype, order, manager=_manager(manager, a))

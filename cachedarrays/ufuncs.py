@@ -238,7 +238,9 @@ def _array_ufunc(self, ufunc, method, *inputs, **kwargs):
             if shape:
                 dt = _resolve(ufunc, args, kwargs.get("casting", "same_kind"))
                 if dt is not None and not dt.hasobject:
-                    res = new_pinned(m, shape, dt)
+                    order = kwargs.get("order")
+                    res = new_pinned(m, shape, dt, "C" if order is None else
+                                     _result_order(order, args))
                     done.append((m, [res._obj]))
                     if "where" in kwargs:
                         res._view().fill(0)
@@ -259,6 +261,17 @@ def _array_ufunc(self, ufunc, method, *inputs, **kwargs):
         return wrap(m, res, ())
     finally:
         release_grouped(done)
+
+
+def _result_order(order, args):
+    """The memory order of a ufunc's result given order=: "F" for "F", and for "A" or "K" when
+    every input of two or more dimensions is in F order only, as NumPy lays it out."""
+    order = order.upper() if isinstance(order, str) else order
+    if order in ("A", "K"):
+        arrays = [a for a in args if isinstance(a, np.ndarray) and a.ndim > 1]
+        return "F" if arrays and all(a.flags.f_contiguous and not a.flags.c_contiguous
+                                     for a in arrays) else "C"
+    return order
 
 
 def _matmul_shape(args):

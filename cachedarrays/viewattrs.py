@@ -29,6 +29,8 @@ class FlatIter:
         m.acquire((obj,))
         try:
             r = base._view().flat[key]
+            if type(r) is np.void:           # a record views the bytes, which can move
+                return r.copy()
             return type(base)._copy_in(m, r) if isinstance(r, np.ndarray) else r
         finally:
             m.release((obj,))

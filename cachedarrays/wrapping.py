@@ -16,9 +16,7 @@ def wrap(m, res, views):
             for arr, v in views:
                 if np.may_share_memory(res, v):
                     return arr._derive(v, res)
-        if res.ndim == 0:
-            return res[()]
-        return from_ndarray(m, res)
+        return from_ndarray(m, res)       # a 0-d result stays a 0-d array, as in NumPy
     if isinstance(res, list):
         return [wrap(m, r, views) for r in res]
     if isinstance(res, tuple):

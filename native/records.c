@@ -2133,11 +2133,13 @@ typedef struct {
 
 
 /* 1 when x is an argument run_method hands to the ndarray method as it is: not one of our
- * arrays, nor a list or tuple (which may hold some). */
+ * arrays, nor a list or tuple (which may hold some), nor an ndarray (which may be an out= given
+ * by position, to be returned as it is). */
 static int
 plain_argument(PyObject *x)
 {
-    return !PyObject_TypeCheck(x, view_cls) && !PyList_Check(x) && !PyTuple_Check(x);
+    return !PyObject_TypeCheck(x, view_cls) && !PyArray_Check(x) && !PyList_Check(x)
+        && !PyTuple_Check(x);
 }
 
 /* x.<method>(*args, **kw) for a CachedArray x, as CachedArray's reduction methods do: the ndarray
