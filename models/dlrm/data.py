@@ -179,8 +179,8 @@ class ZipfSampler:
     def __init__(self, n: int, alpha: float = 1.0):
         if n < 1:
             raise ValueError(f"Zipf needs n >= 1, got {n}")
-        if alpha < 0:
-            raise ValueError(f"Zipf exponent must be >= 0, got {alpha}")
+        if not alpha >= 0 or not np.isfinite(alpha):
+            raise ValueError(f"Zipf exponent must be a finite number >= 0, got {alpha}")
         self.n = int(n)
         self.alpha = float(alpha)
         self._hx1 = self._H(1.5) - 1.0
@@ -276,6 +276,9 @@ class SyntheticDataset:
         self.pooling = (lo, hi)
         self.distribution = distribution
         self.alpha = float(alpha)
+        if distribution == "zipf" and not (self.alpha >= 0 and np.isfinite(self.alpha)):
+            raise ValueError(f"alpha (the Zipf exponent) must be a finite number >= 0, got "
+                             f"{alpha}")
         self.seed = int(seed)
         self.num_batches = int(num_batches)
         model = np.random.default_rng([self.seed, 0x5EED])

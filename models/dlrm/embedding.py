@@ -28,7 +28,10 @@ the oldest pages, writing dirty rows back, when the cache is full).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
+import math
+import threading
 import types
 from collections import deque
 
@@ -352,12 +355,54 @@ def _fill(arr, nvectors, featuresize, dtype, init, seed, name):
             a[lo:hi] = rng.uniform(-bound, bound, size=(hi - lo, featuresize)).astype(dtype)
 
 
-def _batch_size(offsets, out, indices):
+def _batch_size(offsets, out, indices, name, width):
+    """Bags of a lookup: out's rows, else one per offset (per index without offsets)."""
     if out is not None:
-        return out.shape[0]
+        return _check_block(out, name, "out", width)
     if offsets is None:
-        return np.shape(indices)[0] if np.ndim(indices) else 0
-    return np.shape(offsets)[0]
+        return _count(indices, name, "indices")
+    return _count(offsets, name, "offsets")
+
+
+def _count(a, name, what):
+    """len(a) of a 1-D index or offset array; a clear error for anything else."""
+    if np.ndim(a) != 1:
+        raise ValueError(f"table {name!r}: {what} must be a 1-D integer array, got "
+                         f"{type(a).__name__} of shape {np.shape(a)}")
+    return np.shape(a)[0]
+
+
+def _check_block(a, name, what, width):
+    """Rows of an ``out`` or ``dout`` block: a 2-D ndarray or CachedArray (nbags, width)."""
+    if not isinstance(a, (np.ndarray, ca.CachedArray)):
+        raise TypeError(f"table {name!r}: {what} must be a numpy.ndarray or CachedArray of "
+                        f"shape (nbags, {width}), got {type(a).__name__}")
+    if a.ndim != 2:
+        raise ValueError(f"table {name!r}: {what} has shape {a.shape}, expected "
+                         f"(nbags, {width})")
+    return a.shape[0]
+
+
+def _check_apart(a, table_views, name, what):
+    """Refuse an ``out`` / ``dout`` view that shares memory with the table's own arrays: the
+    kernels read the table while they write ``out`` (or write it while reading ``dout``)."""
+    for v in table_views:
+        if np.may_share_memory(a, v):
+            _refuse_alias(name, what)
+
+
+def _refuse_alias(name, what):
+    raise ValueError(f"table {name!r}: {what} shares memory with the table's rows; pass a "
+                     f"separate array")
+
+
+def _locked(method):
+    """``method`` run holding the table's lock: calls on one table run one at a time."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return run
 
 
 class EmbeddingTable:
@@ -368,6 +413,9 @@ class EmbeddingTable:
     featuresize: int
     dtype: np.dtype
     manager: ca.Manager
+    #: Held by every call that reads or writes the rows; tables set their own (this one
+    #: serves a subclass that does not).
+    _lock = threading.RLock()
 
     @property
     def shape(self):
@@ -386,9 +434,10 @@ class EmbeddingTable:
         raise NotImplementedError
 
     def __getitem__(self, i):
-        arr, pos = self.rowpointer(self._row_index(i))
-        with ca.readable(arr) as a:
-            return a[pos].copy()
+        with self._lock:
+            arr, pos = self.rowpointer(self._row_index(i))
+            with ca.readable(arr) as a:
+                return a[pos].copy()
 
     def _row_index(self, i):
         if not isinstance(i, (int, np.integer)):
@@ -444,6 +493,7 @@ class SimpleTable(EmbeddingTable):
     def __init__(self, nvectors, featuresize, dtype=np.float32, *, manager=None,
                  placement="policy", init=None, seed=0, name="table"):
         self.name = str(name)
+        self._lock = threading.RLock()
         self.dtype = _check_dtype(dtype, self.name)
         self.nvectors, self.featuresize = int(nvectors), int(featuresize)
         if self.nvectors < 1 or self.featuresize < 1:
@@ -489,9 +539,12 @@ class SimpleTable(EmbeddingTable):
         self._stats[f"{tier}_write_bytes"] += nrows * self.rowbytes
         self._stats[f"{tier}_update_read_bytes"] += nrows * self.rowbytes  # read-modify-write
 
+    @_locked
     def lookup(self, indices, offsets=None, out=None, context=FORWARD):
         _check_context(context, self.name)
-        nbags = _batch_size(offsets, out, indices)
+        nbags = _batch_size(offsets, out, indices, self.name, self.featuresize)
+        if out is self.data:
+            _refuse_alias(self.name, "out")
         if offsets is None:
             idx, off = kernels.check_indices(indices, self.nvectors, self.name), None
         else:  # the offsets checked here, the indices here or by the kernel (see bag_inputs)
@@ -501,6 +554,7 @@ class SimpleTable(EmbeddingTable):
             out = self._new_output(nbags)
         with _kernel("embedding_lookup", (self.data,), (out,),
                      [(self.data, idx.shape[0] * self.rowbytes)]) as (t, o):
+            _check_apart(o, (t,), self.name, "out")
             if off is None:
                 kernels.lookup(t, idx, o, name=self.name, check=False)
             else:
@@ -508,14 +562,21 @@ class SimpleTable(EmbeddingTable):
         self._account_lookup(idx.shape[0])
         return out
 
+    @_locked
     def update(self, indices, offsets, dout, lr):
         kernels.check_lr(lr, self.name, self.dtype)
+        _check_block(dout, self.name, "dout", self.featuresize)
+        nidx = _count(indices, self.name, "indices")
+        if dout is self.data:
+            _refuse_alias(self.name, "dout")
         with _kernel("embedding_update", (dout,), (self.data,),
-                     [(self.data, np.shape(indices)[0] * self.rowbytes)]) as (g, t):
+                     [(self.data, nidx * self.rowbytes)]) as (g, t):
+            _check_apart(g, (t,), self.name, "dout")
             rows = kernels.sgd_update(t, indices, offsets, g, lr, name=self.name)
         self._account_update(rows.shape[0])
         return rows
 
+    @_locked
     def snapshot(self):
         with ca.readable(self.data) as t:
             return t.copy()
@@ -531,10 +592,11 @@ class SimpleTable(EmbeddingTable):
 
 def _size_to_rows(value, total_rows, rowbytes, what, name):
     """A cache size as rows: a float is a fraction of the table, an int or string is bytes."""
-    if isinstance(value, float):
-        if not 0.0 <= value:
-            raise ValueError(f"table {name!r}: {what} fraction must be >= 0, got {value}")
-        return min(total_rows, int(np.ceil(value * total_rows)))
+    if isinstance(value, (float, np.floating)):
+        if not 0.0 <= value or not math.isfinite(value):
+            raise ValueError(f"table {name!r}: {what} fraction must be a finite number >= 0 "
+                             f"(1.0 is the whole table), got {value}")
+        return min(total_rows, int(np.ceil(float(value) * total_rows)))
     try:
         nbytes = ca.parse_size(value)
     except (TypeError, ValueError) as e:
@@ -566,6 +628,7 @@ class CachedEmbeddingTable(EmbeddingTable):
                  cachelower=0.25, cacheslack=0.05, page_rows=DEFAULT_PAGE_ROWS, caching="dynamic",
                  init=None, seed=0, name="table", flush_policy="oldest"):
         self.name = str(name)
+        self._lock = threading.RLock()
         self.dtype = _check_dtype(dtype, self.name)
         self.nvectors, self.featuresize = int(nvectors), int(featuresize)
         if self.nvectors < 1 or self.featuresize < 1:
@@ -601,11 +664,25 @@ class CachedEmbeddingTable(EmbeddingTable):
 
     # ---- sizing ------------------------------------------------------------------------
 
+    def _resize(self, lower, slack):
+        """Set the cache sizes (rows) and rebuild the pool; if the new pool does not fit, the
+        old sizes get an empty pool again and the error is raised (the rows are safe in base)."""
+        old = self._lower_rows, self._slack_rows
+        self._lower_rows, self._slack_rows = lower, slack
+        try:
+            self._build_pool()
+        except BaseException:
+            self._lower_rows, self._slack_rows = old
+            if self.cache is None:
+                self._build_pool()
+            raise
+
     def _build_pool(self):
         """(Re)allocate an empty page pool for lower + slack rows (all rows sent home first)."""
         if self.cache is not None:
             self.flush_dirty(0)
             ca.unsafe_free(self.cache)
+            self.cache = None
         want = min(self.nvectors, self._lower_rows + self._slack_rows)
         # A flush drops whole pages, oldest first, down to cachelower: a page no larger than
         # the slack keeps a flush to about the slack (one page holding a small table's whole
@@ -614,13 +691,19 @@ class CachedEmbeddingTable(EmbeddingTable):
         self.page_rows = max(1, min(self._page_rows_wanted, want, page))
         self.npages = -(-want // self.page_rows)
         slots = self.npages * self.page_rows
-        self.cache = ca.empty((slots, self.featuresize), dtype=self.dtype, manager=self.manager)
-        ca.prefetch(self.cache, force=True)
-        if ca.in_fast(self.cache):
-            # touch the whole pool now: the OS maps memory on first write, and a lookup that
-            # first fills a slot would otherwise wait for its page (2 MiB zeroed per huge page)
-            with ca.kernel("embedding_cache_init", (), (self.cache,)) as (c,):
-                c.fill(0)
+        cache = ca.empty((slots, self.featuresize), dtype=self.dtype, manager=self.manager)
+        try:
+            ca.prefetch(cache, force=True)
+            if ca.in_fast(cache):
+                # touch the whole pool now: the OS maps memory on first write, and a lookup
+                # that first fills a slot would otherwise wait for its page (2 MiB zeroed per
+                # huge page)
+                with ca.kernel("embedding_cache_init", (), (cache,)) as (c,):
+                    c.fill(0)
+        except BaseException:
+            ca.unsafe_free(cache)
+            raise
+        self.cache = cache
         self.backedge = np.full(slots, -1, dtype=np.int64)
         self.dirty_slots = np.zeros(slots, dtype=np.uint8)
         self.refs = np.zeros(self.nvectors, dtype=np.uint8)  # per row: looked up since cached
@@ -640,15 +723,19 @@ class CachedEmbeddingTable(EmbeddingTable):
         """Bytes the cache may grow beyond ``cachelower`` before it is full."""
         return self._slack_rows * self.rowbytes
 
+    @_locked
     def set_cachelower(self, value):
-        """Set ``cachelower`` (fraction or bytes); the pool is rebuilt empty (dirty rows go home)."""
-        self._lower_rows = _size_to_rows(value, self.nvectors, self.rowbytes, "cachelower", self.name)
-        self._build_pool()
+        """Set ``cachelower`` (fraction or bytes); the pool is rebuilt empty (dirty rows go home).
+        A pool that does not fit raises OutOfMemoryError and leaves the old sizes."""
+        lower = _size_to_rows(value, self.nvectors, self.rowbytes, "cachelower", self.name)
+        self._resize(lower, self._slack_rows)
 
+    @_locked
     def set_cacheslack(self, value):
-        """Set ``cacheslack`` (fraction or bytes); the pool is rebuilt empty (dirty rows go home)."""
-        self._slack_rows = _size_to_rows(value, self.nvectors, self.rowbytes, "cacheslack", self.name)
-        self._build_pool()
+        """Set ``cacheslack`` (fraction or bytes); the pool is rebuilt empty (dirty rows go home).
+        A pool that does not fit raises OutOfMemoryError and leaves the old sizes."""
+        slack = _size_to_rows(value, self.nvectors, self.rowbytes, "cacheslack", self.name)
+        self._resize(self._lower_rows, slack)
 
     @property
     def isfull(self):
@@ -753,7 +840,10 @@ class CachedEmbeddingTable(EmbeddingTable):
             raise
         return hits
 
+    @_locked
     def rowpointer(self, i, context=None):
+        """(CachedArray, row) where vector i lives now; a FORWARD access may cache it first, an
+        UPDATE access marks a cached row dirty (the caller writes it there)."""
         _check_context(context, self.name)
         i = self._row_index(i)
         if context == FORWARD and self.caching == "dynamic" and not self.frozen and self.where[i] < 0:
@@ -762,6 +852,8 @@ class CachedEmbeddingTable(EmbeddingTable):
         w = int(self.where[i])
         if w >= 0 and self._second_chance:
             self.refs[i] = 1
+        if w >= 0 and context == UPDATE:
+            self.dirty_slots[w] = 1
         return (self.cache, w) if w >= 0 else (self.base, i)
 
     @property
@@ -773,21 +865,26 @@ class CachedEmbeddingTable(EmbeddingTable):
     def _second_chance(self):
         return self._flush_policy == "second-chance"
 
+    @_locked
     def access_and_cache(self, indices, offsets=None, out=None):
         """Lookup that first caches the batch's uncached rows while there is room (FORWARD)."""
         return self._lookup(indices, offsets, out, cache=True)
 
+    @_locked
     def access(self, indices, offsets=None, out=None):
         """Lookup through the pointers without caching anything."""
         return self._lookup(indices, offsets, out, cache=False)
 
+    @_locked
     def lookup(self, indices, offsets=None, out=None, context=FORWARD):
         _check_context(context, self.name)
         cache = context == FORWARD and self.caching == "dynamic" and not self.frozen
         return self._lookup(indices, offsets, out, cache=cache)
 
     def _lookup(self, indices, offsets, out, cache):
-        nbags = _batch_size(offsets, out, indices)
+        nbags = _batch_size(offsets, out, indices, self.name, self.featuresize)
+        if out is self.cache or out is self.base:
+            _refuse_alias(self.name, "out")
         if offsets is None:
             (idx, off), check = self._prepare(indices, offsets, nbags), False
         else:  # the offsets checked here, the indices here or by the kernel (see bag_inputs)
@@ -802,6 +899,7 @@ class CachedEmbeddingTable(EmbeddingTable):
         room = self._pool_ready(cache)
         missed = kernels.scratch("missed", idx.shape[0], np.int64) if room else None
         with _kernel("embedding_lookup", (self.base, self.cache), (out,)) as (b, c, o):
+            _check_apart(o, (b, c), self.name, "out")
             _, hits = kernels.lookup_sum_indirect_hits(
                 b, c, self.where, idx, off, o, missed, name=self.name, check=check,
                 refs=self.refs if self._second_chance else None)
@@ -810,11 +908,15 @@ class CachedEmbeddingTable(EmbeddingTable):
         self._account_lookup(idx.shape[0], hits)
         return out
 
+    @_locked
     def update(self, indices, offsets, dout, lr):
         kernels.check_lr(lr, self.name, self.dtype)
-        nbags = np.shape(dout)[0]
+        nbags = _check_block(dout, self.name, "dout", self.featuresize)
+        if dout is self.cache or dout is self.base:
+            _refuse_alias(self.name, "dout")
         idx, off = self._prepare(indices, offsets, nbags)
         with _kernel("embedding_update", (dout,), (self.base, self.cache)) as (g, b, c):
+            _check_apart(g, (b, c), self.name, "dout")
             # where is the table's own, always valid: only indices and offsets needed checking
             # (the kernel marks the slots it writes dirty)
             rows, hits = kernels.sgd_update_indirect_hits(b, c, self.where, idx, off, g, lr,
@@ -825,6 +927,7 @@ class CachedEmbeddingTable(EmbeddingTable):
 
     # ---- static and dynamic caching, flushing ---------------------------------------------
 
+    @_locked
     def prepopulate(self, rows=None, seed=0, freeze=True):
         """Static caching: cache ``rows`` (default: random rows up to ``cachelower``), then freeze."""
         if rows is None:
@@ -833,11 +936,13 @@ class CachedEmbeddingTable(EmbeddingTable):
         self._cache_rows(kernels.check_indices(rows, self.nvectors, self.name))
         self.frozen = bool(freeze)
 
+    @_locked
     def maintain(self):
         """Between iterations: a full dynamic cache is flushed (dirty) down to ``cachelower``."""
         if self.caching == "dynamic" and not self.frozen and self._full:
             self.flush_dirty()
 
+    @_locked
     def _flush(self, target_rows, writeback):
         target = self._lower_rows if target_rows is None else int(target_rows)
         rows = self.page_rows
@@ -912,6 +1017,7 @@ class CachedEmbeddingTable(EmbeddingTable):
         """Drop the oldest pages until at most ``cachelower`` remains, writing dirty rows home."""
         return self._flush(target_rows, writeback=True)
 
+    @_locked
     def writeback(self):
         """Copy every dirty cached row home and mark it clean; rows stay cached."""
         slots = np.flatnonzero(self.dirty_slots).astype(np.int64)
@@ -924,6 +1030,7 @@ class CachedEmbeddingTable(EmbeddingTable):
 
     # ---- inspection --------------------------------------------------------------------
 
+    @_locked
     def snapshot(self):
         with ca.readable(self.base) as b, ca.readable(self.cache) as c:
             out = b.copy()
@@ -931,6 +1038,7 @@ class CachedEmbeddingTable(EmbeddingTable):
             out[self.backedge[slots]] = c[slots]
         return out
 
+    @_locked
     def check(self, clean=False):
         """Verify the pointer invariants, that cached rows not marked dirty equal their base
         rows (and, with ``clean``, that every cached row does)."""
@@ -1037,13 +1145,56 @@ def make_table(kind, nvectors, featuresize, dtype=np.float32, *, manager=None, c
 def _columns(tables, column_offsets):
     if column_offsets is None:
         return np.concatenate([[0], np.cumsum([t.featuresize for t in tables])[:-1]]).astype(np.int64)
-    return np.asarray(column_offsets, dtype=np.int64)
+    cols = np.asarray(column_offsets, dtype=np.int64)
+    if cols.shape != (len(tables),):
+        raise ValueError(f"column_offsets must have one entry per table ({len(tables)}), got "
+                         f"shape {cols.shape}")
+    return cols
 
 
-def _bag_offsets(indices_list, offsets_list):
+def _bag_offsets(tables, indices_list, offsets_list):
     """None offsets mean one index per bag."""
-    return [np.arange(np.shape(i)[0], dtype=np.int64) if o is None else o
-            for i, o in zip(indices_list, offsets_list)]
+    return [np.arange(_count(i, t.name, "indices"), dtype=np.int64) if o is None else o
+            for t, i, o in zip(tables, indices_list, offsets_list)]
+
+
+def _ensemble_args(tables, indices_list, offsets_list, block, what):
+    """The checks an ensemble call starts with: one index and offset array per table and a
+    2-D ``out`` / ``dout`` block."""
+    if len(indices_list) != len(tables) or len(offsets_list) != len(tables):
+        raise ValueError(f"{len(tables)} tables but {len(indices_list)} index arrays and "
+                         f"{len(offsets_list)} offset arrays")
+    if not isinstance(block, (np.ndarray, ca.CachedArray)) or block.ndim != 2:
+        raise ValueError(f"{what} must be a 2-D numpy.ndarray or CachedArray (batch, sum of "
+                         f"the tables' featuresizes), got {type(block).__name__} of shape "
+                         f"{np.shape(block)}")
+
+
+def _checked_inputs(tables, indices_list, offsets_list, nbags):
+    """Every table's indices and offsets checked (as int64) before any table is touched, for
+    an ensemble whose work runs in several kernels: a bad index then changes nothing."""
+    il = [kernels.check_indices(i, t.nvectors, t.name) for t, i in zip(tables, indices_list)]
+    ol = [kernels.check_offsets(o, i.shape[0], nbags, t.name)
+          for t, i, o in zip(tables, il, offsets_list)]
+    return il, ol
+
+
+class _Holding:
+    """Hold the locks of an ensemble's tables, each once, in one order (two ensembles that
+    share tables cannot deadlock); ``shared``: some lock serves several of them."""
+
+    def __init__(self, tables):
+        self.locks = sorted({t._lock for t in tables}, key=id)
+        self.shared = len(self.locks) != len(tables)
+
+    def __enter__(self):
+        for lock in self.locks:
+            lock.acquire()
+        return self
+
+    def __exit__(self, *exc):
+        for lock in self.locks:
+            lock.release()
 
 
 #: Whether ``lookup_tables`` and ``update_tables`` take several cached tables in one kernel
@@ -1106,71 +1257,93 @@ def _update_cached_together(tables, indices_list, offsets_list, dout, lr, cols):
     return True
 
 
+def _plan(tables, indices_list, offsets_list, nbags, shared):
+    """(simple, rest, together, indices, offsets) of an ensemble call: the SimpleTables that
+    share a kernel, the other tables, whether those share one, and the inputs, checked up
+    front when the work is split over several kernels (not with ``CACHED_TOGETHER`` off: the
+    tables are then each their own call, for comparisons). When a table is given more than
+    once (``shared``), all go one at a time, so the results are those of the calls in turn."""
+    simple = [] if shared else [k for k, t in enumerate(tables) if isinstance(t, SimpleTable)]
+    rest = [k for k, t in enumerate(tables) if shared or not isinstance(t, SimpleTable)]
+    together = not shared and _together(tables, rest)
+    if CACHED_TOGETHER and ((simple and rest) or (len(rest) > 1 and not together)):
+        indices_list, offsets_list = _checked_inputs(tables, indices_list, offsets_list, nbags)
+    return simple, rest, together, indices_list, offsets_list
+
+
 def lookup_tables(tables, indices_list, offsets_list, out, column_offsets=None):
     """Lookups of an ensemble into column blocks of ``out`` (batch, width); returns ``out``.
 
     SimpleTables run together in one parallel kernel, and so do the cached tables (see
     ``_lookup_cached_together``) when there are several.
     """
-    if len(indices_list) != len(tables) or len(offsets_list) != len(tables):
-        raise ValueError(f"{len(tables)} tables but {len(indices_list)} index arrays and "
-                         f"{len(offsets_list)} offset arrays")
+    _ensemble_args(tables, indices_list, offsets_list, out, "out")
     cols = _columns(tables, column_offsets)
-    offsets_list = _bag_offsets(indices_list, offsets_list)
-    simple = [k for k, t in enumerate(tables) if isinstance(t, SimpleTable)]
-    # One kernel: the SimpleTables' lookups into out (each cached table's lookup is a kernel of
-    # its own, nested in it: it writes a column block of the same out).
-    rows = [(tables[k].data, np.shape(indices_list[k])[0] * tables[k].rowbytes) for k in simple]
-    with _kernel("embedding_lookup", [tables[k].data for k in simple], (out,), rows) as views:
-        o = views[-1]
-        if simple:
-            kernels.lookup_many(views[:-1], [indices_list[k] for k in simple],
-                                [offsets_list[k] for k in simple], o, cols[simple],
-                                names=[tables[k].name for k in simple])
-            for k in simple:
-                tables[k]._account_lookup(np.shape(indices_list[k])[0])
-        rest = [k for k, t in enumerate(tables) if not isinstance(t, SimpleTable)]
-        if _together(tables, rest) and _lookup_cached_together(
-                [tables[k] for k in rest], [indices_list[k] for k in rest],
-                [offsets_list[k] for k in rest], o, cols[rest]):
-            return out
-        for k in rest:
-            t = tables[k]
-            c = int(cols[k])
-            t.lookup(indices_list[k], offsets_list[k], o[:, c:c + t.featuresize])
+    offsets_list = _bag_offsets(tables, indices_list, offsets_list)
+    with _Holding(tables) as held:
+        simple, rest, together, indices_list, offsets_list = _plan(
+            tables, indices_list, offsets_list, out.shape[0], held.shared)
+        # One kernel: the SimpleTables' lookups into out (each cached table's lookup is a
+        # kernel of its own, nested in it: it writes a column block of the same out).
+        rows = [(tables[k].data, np.shape(indices_list[k])[0] * tables[k].rowbytes)
+                for k in simple]
+        with _kernel("embedding_lookup", [tables[k].data for k in simple], (out,), rows) as views:
+            o = views[-1]
+            if simple:
+                kernels.lookup_many(views[:-1], [indices_list[k] for k in simple],
+                                    [offsets_list[k] for k in simple], o, cols[simple],
+                                    names=[tables[k].name for k in simple])
+                for k in simple:
+                    tables[k]._account_lookup(np.shape(indices_list[k])[0])
+            if together:
+                if _lookup_cached_together(
+                        [tables[k] for k in rest], [indices_list[k] for k in rest],
+                        [offsets_list[k] for k in rest], o, cols[rest]):
+                    return out
+                if not simple:      # the kernel declined: one at a time, checked first
+                    indices_list, offsets_list = _checked_inputs(tables, indices_list,
+                                                                 offsets_list, out.shape[0])
+            for k in rest:
+                t = tables[k]
+                c = int(cols[k])
+                t.lookup(indices_list[k], offsets_list[k], o[:, c:c + t.featuresize])
     return out
 
 
 def update_tables(tables, indices_list, offsets_list, dout, lr, column_offsets=None):
     """SGD of an ensemble from the gradient of ``lookup_tables``' output (column blocks of dout)."""
-    if len(indices_list) != len(tables) or len(offsets_list) != len(tables):
-        raise ValueError(f"{len(tables)} tables but {len(indices_list)} index arrays and "
-                         f"{len(offsets_list)} offset arrays")
+    _ensemble_args(tables, indices_list, offsets_list, dout, "dout")
     checked = set()
     for t in tables:                    # once per dtype: the first table of each is named
         if t.dtype not in checked:
             kernels.check_lr(lr, t.name, t.dtype)
             checked.add(t.dtype)
     cols = _columns(tables, column_offsets)
-    offsets_list = _bag_offsets(indices_list, offsets_list)
-    simple = [k for k, t in enumerate(tables) if isinstance(t, SimpleTable)]
-    # One kernel: the SimpleTables' updates from dout (each cached table's update is a kernel
-    # of its own, nested in it: it reads a column block of the same dout).
-    rows = [(tables[k].data, np.shape(indices_list[k])[0] * tables[k].rowbytes) for k in simple]
-    with _kernel("embedding_update", (dout,), [tables[k].data for k in simple], rows) as views:
-        g = views[0]
-        if simple:
-            rows = kernels.update_many(views[1:], [indices_list[k] for k in simple],
-                                       [offsets_list[k] for k in simple], g, lr, cols[simple],
-                                       names=[tables[k].name for k in simple])
-            for k, r in zip(simple, rows):
-                tables[k]._account_update(r.shape[0])
-        rest = [k for k, t in enumerate(tables) if not isinstance(t, SimpleTable)]
-        if _together(tables, rest) and _update_cached_together(
-                [tables[k] for k in rest], [indices_list[k] for k in rest],
-                [offsets_list[k] for k in rest], g, lr, cols[rest]):
-            rest = []
-        for k in rest:
-            t = tables[k]
-            c = int(cols[k])
-            t.update(indices_list[k], offsets_list[k], g[:, c:c + t.featuresize], lr)
+    offsets_list = _bag_offsets(tables, indices_list, offsets_list)
+    with _Holding(tables) as held:
+        simple, rest, together, indices_list, offsets_list = _plan(
+            tables, indices_list, offsets_list, dout.shape[0], held.shared)
+        # One kernel: the SimpleTables' updates from dout (each cached table's update is a
+        # kernel of its own, nested in it: it reads a column block of the same dout).
+        rows = [(tables[k].data, np.shape(indices_list[k])[0] * tables[k].rowbytes)
+                for k in simple]
+        with _kernel("embedding_update", (dout,), [tables[k].data for k in simple], rows) as views:
+            g = views[0]
+            if simple:
+                rows = kernels.update_many(views[1:], [indices_list[k] for k in simple],
+                                           [offsets_list[k] for k in simple], g, lr,
+                                           cols[simple], names=[tables[k].name for k in simple])
+                for k, r in zip(simple, rows):
+                    tables[k]._account_update(r.shape[0])
+            if together:
+                if _update_cached_together(
+                        [tables[k] for k in rest], [indices_list[k] for k in rest],
+                        [offsets_list[k] for k in rest], g, lr, cols[rest]):
+                    return
+                if not simple:      # the kernel declined: one at a time, checked first
+                    indices_list, offsets_list = _checked_inputs(tables, indices_list,
+                                                                 offsets_list, dout.shape[0])
+            for k in rest:
+                t = tables[k]
+                c = int(cols[k])
+                t.update(indices_list[k], offsets_list[k], g[:, c:c + t.featuresize], lr)

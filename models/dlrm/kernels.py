@@ -34,6 +34,7 @@ __all__ = [
     "check_indices",
     "check_offsets",
     "check_lr",
+    "release_buffers",
 ]
 
 log = logging.getLogger(__name__)
@@ -118,8 +119,29 @@ class _SlotPool:
                 self._free.sort(key=lambda b: b.size, reverse=True)
                 del self._free[4:]
 
+    def clear(self):
+        with self._pool_lock:
+            self._free.clear()
+
+    @property
+    def nbytes(self):
+        with self._pool_lock:
+            return sum(b.nbytes for b in self._free)
+
 
 _slots = _SlotPool()
+
+
+def release_buffers():
+    """Free the scratch kept between calls: the update histograms (4 bytes per row of the
+    largest table seen, up to four) and the calling thread's scratch arrays; returns the
+    bytes let go. The next update of a large table allocates its histogram afresh."""
+    freed = _slots.nbytes
+    _slots.clear()
+    kept = getattr(_scratch, "arrays", None) or {}
+    freed += sum(b.nbytes for b in kept.values())
+    kept.clear()
+    return freed
 
 
 # ----------------------------------------------------------------------------------------
@@ -225,7 +247,11 @@ def check_lr(lr, name: str = "table", dtype=None) -> float:
                                                                np.floating)):
         raise TypeError(f"table {name!r}: learning rate must be a real number, got "
                         f"{type(lr).__name__}")
-    value = float(lr)
+    try:
+        value = float(lr)
+    except OverflowError:           # an int beyond any float: 10**400
+        raise ValueError(f"table {name!r}: learning rate must be a finite number >= 0, got an "
+                         f"integer of {len(str(abs(lr)))} digits") from None
     if not math.isfinite(value) or value < 0:
         raise ValueError(f"table {name!r}: learning rate must be a finite number >= 0, "
                          f"got {lr!r}")
@@ -270,10 +296,25 @@ def check_offsets(offsets, nidx: int, nbags: int, name: str = "table") -> np.nda
     return off
 
 
+def _plain(arr, name, what):
+    """``arr`` as a plain ndarray: a subclass (np.matrix, a masked array) as a base-class view
+    of its data, since the kernels index it as a flat buffer (a matrix stays 2-D when
+    reshaped to -1, and the kernels would write past its end)."""
+    if type(arr) is np.ndarray:
+        return arr
+    if not isinstance(arr, np.ndarray):
+        raise TypeError(f"table {name!r}: {what} must be a numpy.ndarray, got "
+                        f"{type(arr).__name__}; pass np.asarray({what})")
+    if isinstance(arr, np.ma.MaskedArray) and np.ma.getmask(arr) is not np.ma.nomask \
+            and np.ma.getmask(arr).any():
+        raise ValueError(f"table {name!r}: {what} is a masked array with masked entries; "
+                         f"pass a plain numpy.ndarray")
+    return arr.view(np.ndarray)
+
+
 def _flat_rows(arr, nrows, ncols, dtype, name, what):
     """View a (nrows, ncols) block with unit column stride as (flat buffer, row stride)."""
-    if not isinstance(arr, np.ndarray):
-        raise TypeError(f"table {name!r}: {what} must be a numpy.ndarray, got {type(arr).__name__}")
+    arr = _plain(arr, name, what)
     if arr.ndim != 2 or arr.shape[0] != nrows or arr.shape[1] != ncols:
         raise ValueError(f"table {name!r}: {what} has shape {arr.shape}, expected ({nrows}, {ncols})")
     if arr.dtype != dtype:
@@ -297,6 +338,9 @@ def _output(out, nrows, ncols, dtype, name):
     """Allocate or validate an output block; returns (out, flat, stride, scratch)."""
     if out is None:
         out = np.empty((nrows, ncols), dtype=dtype)
+    elif not out.flags.writeable:
+        raise ValueError(f"table {name!r}: out is read-only; pass a writable array (or None "
+                         f"for a new one)")
     flat, stride = _flat_rows(out, nrows, ncols, dtype, name, "out")
     if flat is None:  # exotic strides: compute into scratch, copy at the end
         log.debug("table %r: out strides %s are not unit-stride rows; using a scratch copy",
@@ -309,7 +353,7 @@ def _output(out, nrows, ncols, dtype, name):
 def _gradient(dout, nbags, ncols, dtype, name):
     flat, stride = _flat_rows(dout, nbags, ncols, dtype, name, "dout")
     if flat is None:
-        flat, stride = np.ascontiguousarray(dout).reshape(-1), ncols
+        flat, stride = np.ascontiguousarray(_plain(dout, name, "dout")).reshape(-1), ncols
     return flat, stride
 
 

@@ -318,15 +318,38 @@ class DLRM:
             raise ValueError(f"DLRM {cfg.name!r}: {len(batch.indices)} index arrays for "
                              f"{cfg.ntables} tables")
         b = dense.shape[0]
+        if b == 0:
+            raise ValueError(f"DLRM {cfg.name!r}: the batch is empty (dense input of shape "
+                             f"{dense.shape}); pass at least one sample")
         offsets = list(batch.offsets) if batch.offsets is not None else [None] * cfg.ntables
         for t, (idx, off) in enumerate(zip(batch.indices, offsets)):
             if off is None:
-                n = np.shape(idx)[0]
-                if n % b:
-                    raise ValueError(f"table 'emb.{t}': {n} indices do not split into {b} equal "
-                                     f"bags; pass offsets")
+                n = np.shape(idx)[0] if np.ndim(idx) == 1 else 0
+                if n == 0 or n % b:
+                    raise ValueError(f"table 'emb.{t}': indices of shape {np.shape(idx)} do not "
+                                     f"split into {b} equal bags of at least one; pass offsets")
                 offsets[t] = np.arange(0, n, n // b, dtype=np.int64)
-        return Batch(dense, list(batch.indices), offsets, np.asarray(batch.labels))
+        labels = None if batch.labels is None else np.asarray(batch.labels)
+        return Batch(dense, list(batch.indices), offsets, labels)
+
+    def _check_labels(self, labels, b):
+        """Labels as float (B,) finite numbers, checked before any parameter changes."""
+        name = self.config.name
+        if labels is None:
+            raise TypeError(f"DLRM {name!r}: train_step needs labels, {b} numbers (one per "
+                            f"sample); predict() takes a batch without them")
+        try:
+            y = np.asarray(labels, dtype=np.float64)
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"DLRM {name!r}: labels must be {b} numbers (one per sample), got "
+                            f"{type(labels).__name__}") from e
+        if y.shape != (b,):
+            raise ValueError(f"DLRM {name!r}: labels have shape {y.shape} for a batch of {b}; "
+                             f"pass one label per sample, shape ({b},)")
+        if not np.isfinite(y).all():
+            raise ValueError(f"DLRM {name!r}: labels must be finite numbers (0 or 1 for a "
+                             f"click), got {y[~np.isfinite(y)][0]}")
+        return y
 
     # ---- forward / training ----------------------------------------------------------
 
@@ -367,13 +390,14 @@ class DLRM:
         # Checked before any layer is touched: a bad rate must not half-update the model.
         lr = kernels.check_lr(self.config.lr if lr is None else lr, "DLRM")
         batch = self._check_batch(batch)
+        labels = self._check_labels(batch.labels, batch.dense.shape[0])
         cfg, fs = self.config, self.config.featuresize
         times = dict.fromkeys(PHASES, 0.0)
         z = self._forward(batch, times)
         acts = self._acts
         t0 = time.perf_counter()
         with ca.kernel("bce_with_logits", (z,), (acts["dtop"][-1],)) as (zv, dz):
-            loss = bce_with_logits(zv, batch.labels, dz)
+            loss = bce_with_logits(zv, labels, dz)
         self._mlp_backward(self.top, acts["r"], acts["top"], acts["dtop"], acts["dr"])
         t1 = time.perf_counter()
         if cfg.interaction == "dot":
