@@ -338,11 +338,13 @@ class CopyJob:
             return self._state == _CANCELLED
 
     def add_done_callback(self, fn) -> None:
-        """Call fn(job) once when the job finishes (on the worker thread), or now if finished.
-        Either way an exception fn raises is logged, not raised (as concurrent.futures does):
-        whether the job had finished is a race the caller cannot see."""
+        """Call fn(job) once when the job finishes (on the worker thread), or now if the
+        job's callbacks have all run. Callbacks run in the order they were added, also when
+        one is added while the worker runs the others. Either way an exception fn raises is
+        logged, not raised (as concurrent.futures does): whether the job had finished is a
+        race the caller cannot see."""
         with self._s.cond:
-            if self._state < _DONE:
+            if self._callbacks is not None:     # the worker has yet to run (all of) them
                 self._callbacks.append(fn)
                 return
         try:
@@ -368,6 +370,23 @@ class CopyJob:
             self._s.cond.notify_all()
 
 
+def _run_callbacks(job, cond):
+    """Run job's done callbacks in order, with those added meanwhile, until none is left;
+    then later ones run in the thread that adds them (a callback added while earlier ones
+    were running came after them, so it must not run first)."""
+    while True:
+        with cond:
+            callbacks = job._callbacks
+            job._callbacks = [] if callbacks else None
+        if not callbacks:
+            return
+        for fn in callbacks:
+            try:
+                fn(job)
+            except Exception:
+                log.exception("copy job done callback %r failed", fn)
+
+
 def _worker(shared, key):
     q, cond = shared.queues[key], shared.cond
     while True:
@@ -383,15 +402,9 @@ def _worker(shared, key):
                 job._state = _RUNNING
         if run:
             job._run()
-        with cond:
-            callbacks, job._callbacks = job._callbacks, []
-        for fn in callbacks:
-            try:
-                fn(job)
-            except Exception:
-                log.exception("copy job done callback %r failed", fn)
+        _run_callbacks(job, cond)
         job._keepalive = None       # released outside the lock: its finalizers may take locks
-        job = callbacks = fn = None     # hold nothing while idle
+        job = None                  # hold nothing while idle
         with cond:
             del shared.running[key]
             cond.notify_all()

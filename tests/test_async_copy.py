@@ -347,3 +347,42 @@ def test_many_jobs_from_many_threads(workers):
     assert not errors, errors
     assert results == [60] * 4
     assert w.drain(T) and w.pending() == 0
+
+
+def test_a_callback_added_while_others_run_runs_after_them(workers):
+    """The job is done while its first callback runs: one added then still runs second, on
+    the worker, not at once in the adding thread."""
+    w = workers()
+    started, go, seen = threading.Event(), threading.Event(), []
+
+    def first(j):
+        started.set()
+        go.wait(T)
+        seen.append(("first", threading.current_thread()))
+    job = w.submit("k", 0, 0, 0)
+    job.add_done_callback(first)
+    assert started.wait(T) and job.done()
+    job.add_done_callback(lambda j: seen.append(("second", threading.current_thread())))
+    assert seen == []
+    go.set()
+    assert w.drain(T)
+    assert [s for s, _ in seen] == ["first", "second"]
+    assert seen[0][1] is seen[1][1] is not threading.current_thread()
+    job.add_done_callback(lambda j: seen.append(("late", threading.current_thread())))
+    assert seen[-1] == ("late", threading.current_thread())
+
+
+def test_a_cancelled_jobs_callbacks_run_in_order(workers, monkeypatch):
+    w = workers(chunk=4096)
+    src, dst = pair(8192)
+    gate = Gate(monkeypatch, addr(dst), addr(dst) + 1)
+    blocker = w.submit("k", addr(dst), addr(src), 8192)
+    assert gate.reached.wait(T)
+    job = w.submit("k", 0, 0, 0)
+    seen = []
+    job.add_done_callback(lambda j: seen.append(1))
+    assert job.cancel() and job.done()
+    job.add_done_callback(lambda j: seen.append(2))
+    gate.release.set()
+    blocker.result(T)
+    assert w.drain(T) and seen == [1, 2]
