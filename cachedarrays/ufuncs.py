@@ -15,7 +15,7 @@ from ._records import array_ufunc as _c_array_ufunc
 from ._records import run_ufunc as _run_ufunc
 from .array import _PY_SCALARS, _SLOW, CachedArray, new_pinned, set_ufunc_handlers
 from .heap import HEADER
-from .layout import c_strides
+from .layout import c_strides, is_fortran
 from .pinning import (OPEN_SCOPES, SHORT_BYTES, acquire_grouped, first_manager, record_new,
                       release_grouped)
 from .wrapping import wrap
@@ -78,6 +78,8 @@ def _fast_call(ufunc, inputs, out=None):
 def _new_result(ufunc, inputs, m, shape, plan, objs):
     """Run ufunc(*inputs) into a new, policy-placed CachedArray (Manager.run): in C
     (``run_ufunc``) unless the manager is busy, else through Manager.run with the same kernel."""
+    if len(shape) > 1 and _f_ordered(inputs):
+        return _SLOW                               # NumPy lays the result out in F order
     dt, itemsize, name, layouts = plan
     lay = layouts.get(shape)
     if lay is None:
@@ -117,6 +119,12 @@ def _new_result(ufunc, inputs, m, shape, plan, objs):
             ufunc(*[x._kview() if type(x) is CachedArray else x for x in inputs], out=view)
         return res
     return m.run(kernel, objs, (), n, name, short)
+
+
+def _f_ordered(inputs):
+    """True when every CachedArray among inputs is in F order only (see _result_order)."""
+    return all(is_fortran(x._shape, x._strides, x._dtype.itemsize)
+               for x in inputs if type(x) is CachedArray)
 
 
 # (ufunc, operand dtypes or scalar types) -> (result dtype, itemsize, name, {shape: (strides,
@@ -238,9 +246,8 @@ def _array_ufunc(self, ufunc, method, *inputs, **kwargs):
             if shape:
                 dt = _resolve(ufunc, args, kwargs.get("casting", "same_kind"))
                 if dt is not None and not dt.hasobject:
-                    order = kwargs.get("order")
-                    res = new_pinned(m, shape, dt, "C" if order is None else
-                                     _result_order(order, args))
+                    res = new_pinned(m, shape, dt, _result_order(kwargs.get("order", "K"),
+                                                                 args))
                     done.append((m, [res._obj]))
                     if "where" in kwargs:
                         res._view().fill(0)

@@ -1778,6 +1778,44 @@ is_py_scalar(PyObject *x)
  * calls: one CachedArray, or two of one manager and one shape, or one and a Python scalar,
  * whose plan and result layout cachedarrays.ufuncs has cached. None when the call is not one
  * of those or the manager is busy: the caller takes cachedarrays.ufuncs._fast_call. */
+/* 1 when x (one of our arrays, of two or more dimensions) is laid out in F order and not in C
+ * order, as NumPy's flags say it (dimensions of length 1 ignored): NumPy gives a ufunc on such
+ * inputs an F-ordered result, which the plans' C-ordered layouts are not. */
+static int
+f_order_only(PyObject *x)
+{
+    PyObject *shape = SLOT(x, off_shape), *strides = SLOT(x, off_strides),
+             *dtype = SLOT(x, off_dtype);
+    if (shape == NULL || strides == NULL || dtype == NULL || !PyTuple_CheckExact(shape) ||
+            !PyTuple_CheckExact(strides) || PyTuple_GET_SIZE(shape) < 2 ||
+            PyTuple_GET_SIZE(strides) != PyTuple_GET_SIZE(shape))
+        return 0;
+    Py_ssize_t nd = PyTuple_GET_SIZE(shape), item = PyDataType_ELSIZE((PyArray_Descr *)dtype);
+    Py_ssize_t c = item, f = item;
+    int is_c = 1, is_f = 1;
+    for (Py_ssize_t i = 0; i < nd; i++) {
+        Py_ssize_t nf = PyLong_AsSsize_t(PyTuple_GET_ITEM(shape, i)),
+                   sf = PyLong_AsSsize_t(PyTuple_GET_ITEM(strides, i)),
+                   nc = PyLong_AsSsize_t(PyTuple_GET_ITEM(shape, nd - 1 - i)),
+                   sc = PyLong_AsSsize_t(PyTuple_GET_ITEM(strides, nd - 1 - i));
+        if (PyErr_Occurred()) {
+            PyErr_Clear();
+            return 0;
+        }
+        if (nf == 0)
+            return 0;                                     /* empty: both orders */
+        if (nf != 1) {
+            is_f &= sf == f;
+            f *= nf;
+        }
+        if (nc != 1) {
+            is_c &= sc == c;
+            c *= nc;
+        }
+    }
+    return is_f && !is_c;
+}
+
 static PyObject *
 fast_ufunc_impl(PyObject *module, PyObject *ufunc, PyObject *inputs)
 {
@@ -1795,6 +1833,8 @@ fast_ufunc_impl(PyObject *module, PyObject *ufunc, PyObject *inputs)
         shape = SLOT(x, off_shape);
         if (m == NULL || shape == NULL)
             Py_RETURN_NONE;
+        if ((!ca || f_order_only(a)) && (!cb || f_order_only(b)))
+            Py_RETURN_NONE;                              /* an F-ordered result */
         if (ca && cb) {
             PyObject *bs = SLOT(b, off_shape);
             if (SLOT(b, off_m) != m || bs == NULL)
@@ -1815,7 +1855,8 @@ fast_ufunc_impl(PyObject *module, PyObject *ufunc, PyObject *inputs)
         PyObject *a = PyTuple_GET_ITEM(inputs, 0);
         m = SLOT(a, off_m);
         shape = SLOT(a, off_shape);
-        if (m == NULL || shape == NULL || SLOT(a, off_dtype) == NULL || SLOT(a, off_obj) == NULL)
+        if (m == NULL || shape == NULL || SLOT(a, off_dtype) == NULL || SLOT(a, off_obj) == NULL ||
+                f_order_only(a))
             Py_RETURN_NONE;
         key = PyTuple_Pack(2, ufunc, SLOT(a, off_dtype));
         objs = PyTuple_Pack(1, SLOT(a, off_obj));

@@ -303,3 +303,19 @@ def test_a_reduction_given_an_ndarray_out_by_position_returns_it(m):
     o = np.zeros(3)
     assert x.sum(0, None, o) is o
     assert x.max(0, o) is o
+
+
+@pytest.mark.parametrize("shape", [(2, 3), (3, 1), (1, 3), (2, 3, 4), (0, 3)])
+@pytest.mark.parametrize("op", ["a+1", "a+a", "a+b", "b+a", "np.exp(a)", "-a", "np.add(a, a)",
+                                "np.multiply(a, 2.0)", "a > b", "np.add(a, b, order='F')",
+                                "a.T + 1"])
+def test_a_ufuncs_result_has_numpys_memory_order(m, shape, op):
+    """An F-ordered input gives an F-ordered result, as NumPy's default order='K' does, on
+    every path (operators, ufunc calls, scalars), and mixed orders give C."""
+    f = np.asfortranarray(np.arange(np.prod(shape), dtype=np.float64).reshape(shape))
+    c = np.ascontiguousarray(f) + 1
+    want = eval(op, {"np": np}, {"a": f, "b": c})
+    got = eval(op, {"np": np}, {"a": ca.asarray(f, manager=m), "b": ca.asarray(c, manager=m)})
+    assert (got.flags.c_contiguous, got.flags.f_contiguous) == \
+        (want.flags.c_contiguous, want.flags.f_contiguous)
+    np.testing.assert_array_equal(np.asarray(got), want)
