@@ -320,6 +320,18 @@ def test_empty_batches_and_missing_indices_name_the_problem(m):
         model.train_step(Batch(b.dense, [i[:0] for i in b.indices], None, b.labels))
 
 
+def test_a_batch_is_a_batch_a_tuple_or_a_dict_and_anything_else_is_named(m):
+    model, b = _dlrm(m)
+    fields = dict(dense=b.dense, indices=b.indices, offsets=b.offsets, labels=b.labels)
+    ref = model.predict(b)
+    assert np.array_equal(model.predict(fields), ref)
+    assert np.array_equal(model.predict(tuple(fields.values())), ref)
+    assert np.isfinite(model.train_step(fields))
+    for bad in ({"dense": b.dense, "idx": b.indices}, b.dense, 3, "batch"):
+        with pytest.raises(TypeError, match="a batch is a data.Batch"):
+            model.train_step(bad)
+
+
 @pytest.mark.parametrize("alpha", [float("nan"), float("inf"), -1.0])
 def test_zipf_refuses_an_exponent_that_is_not_a_finite_number(alpha):
     from cachedarrays.models.dlrm import SyntheticDataset, ZipfSampler

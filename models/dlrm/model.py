@@ -310,6 +310,12 @@ class DLRM:
         cfg = self.config
         if isinstance(batch, (tuple, list)) and len(batch) == 4:
             batch = Batch(*batch)
+        elif isinstance(batch, dict) and set(batch) <= {"dense", "indices", "offsets", "labels"}:
+            batch = Batch(**{"offsets": None, "labels": None, **batch})
+        if not all(hasattr(batch, f) for f in ("dense", "indices", "offsets", "labels")):
+            raise TypeError(f"DLRM {cfg.name!r}: a batch is a data.Batch, a (dense, indices, "
+                            f"offsets, labels) tuple or a dict of those names, got "
+                            f"{type(batch).__name__}")
         dense = np.asarray(batch.dense)
         if dense.ndim != 2 or dense.shape[1] != cfg.dense_features:
             raise ValueError(f"DLRM {cfg.name!r}: dense input has shape {dense.shape}, expected "
