@@ -157,6 +157,52 @@ def test_a_lookup_thread_and_an_update_thread_with_maintenance_lose_nothing(m, f
     assert np.allclose(t.snapshot(), want, atol=1e-4)
 
 
+def test_two_threads_on_ensembles_sharing_tables_in_opposite_orders(m):
+    """lookup_tables / update_tables of [a, b, s] in one thread and [s, b, a] in another hold
+    the same locks in one order (no deadlock), and updates of disjoint rows all land."""
+    n, fs, nbags, rounds = 4000, 16, 256, 30
+    inits = [_init(n, fs, seed) for seed in range(3)]
+    a, b = (E.CachedEmbeddingTable(n, fs, manager=m, init=inits[k], cachelower=0.2,
+                                   cacheslack=0.05, page_rows=128, name=f"t{k}")
+            for k in range(2))
+    s = E.SimpleTable(n, fs, manager=m, init=inits[2], name="s")
+    off = np.arange(0, 4 * nbags, 4)
+    rng = np.random.default_rng(5)
+    # thread 0 updates rows below n/2, thread 1 rows above: every update lands, in any order
+    work = [[(rng.integers(k * n // 2, (k + 1) * n // 2, (3, 4 * nbags)),
+              rng.standard_normal((nbags, 3 * fs)).astype(np.float32)) for _ in range(rounds)]
+            for k in range(2)]
+    orders = [[a, b, s], [s, b, a]]
+    want = {id(t): init.astype(np.float64) for t, init in zip((a, b, s), inits)}
+    for k in range(2):
+        for idx, d in work[k]:
+            for j, t in enumerate(orders[k]):
+                np.subtract.at(want[id(t)], idx[j], 0.01 * np.repeat(d[:, j * fs:(j + 1) * fs],
+                                                                     4, axis=0))
+    errors = []
+
+    def worker(k):
+        try:
+            out = np.empty((nbags, 3 * fs), np.float32)
+            for idx, d in work[k]:
+                E.lookup_tables(orders[k], list(idx), [off] * 3, out)
+                E.update_tables(orders[k], list(idx), [off] * 3, d, 0.01)
+                for t in orders[k]:
+                    t.maintain()
+        except Exception as e:          # noqa: BLE001 - reported below
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=worker, args=(k,), daemon=True) for k in range(2)]
+    [th.start() for th in threads]
+    [th.join(120) for th in threads]
+    assert not any(th.is_alive() for th in threads), "the ensembles deadlocked"
+    assert errors == []
+    for t in (a, b):
+        t.check()
+    for t in (a, b, s):
+        assert np.allclose(t.snapshot(), want[id(t)], atol=1e-4)
+
+
 @pytest.mark.parametrize("kind", ["simple", "dynamic"])
 def test_updates_from_two_threads_on_one_table_are_all_applied(m, kind):
     n, fs, nbags, rounds = 4000, 16, 1000, 60
