@@ -21,6 +21,7 @@ Needs the optional extra ``[dask]`` (``pip install cachedarrays[dask]``).
 
 from __future__ import annotations
 
+import pickle
 import uuid
 import weakref
 
@@ -60,7 +61,7 @@ def _token(x):
     if name is None:
         name = _managers.setdefault(m, uuid.uuid4().hex)
     return ("cachedarrays.CachedArray", name, obj.id, obj.version, x._offset, x._shape,
-            x._dtype.str, x._strides)
+            x._dtype.str, str(x._dtype), x._strides)     # str: a structured dtype's fields
 
 
 # ---- dask.distributed: per-worker managers and chunk serialization ------------------------
@@ -79,15 +80,16 @@ def _release(mref, obj):
 
 
 def _frame(x):
-    """x's bytes as one C-ordered buffer: in place (pinned until the buffer is let go) when x
-    is contiguous, else a copy."""
+    """x's bytes as one flat uint8 buffer in C order: in place (pinned until the buffer is let
+    go) when x is contiguous, else a copy.  Bytes, not x's dtype: Python's buffers have no
+    format for datetimes, and none for empty arrays' casts."""
     m, obj = x._m, x._obj
     if not x.flags.c_contiguous:
         with readable(x) as v:
-            return np.ascontiguousarray(v)
+            return _bytes(np.ascontiguousarray(v))
     m.pin(obj, detached=True)
     try:
-        holder = x._view(readonly=True)
+        holder = _bytes(x._view(readonly=True))
         weakref.finalize(holder, _release, weakref.ref(m), obj)
     except BaseException:
         m.unpin(obj, detached=True)
@@ -95,17 +97,40 @@ def _frame(x):
     return holder
 
 
+def _bytes(v):
+    """A C-contiguous ndarray's bytes as a 1-d uint8 ndarray (a view)."""
+    return v.reshape(-1).view(np.uint8)
+
+
+def _dtype_header(dtype: np.dtype):
+    """A header field that gives ``dtype`` back: its string for plain dtypes, a pickle of it
+    for structured ones (their string, ``|V<n>``, loses the fields, offsets and titles)."""
+    if dtype.fields is None and dtype.subdtype is None:
+        return dtype.str
+    return pickle.dumps(dtype)
+
+
+def _header_dtype(field) -> np.dtype:
+    return pickle.loads(field) if isinstance(field, bytes) else np.dtype(field)
+
+
 if WorkerPlugin is not None:
     @dask_serialize.register(CachedArray)
     def _serialize(x):
         frame = _frame(x)
         x._m.count("dask_sent", x.nbytes)
-        return {"dtype": x._dtype.str, "shape": list(x._shape)}, [memoryview(frame).cast("B")]
+        return {"dtype": _dtype_header(x._dtype), "shape": list(x._shape)}, [memoryview(frame)]
 
     @dask_deserialize.register(CachedArray)
     def _deserialize(header, frames):
         data = frames[0] if len(frames) == 1 else b"".join(frames)
-        arr = np.frombuffer(data, dtype=np.dtype(header["dtype"])).reshape(header["shape"])
+        dtype, shape = _header_dtype(header["dtype"]), tuple(header["shape"])
+        want = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
+        if memoryview(data).nbytes != want:
+            raise ValueError(f"a CachedArray chunk of shape {shape} and dtype {dtype} arrived "
+                             f"with {memoryview(data).nbytes} bytes, not {want}: the frame was "
+                             f"cut or mixed up in transit")
+        arr = np.frombuffer(data, dtype=np.uint8).view(dtype).reshape(shape)
         m = default_manager()
         out = asarray(arr, manager=m)
         m.count("dask_received", out.nbytes)

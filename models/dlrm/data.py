@@ -8,6 +8,7 @@ at its start.  Batches use the ``embedding_bag`` convention of :mod:`.kernels`.
 from __future__ import annotations
 
 import logging
+import operator
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
@@ -40,6 +41,47 @@ LFSR_MASKS = {
     31: 0x40000004, 32: 0x80200003, 33: 0x100001000, 34: 0x204000003, 35: 0x400000002,
     36: 0x800000400, 37: 0x1000000103, 38: 0x2000001005, 39: 0x4000000008, 40: 0x8400000003,
 }
+
+
+def _integer(value, what: str, low: int | None = None) -> int:
+    """``value`` as an int (an integral float counts), refused below ``low``."""
+    if isinstance(value, (bool, np.bool_, str, bytes)):
+        raise TypeError(f"{what} must be an integer, got {value!r}")
+    try:
+        n = operator.index(value)
+    except TypeError:
+        if not (isinstance(value, (float, np.floating)) and float(value).is_integer()):
+            raise TypeError(f"{what} must be an integer, got {value!r}") from None
+        n = int(value)
+    if low is not None and n < low:
+        raise ValueError(f"{what} must be >= {low}, got {n}")
+    return n
+
+
+def _table_sizes(table_sizes) -> list:
+    """The table sizes as ints >= 1 (a sequence of integers, not a string or a single number)."""
+    if isinstance(table_sizes, (str, bytes)) or not hasattr(table_sizes, "__iter__"):
+        raise TypeError(f"table_sizes must be a sequence of integers (rows per table), got "
+                        f"{table_sizes!r}")
+    sizes = [_integer(n, "a table size") for n in table_sizes]
+    if any(n < 1 for n in sizes):
+        raise ValueError(f"every table needs at least one row, got sizes {sizes}")
+    return sizes
+
+
+def _pooling(pooling) -> tuple:
+    """``pooling`` (an int or an inclusive (lo, hi) range) as (lo, hi) with 0 <= lo <= hi."""
+    if isinstance(pooling, (int, np.integer, float, np.floating)) and not isinstance(pooling, bool):
+        lo = hi = _integer(pooling, "pooling")
+    elif isinstance(pooling, (tuple, list, np.ndarray)) and len(pooling) == 2:
+        lo, hi = (_integer(v, "pooling") for v in pooling)
+    else:
+        raise TypeError(f"pooling must be n >= 0 or a range (lo, hi) with 0 <= lo <= hi, "
+                        f"got {pooling!r}")
+    if not 0 <= lo <= hi:
+        raise ValueError(f"pooling must be n >= 0 or a range (lo, hi) with 0 <= lo <= hi, "
+                         f"got {pooling!r}")
+    return lo, hi
 
 
 def _mask(width: int, mask: int | None) -> int:
@@ -177,6 +219,7 @@ class ZipfSampler:
     """
 
     def __init__(self, n: int, alpha: float = 1.0):
+        n = _integer(n, "n (the number of ranks)")
         if n < 1:
             raise ValueError(f"Zipf needs n >= 1, got {n}")
         if not alpha >= 0 or not np.isfinite(alpha):
@@ -261,26 +304,17 @@ class SyntheticDataset:
                  num_batches: int = 100):
         if distribution not in ("uniform", "zipf"):
             raise ValueError(f"distribution must be 'uniform' or 'zipf', got {distribution!r}")
-        if isinstance(pooling, (int, np.integer)):
-            lo = hi = int(pooling)
-        else:
-            lo, hi = (int(v) for v in pooling)
-        if not 0 <= lo <= hi:
-            raise ValueError(f"pooling must be n >= 0 or a range (lo, hi) with 0 <= lo <= hi, "
-                             f"got {pooling!r}")
-        if any(int(n) < 1 for n in table_sizes):
-            raise ValueError(f"every table needs at least one row, got sizes {list(table_sizes)}")
-        self.num_dense = int(num_dense)
-        self.table_sizes = [int(n) for n in table_sizes]
-        self.batch_size = int(batch_size)
-        self.pooling = (lo, hi)
+        self.num_dense = _integer(num_dense, "num_dense", 0)
+        self.table_sizes = _table_sizes(table_sizes)
+        self.batch_size = _integer(batch_size, "batch_size", 1)
+        self.pooling = _pooling(pooling)
         self.distribution = distribution
         self.alpha = float(alpha)
         if distribution == "zipf" and not (self.alpha >= 0 and np.isfinite(self.alpha)):
             raise ValueError(f"alpha (the Zipf exponent) must be a finite number >= 0, got "
                              f"{alpha}")
-        self.seed = int(seed)
-        self.num_batches = int(num_batches)
+        self.seed = _integer(seed, "seed", 0)
+        self.num_batches = _integer(num_batches, "num_batches", 0)
         model = np.random.default_rng([self.seed, 0x5EED])
         ntab = len(self.table_sizes)
         self._w_dense = model.standard_normal(self.num_dense) / np.sqrt(max(1, self.num_dense))
@@ -301,7 +335,7 @@ class SyntheticDataset:
 
     def batch(self, i: int) -> Batch:
         """Batch number i (any i >= 0; independent of every other batch)."""
-        rng = np.random.default_rng([self.seed, int(i)])
+        rng = np.random.default_rng([self.seed, _integer(i, "the batch number", 0)])
         B = self.batch_size
         dense = rng.standard_normal((B, self.num_dense), dtype=np.float32)
         logits = dense.astype(np.float64) @ self._w_dense + self._bias

@@ -39,7 +39,10 @@ PHASES = ("lookup", "interaction", "mlp", "update")
 def synthetic_dataset(config: DLRMConfig, distribution="uniform", seed=0, num_batches=100,
                       alpha=1.0, batch_size=None):
     """A :class:`SyntheticDataset` shaped for ``config`` (uniform or Zipf + LFSR indices)."""
-    b = config.batch_size if batch_size is None else int(batch_size)
+    if not isinstance(config, DLRMConfig):
+        raise TypeError(f"synthetic_dataset takes a DLRMConfig first (configs.small(), "
+                        f"configs.large(), ...), got {config!r}")
+    b = config.batch_size if batch_size is None else batch_size
     return SyntheticDataset(config.dense_features, config.table_sizes, b,
                             pooling=config.bag_size, distribution=distribution, alpha=alpha,
                             seed=seed, num_batches=num_batches)
