@@ -10,6 +10,7 @@ outside what they walk still refers to: CPython's reference counts tell.
 
 import functools
 import gc
+import numbers
 import sys
 import threading
 import types
@@ -196,7 +197,7 @@ def _each(op, xs, strict, *args):
     """Call the policy's ``op`` on every live object reachable from xs. strict: a freed array
     raises UseAfterFreeError (the user calls); else freed arrays are skipped (annotate's own)."""
     for x in xs:
-        if isinstance(x, (str, bytes, bool)):
+        if isinstance(x, (str, bytes, numbers.Number, np.generic)):
             opts = {"prefetch": "force= and wait=", "evict": "to= and wait="}.get(op)
             raise TypeError(f"ca.{op} takes arrays (or things holding arrays) as positional "
                             f"arguments, got {x!r}"
@@ -373,6 +374,8 @@ def noescape(fn):
     (``gc.collect(1)``), run only when such a survivor exists. Only allocations made by the
     calling thread count, so other threads are never affected.
     """
+    _check_callable("noescape", fn)
+
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         rec = push_scope()
@@ -411,9 +414,11 @@ def annotate(prefetch=True, softevict=True, cleanup=False, noescape=False):
     else still refers to (so the caller's own ``y`` and ``dy`` stay usable).
     These implicit prefetches and soft evictions skip freed arrays.
     """
+    _check_switches(prefetch=prefetch, softevict=softevict, cleanup=cleanup, noescape=noescape)
     do_prefetch, do_softevict, do_cleanup, do_noescape = prefetch, softevict, cleanup, noescape
 
     def decorator(fn):
+        _check_callable("annotate(...)", fn)
         inner = globals()["noescape"](fn) if do_noescape else fn
 
         @functools.wraps(fn)
@@ -430,6 +435,25 @@ def annotate(prefetch=True, softevict=True, cleanup=False, noescape=False):
             return result
         return wrapper
     return decorator
+
+
+def _check_callable(what, fn):
+    """Raise TypeError unless fn can be decorated."""
+    if not callable(fn):
+        raise TypeError(f"ca.{what} decorates a function, got {type(fn).__name__}; write "
+                        f"@ca.{what} above a def")
+
+
+def _check_switches(**switches):
+    """Raise TypeError unless every annotate switch is True or False (a function among them
+    means ``@ca.annotate`` was written without its parentheses)."""
+    for name, v in switches.items():
+        if callable(v):
+            raise TypeError("ca.annotate takes switches, not the function: write "
+                            "@ca.annotate() or @ca.annotate(cleanup=True, ...) above the def, "
+                            "with the parentheses")
+        if not isinstance(v, (bool, np.bool_)):
+            raise TypeError(f"ca.annotate: {name}={v!r} must be True or False")
 
 
 def _wrap_pullback(captured, args, kwargs, do_prefetch, do_softevict):

@@ -467,6 +467,11 @@ class Manager(ManagerRecord):
             policy = resolve_policy(policy)(**options)
         elif isinstance(policy, type):
             policy = policy(**options)
+        elif options:
+            raise TypeError(f"policy_options {sorted(options)} would be ignored: the policy "
+                            f"{policy!r} is an instance, already built; pass the options to its "
+                            "constructor, or give policy= as a name or class (kernels_in_fast "
+                            "is the one option an instance takes)")
         if not hasattr(policy, "bind"):
             raise TypeError(f"policy must be a name, a Policy subclass or a Policy instance, "
                             f"not {type(policy).__name__}")

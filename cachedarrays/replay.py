@@ -133,7 +133,7 @@ def _size(spec, footprint, what, granularity=0, blocks=None):
                              "or a size string")
         n = int(share * footprint)
         smallest = granularity or 256           # one heap granule
-        if 0 < n < smallest:
+        if share > 0 and n < smallest:
             raise ValueError(f"{what}={spec!r} of the trace's footprint ({footprint} B) is {n} B, "
                              f"less than the smallest memory of {smallest} B (one heap granule); "
                              "give a larger fraction, 0.0 for none, or a size in bytes")

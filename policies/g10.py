@@ -552,6 +552,8 @@ class G10(_Tiered, PlannedPolicy):
         for what, v in (("headroom", headroom), ("middle_headroom", middle_headroom)):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1:
                 raise ValueError(f"{what}={v!r}: give a fraction in [0, 1), e.g. 0.05")
+        if not isinstance(eager, (bool, np.bool_)):
+            raise ValueError(f"eager={eager!r}: give True or False")
         self.headroom = float(headroom)
         self.middle_headroom = float(middle_headroom)
         self.eager = bool(eager)

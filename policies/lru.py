@@ -33,6 +33,8 @@ Three switches use what the policy lab made possible (each off by default):
 from bisect import bisect_left
 from collections import OrderedDict
 
+import numpy as np
+
 from .._records import LRURecord
 from .._records import bind_lru as _bind_lru
 from ..manager import Observer
@@ -166,6 +168,11 @@ def _touching(self, obj):
     self._touch(obj)
 
 
+def _is_switch(v):
+    """True for True, False (or NumPy's bools, or the ints 0 and 1)."""
+    return isinstance(v, (bool, np.bool_)) or (isinstance(v, int) and v in (0, 1))
+
+
 class LRU(Policy, LRURecord):
     """Least-recently-used placement; see the module docstring for the switches.
 
@@ -194,6 +201,10 @@ class LRU(Policy, LRURecord):
             lookahead = p.get("lookahead", 0)
             write_allocate = p.get("write_allocate", False)
             writeback = p.get("writeback", 0.0)
+        for what, v in (("local_alloc", local_alloc), ("prefetch", prefetch),
+                        ("cleanup", cleanup), ("write_allocate", write_allocate)):
+            if not _is_switch(v):
+                raise ValueError(f"LRU: {what}={v!r} must be True or False")
         if isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < 0:
             raise ValueError(f"lookahead must be a number of kernels >= 0, got {lookahead!r}")
         if isinstance(writeback, bool) or not isinstance(writeback, (int, float)) or \

@@ -226,6 +226,9 @@ def check_split(op, dy, sizes, outs, **kw):
 
 def check_softmax_ce(op, logits, labels, dlogits_out, **kw):
     array(op, "logits", logits, ndim=2, **kw)
+    if 0 in logits.shape:
+        raise ValueError(f"{op}: logits {logits.shape} must have at least one row (sample) and "
+                         "one column (class): the mean loss of an empty batch is undefined")
     array(op, "labels", labels, shape=(logits.shape[0],), dtypes=None)
     if labels.dtype.kind not in "iu":
         raise ValueError(f"{op}: labels must be integer class indices (int64), got dtype {labels.dtype}")
@@ -270,3 +273,10 @@ def check_acc(op, acc, dx, **kw):
         raise ValueError(f"{op}: acc {acc.shape} must hold at least the {dx.shape[1]} channels "
                          f"of dx {dx.shape} (same N, H, W)")
     same_dtype(op, acc=acc, dx=dx)
+
+
+def check_lr(op, lr):
+    """A learning rate: a finite real number >= 0 (NaN, inf or < 0 would ruin the weights)."""
+    if isinstance(lr, (bool, np.bool_)) or not isinstance(lr, (int, float, np.integer, np.floating)) \
+            or not 0 <= lr < float("inf"):
+        raise ValueError(f"{op}: learning rate {lr!r} must be a finite number >= 0, e.g. 0.01")

@@ -1238,4 +1238,5 @@ def sgd_update(param, grad, lr):
     """param -= float32(lr) * grad, in place: one threaded pass, bitwise NumPy's result (see _sgd)."""
     ck.check_same_shape("sgd_update", "param", param, [("grad", grad, False)], **_F32)
     ck.array("sgd_update", "param", param, writable=True)
+    ck.check_lr("sgd_update", lr)
     return _sgd.sgd_update(param, grad, lr)

@@ -400,5 +400,6 @@ def sgd_update(param, grad, lr):
     """param -= lr * grad, in place."""
     ck.check_same_shape("sgd_update", "param", param, [("grad", grad, False)])
     ck.array("sgd_update", "param", param, writable=True)
+    ck.check_lr("sgd_update", lr)
     param -= param.dtype.type(lr) * grad
     return param

@@ -15,6 +15,9 @@ of unit N - 1 - j. ``train_step`` marks the step (``ca.mark_step``) at the end o
 
 from __future__ import annotations
 
+import math
+import numbers
+
 import numpy as np
 
 import cachedarrays as ca
@@ -38,6 +41,27 @@ def _prefetch_matters(policy):
 def _softevict_matters(policy):
     """False when ca.softevict is a no-op under policy (the base policy ignores it)."""
     return getattr(policy, "honours_softevict", True)
+
+
+def _backend(backend):
+    """The backend module for a name, or backend itself if it has the kernels."""
+    if isinstance(backend, str):
+        return get_backend(backend)
+    if not all(callable(getattr(backend, k, None)) for k in ("conv2d_forward", "sgd_update")):
+        raise TypeError(f"Session: backend must be a name ('numpy' or 'onednn') or a backend "
+                        f"module, got {backend!r}")
+    return backend
+
+
+def _compute_dtype(dtype, be):
+    """np.dtype(dtype), refused unless float32, or float64 on a backend other than oneDNN."""
+    dt = np.dtype(dtype)
+    allowed = (F32,) if getattr(be, "name", None) == "onednn" else (F32, np.dtype(np.float64))
+    if dt not in allowed:
+        raise ValueError(f"Session: dtype {dt} is not computed by the "
+                         f"{getattr(be, 'name', '?')} backend; use "
+                         f"{' or '.join(map(str, allowed))}")
+    return dt
 
 
 class Param:
@@ -81,10 +105,14 @@ class Session:
     def __init__(self, manager, backend="numpy", annotations=True, dtype=F32):
         # The annotation walkers meet the session in every pullback closure; it holds no arrays
         # of its own, so it is registered as a leaf type and they never look inside it.
+        if not isinstance(manager, ca.Manager):
+            raise TypeError(f"Session: manager must be a ca.Manager, got "
+                            f"{type(manager).__name__}; e.g. Session(ca.Manager(fast=..., "
+                            "slow=...), 'numpy')")
         self.m = manager
-        self.be = get_backend(backend) if isinstance(backend, str) else backend
+        self.be = _backend(backend)
         self.annotations = bool(annotations)
-        self.dtype = np.dtype(dtype)
+        self.dtype = _compute_dtype(dtype, self.be)
         self.fused = None
         # Skip annotation walks that cannot do anything under this policy (the results are the
         # same: the calls would be no-ops). LRU in setups L/LM (prefetch switch off) never moves
@@ -276,6 +304,15 @@ class Unit:
         return f"<{type(self).__name__} {self.name} {self.in_shape}->{self.out_shape}>"
 
 
+def _learning_rate(lr):
+    """lr as a float, refused unless a finite number >= 0."""
+    if isinstance(lr, (bool, np.bool_)) or not isinstance(lr, numbers.Real) or \
+            not 0 <= lr < math.inf:
+        raise ValueError(f"SGD: learning rate lr={lr!r} must be a finite number >= 0, "
+                         "e.g. SGD(0.01); a negative, NaN or infinite rate ruins the weights")
+    return float(lr)
+
+
 class SGD:
     """Plain stochastic gradient descent: param -= lr * grad, one kernel per parameter.
 
@@ -286,7 +323,16 @@ class SGD:
     """
 
     def __init__(self, lr=0.01):
-        self.lr = float(lr)
+        self.lr = lr
+
+    @property
+    def lr(self):
+        """The learning rate (a finite float >= 0; checked when set)."""
+        return self._lr
+
+    @lr.setter
+    def lr(self, value):
+        self._lr = _learning_rate(value)
 
     def update(self, s, p):
         """param -= lr * grad for one Param; frees the gradient when s.frees_early."""

@@ -9,13 +9,16 @@ test scale (e.g. 16x16 images, width 16) and at benchmark scale (width 1).
 
 from __future__ import annotations
 
+import contextlib
 import math
+import numbers
+import threading
 
 import numpy as np
 
 import cachedarrays as ca
 
-from .core import Unit
+from .core import Session, Unit
 from .layers import (AvgPool2d, BatchNorm2d, Chain, Conv2d, Dense, Flatten, MaxPool2d, ReLU, add,
                      softmax_cross_entropy)
 
@@ -72,6 +75,9 @@ class Model:
 
     def init(self, s, seed=0):
         """Allocate and initialise every parameter (deterministic in seed) through s's manager."""
+        if not isinstance(s, Session):
+            raise TypeError(f"model {self.name}: init takes a cnn.Session, got "
+                            f"{type(s).__name__}; e.g. model.init(cnn.make_session(...)[1])")
         rng = np.random.default_rng(seed)
         for u in self.units:
             u.init(s, rng)
@@ -360,11 +366,22 @@ def build(model, depth, batch=16, image=64, channels=3, classes=10, width=1):
         raise ValueError(f"unknown {model} depth {depth!r}; valid depths: "
                          f"{', '.join(map(str, depths))}")
     for label, v in (("batch", batch), ("image", image), ("channels", channels), ("classes", classes)):
-        if int(v) < 1:
-            raise ValueError(f"{model}{depth}: {label} must be >= 1, got {v}")
-    if width <= 0:
-        raise ValueError(f"{model}{depth}: width divisor must be > 0, got {width}")
+        if not _is_count(v):
+            raise ValueError(f"{model}{depth}: {label} must be >= 1 and a whole number, got {v!r}")
+    if not _is_real(width) or not 0 < width < math.inf:
+        raise ValueError(f"{model}{depth}: width divisor must be a finite number > 0, got "
+                         f"{width!r}; width=1 is the full-size model")
     return fn(depth, int(batch), int(image), int(channels), int(classes), width)
+
+
+def _is_real(v):
+    """True for a real number that is not a bool."""
+    return isinstance(v, numbers.Real) and not isinstance(v, (bool, np.bool_))
+
+
+def _is_count(v):
+    """True for a whole number >= 1 (an int, or a float without a fraction), not a bool."""
+    return _is_real(v) and math.isfinite(v) and v >= 1 and int(v) == v
 
 
 def _free_all(things, keep):
@@ -389,20 +406,143 @@ def train_step(s, model, x, labels, optimizer, defrag=True, fused=True):
     applies every update after the backward pass (as the optimizer step usually is).
 
     The iteration ends with a step mark (``ca.mark_step``): a trace of N iterations has N steps.
+
+    Refused before any weight changes: a model not initialised or initialised on another
+    manager, images that are not real numbers or hold NaN or inf, labels that are not class
+    indices of the model, an optimizer without ``update``/``step``, a loss that is NaN or inf
+    (``FloatingPointError``), and a second step on the same model or session while one runs.
     """
+    _check_model(s, model)
+    _check_optimizer(optimizer, fused)
+    x = _cached_input(x, "images x", s, s.dtype) if isinstance(x, ca.CachedArray) else \
+        _images(x, s)
+    if isinstance(labels, ca.CachedArray):
+        _cached_input(labels, "labels", s)
+    else:
+        labels = _labels(labels, model)
+    with _training(s, model):
+        return _step(s, model, x, labels, optimizer, defrag, fused)
+
+
+_TRAINING = set()                       # ids of the sessions and models in a training step
+_TRAINING_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _training(s, model):
+    """Mark s and model as in a training step; refuse a second step on either meanwhile."""
+    keys = (id(s), id(model))
+    with _TRAINING_LOCK:
+        if not _TRAINING.isdisjoint(keys):
+            raise RuntimeError(
+                f"train_step: model {model.name} or its session is already in a training step "
+                "(in another thread, or train_step called from inside one); a model and a "
+                "session run one step at a time: give each thread its own model and session")
+        _TRAINING.update(keys)
+    try:
+        yield
+    finally:
+        with _TRAINING_LOCK:
+            _TRAINING.difference_update(keys)
+
+
+def _check_model(s, model):
+    """Raise naming the problem when model cannot train in session s."""
+    params = model.params()
+    if sum(p.value.size for p in params) != model.param_count():
+        raise RuntimeError(f"train_step: model {model.name} has no parameters yet; call "
+                           "model.init(session, seed) before training it")
+    if params and params[0].value.manager is not s.m:
+        raise ValueError(f"train_step: the parameters of model {model.name} belong to another "
+                         "manager than the session's; train it with the session it was "
+                         "initialised with, or call model.init(session) with this one")
+    if params and params[0].value.dtype != s.dtype:
+        raise ValueError(f"train_step: the parameters of model {model.name} are "
+                         f"{params[0].value.dtype}, the session computes in {s.dtype}; "
+                         "initialise the model with this session (model.init(session))")
+
+
+def _check_optimizer(optimizer, fused):
+    """Raise TypeError unless optimizer has the method train_step calls."""
+    need = "update" if fused else "step"
+    if not callable(getattr(optimizer, need, None)):
+        raise TypeError(f"train_step: optimizer must have the {need}() method of an optimizer "
+                        f"such as cnn.SGD(0.01); got {type(optimizer).__name__}")
+
+
+def _cached_input(a, what, s, dtype=None):
+    """a, a CachedArray, refused unless on the session's manager (and of dtype, if given);
+    its values are checked by the kernels that read it."""
+    if a.manager is not s.m:
+        raise ValueError(f"train_step: {what} are a CachedArray of another manager than the "
+                         "session's; pass an ndarray, or ca.asarray(x, manager=session.m)")
+    if dtype is not None and a.dtype != dtype:
+        raise ValueError(f"train_step: {what} are {a.dtype}, the session computes in "
+                         f"{dtype}; pass x.astype(np.{dtype}) or an ndarray")
+    return a
+
+
+def _images(x, s):
+    """x as a C-contiguous ndarray of the session's dtype, refused unless real and finite."""
+    a = np.asarray(x)
+    if a.dtype.kind not in "biuf":
+        raise TypeError(f"train_step: images x must be real numbers, got dtype {a.dtype}; "
+                        "pass an ndarray of shape (N, C, H, W) (np.real(x) for complex data)")
+    with np.errstate(over="ignore", invalid="ignore"):
+        a = np.ascontiguousarray(a, dtype=s.dtype)
+    bad = a.size - np.count_nonzero(np.isfinite(a))
+    if bad:
+        raise ValueError(f"train_step: images x have {bad} NaN or infinite values (in "
+                         f"{s.dtype}); they would turn every weight into NaN: clean or clip "
+                         "the data (np.nan_to_num) first")
+    return a
+
+
+def _labels(labels, model):
+    """labels as a C-contiguous int64 ndarray, refused unless they are class indices of model."""
+    a = np.asarray(labels)
+    if a.dtype.kind not in "iu":
+        raise ValueError(f"train_step: labels must be integer class indices, got dtype "
+                         f"{a.dtype}; pass them as integers (e.g. labels.astype(np.int64), "
+                         "after rounding)")
+    n = model.input_shape[0]
+    if a.shape != (n,):
+        raise ValueError(f"train_step: labels have shape {a.shape}, but model {model.name} "
+                         f"takes batches of {n} images: give one class index per image, "
+                         f"shape ({n},)")
+    out = (a < 0) | (a >= model.classes)
+    if out.any():
+        i = int(np.argmax(out))
+        raise ValueError(f"train_step: label {a[i]} at position {i} is not a class of model "
+                         f"{model.name}; labels must lie in [0, {model.classes})")
+    return np.ascontiguousarray(a, dtype=np.int64)
+
+
+def _check_loss(loss, model):
+    """Raise FloatingPointError for a NaN or infinite loss (before any weight changes)."""
+    if not math.isfinite(loss):
+        raise FloatingPointError(
+            f"train_step: the loss of model {model.name} is {loss} (its forward pass met NaN or "
+            "inf); the weights were left as they were: check the weights and the data for "
+            "NaN or inf, or lower the learning rate that made them diverge")
+
+
+def _step(s, model, x, labels, optimizer, defrag, fused):
+    """train_step's work on checked inputs (x, labels: ndarrays or CachedArrays)."""
     m = s.m
     own = []
     if not isinstance(x, ca.CachedArray):
-        x = ca.asarray(np.ascontiguousarray(x, dtype=s.dtype), manager=m)
+        x = ca.asarray(x, manager=m)
         own.append(x)
     if not isinstance(labels, ca.CachedArray):
-        labels = ca.asarray(np.ascontiguousarray(labels, dtype=np.int64), manager=m)
+        labels = ca.asarray(labels, manager=m)
         own.append(labels)
     tape, grads, logits = [], [], None
     try:
         logits = model.forward(s, x, tape)
         loss, g = softmax_cross_entropy(s, logits, labels)
         grads.append(g)
+        _check_loss(loss, model)
         del g
         s.fused = optimizer if fused else None
         if s.frees_early:

@@ -177,8 +177,7 @@ def fast_only_reference(model_name, depth, backend="numpy", fused=True,
     Every setup's modelled time uses these times (see ``trace.evaluate``); save the trace
     (``Trace.save``) to give later runs the same figures.
     """
-    if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 1:
-        raise ValueError(f"iterations must be a number of iterations >= 1, got {iterations!r}")
+    _check_iterations(iterations)
     model = build(model_name, depth, **shape)
     est = model.footprint_estimate()
     m, s = make_session("fast-only", int(est * 1.5) + (16 << 20), 1 << 20, backend)
@@ -198,6 +197,22 @@ def fast_only_reference(model_name, depth, backend="numpy", fused=True,
                                  getattr(backend, "__name__", "?"),
                                  fused=bool(fused), iterations=iterations, **shape)
     return ref
+
+
+def _check_iterations(iterations):
+    """Raise ValueError unless iterations is an int >= 1."""
+    if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 1:
+        raise ValueError(f"iterations must be a number of iterations >= 1, got {iterations!r}")
+
+
+def _check_footprint(footprint):
+    """Raise ValueError unless footprint is None or a number of bytes > 0."""
+    if footprint is not None and (isinstance(footprint, bool)
+                                  or not isinstance(footprint, (int, float, np.integer,
+                                                                np.floating))
+                                  or not 0 < footprint < float("inf")):
+        raise ValueError(f"footprint={footprint!r} must be the measured footprint in bytes "
+                         "(> 0), or None to measure it")
 
 
 def measure_footprint(model_name, depth, backend="numpy", fused=True, **shape):
@@ -230,6 +245,7 @@ class Trainer:
                  profile=None, slow=None, event_log=None, line_size=64, fused=True,
                  footprint=None, dram_cache=None, reference=None):
         setup = check_setup(setup)
+        _check_footprint(footprint)
         if _is_2lm(setup):
             fast = 0 if fast is None else fast
             dram_cache = "25%" if dram_cache is None else dram_cache
@@ -333,6 +349,7 @@ def run(model_name="resnet", depth=18, setup="LM", fast=None, iterations=2, back
     reference: fast-only kernel times (``fast_only_reference``); pass one to several runs to
     give them the same times (and footprint).
     """
+    _check_iterations(iterations)
     tr = Trainer(model_name, depth, setup, fast, backend, batch, image, channels, classes, width,
                  lr, seed, profile, slow, event_log, line_size, fused, footprint=footprint,
                  dram_cache=dram_cache, reference=reference)
