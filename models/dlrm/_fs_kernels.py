@@ -50,6 +50,13 @@ PREFETCH_AHEAD = 16
 ROW_PREFETCH = 64
 #: Indices ahead whose ``where`` entries the translation pass prefetches (``prefetch_far``).
 WHERE_PREFETCH = 96
+#: Missed indices ahead whose ``where`` entries ``first_misses`` prefetches (for writing), as
+#: ``embedding._SCAN_AHEAD``.
+SCAN_AHEAD = 32
+#: Missed rows one parallel work item of a caching lookup copies into the pool, and how
+#: far ahead it prefetches them (as ``embedding._PLACE_PER_ITEM`` and ``_PLACE_AHEAD``).
+PPI = 256
+PLACE_AHEAD = 8
 #: Indices translated by one parallel work item.
 INDICES_PER_ITEM = 4096
 WAHEAD = WHERE_PREFETCH
@@ -366,9 +373,9 @@ def sum_bag_indirect(bflat, cflat, where, indices, start, end, acc, missed, fs, 
 @njit(**INLINE)
 def translate(where, indices, lo, hi, pos, missed, fs, delta, refs, nrows, bad):
     """pos[j] = flat start, counted from the base, of row indices[j] where it lives, for j in
-    lo..hi; returns how many are cached. The rows of the others go to missed[lo], missed[lo
-    + 1], ... in index order (an empty ``missed``: none listed); an index out of range (as
-    unsigned, against ``nrows``) sets ``bad[0]``, gets row 0's position and is neither
+    lo..hi; returns how many are cached. The positions j of the others go to missed[lo],
+    missed[lo + 1], ... in index order (an empty ``missed``: none listed); an index out of
+    range (as unsigned, against ``nrows``) sets ``bad[0]``, gets row 0's position and is neither
     counted nor listed. ``refs`` (one byte per base row, or empty) gets 1 for every cached
     row read; it is indexed by the row, so it is prefetched with ``where``, and a row already
     marked is not written again, so its cache line stays shared between the cores.
@@ -396,7 +403,7 @@ def translate(where, indices, lo, hi, pos, missed, fs, delta, refs, nrows, bad):
         pos[j] = p
         hits += c
         if record:          # written always, kept only for a miss: no branch on the hit
-            missed[listed] = r
+            missed[listed] = j
             listed += 1 - c
         if mark and c and refs[r] == 0:
             refs[r] = 1
@@ -404,9 +411,23 @@ def translate(where, indices, lo, hi, pos, missed, fs, delta, refs, nrows, bad):
 
 
 @njit(**SERIAL)
-def pack_missed(missed, nidx, per_item, hits):
-    """Move the items' lists of missed rows (item k's at missed[k * per_item], hits[k] of its
-    indices cached) together at the front of ``missed``; returns how many there are."""
+def pack_missed(missed, indices, nidx, per_item, hits):
+    """Move the items' lists of missed positions (item k's at missed[k * per_item], hits[k]
+    of its indices cached) together at the front of ``missed`` as the rows at those
+    positions; returns how many there are."""
+    n = 0
+    for k in range(hits.shape[0]):
+        lo = k * per_item
+        count = min(per_item, nidx - lo) - hits[k]
+        for q in range(count):
+            missed[n + q] = indices[missed[lo + q]]
+        n += count
+    return n
+
+
+@njit(**SERIAL)
+def pack_positions(missed, nidx, per_item, hits):
+    """``pack_missed`` that keeps the positions."""
     n = 0
     for k in range(hits.shape[0]):
         lo = k * per_item
@@ -416,6 +437,62 @@ def pack_missed(missed, nidx, per_item, hits):
                 missed[n + q] = missed[lo + q]
         n += count
     return n
+
+
+@njit(**SERIAL)
+def first_misses(where, indices, missed, n, rows, kof):
+    """Number the rows of ``missed`` (n positions of uncached rows, in index order) in
+    first-seen order: the k-th row goes to rows[k] and is marked with ``where[r] = -2 - k``
+    (``place_misses`` restores every mark); kof[q] = the number of missed[q]'s row. Returns
+    how many rows. The entries are prefetched for writing SCAN_AHEAD positions ahead."""
+    nu = 0
+    for q in range(n):
+        if q + SCAN_AHEAD < n:
+            prefetch_write(where, np.uint64(indices[missed[q + SCAN_AHEAD]]))
+        r = indices[missed[q]]
+        w = where[r]
+        if w == -1:
+            where[r] = -2 - nu
+            rows[nu] = r
+            kof[q] = nu
+            nu += 1
+        else:
+            kof[q] = -2 - w
+    return nu
+
+
+@njit(**INLINE)
+def place_misses(bflat, cflat, where, backedge, rows, lo, hi, slots, fs):
+    """Copy rows[k] into slot slots[k] and point the row at it, for k in lo..hi below
+    len(slots); the rows beyond stay in the base (``where`` -1).  Flat unsigned offsets and
+    the source rows prefetched PLACE_AHEAD ahead, as ``embedding._place_rows``."""
+    nslots = slots.shape[0]
+    for k in range(lo, hi):
+        r = rows[k]
+        if k < nslots:
+            if k + PLACE_AHEAD < min(hi, nslots):
+                prefetch_row(bflat, at(rows[k + PLACE_AHEAD], fs), fs)
+            s = slots[k]
+            src = at(r, fs)
+            dst = at(s, fs)
+            for f in range(fs):
+                uf = np.uint64(f)
+                cflat[dst + uf] = bflat[src + uf]
+            backedge[s] = r
+            where[r] = s
+        else:
+            where[r] = -1
+
+
+@njit(**INLINE)
+def point_misses(pos, missed, kof, lo, hi, slots, delta, fs):
+    """pos[missed[q]] = the position of its row's new slot (see ``translate``), for q in
+    lo..hi whose row got one."""
+    nslots = slots.shape[0]
+    for q in range(lo, hi):
+        k = kof[q]
+        if k < nslots:
+            pos[missed[q]] = at(slots[k], fs) + delta
 
 
 @njit(**INLINE)
@@ -744,8 +821,50 @@ def make_kernels(FS):
             lo, hi = span(it, BPI, nbags)
             bag_sums_flat(bflat, pos, offsets, lo, hi, out, ostride, ocol, acc, fs,
                           SPECIALISED)
-        nmissed = pack_missed(missed, nidx, IPI, cached) if missed.shape[0] else 0
+        nmissed = pack_missed(missed, indices, nidx, IPI, cached) if missed.shape[0] else 0
         return cached.sum(), nmissed
+
+    @njit(**PARALLEL)
+    def translate_cached(base, where, indices, missed, delta, pos, refs, nrows, bad, rows,
+                         kof):
+        """The first pass of a lookup that caches the rows it misses: ``bag_sum_cached``'s
+        translation, then (no index out of range) the positions of the missed indices at the
+        front of ``missed`` and their rows numbered (``first_misses``). Returns (cached
+        indices, missed indices, missed rows)."""
+        fs = FS or base.shape[1]
+        nidx = indices.shape[0]
+        nitems = (nidx + IPI - 1) // IPI
+        cached = np.empty(nitems, dtype=np.int64)
+        for it in prange(nitems):
+            lo, hi = span(it, IPI, nidx)
+            cached[it] = translate(where, indices, lo, hi, pos, missed, fs, delta, refs, nrows,
+                                   bad)
+        if bad[0]:
+            return cached.sum(), 0, 0
+        n = pack_positions(missed, nidx, IPI, cached)
+        return cached.sum(), n, first_misses(where, indices, missed, n, rows, kof)
+
+    @njit(**PARALLEL)
+    def bag_sum_placed(base, cache, where, backedge, offsets, nbags, out, ostride, ocol, pos,
+                       delta, missed, kof, nmissed, rows, nrows, slots):
+        """The second pass of that lookup: the missed rows copied into their slots
+        (``place_misses``) and the positions of their indices pointed there
+        (``point_misses``), then ``bag_sum_cached``'s sums over ``pos``: same sums, same
+        order of additions, every cached row read from the pool."""
+        fs = FS or base.shape[1]
+        bflat = base.reshape(-1)
+        cflat = cache.reshape(-1)
+        nitems = max(1, (nrows + PPI - 1) // PPI)
+        for it in prange(nitems):       # item it: its share of the rows and of the indices
+            place_misses(bflat, cflat, where, backedge, rows, it * nrows // nitems,
+                         (it + 1) * nrows // nitems, slots, fs)
+            point_misses(pos, missed, kof, it * nmissed // nitems,
+                         (it + 1) * nmissed // nitems, slots, delta, fs)
+        for it in prange((nbags + BPI - 1) // BPI):
+            acc = np.empty(fs, dtype=base.dtype)
+            lo, hi = span(it, BPI, nbags)
+            bag_sums_flat(bflat, pos, offsets, lo, hi, out, ostride, ocol, acc, fs,
+                          SPECIALISED)
 
     @njit(**PARALLEL)
     def bag_sum_cached_many(ref, wheres, indices, offsets, nbags, out, ostride, cols, origins,
@@ -786,7 +905,8 @@ def make_kernels(FS):
         for t in range(ntables):
             missed = misseds[t]
             off = offsets[t]
-            nidx = indices[t].shape[0]
+            idx = indices[t]
+            nidx = idx.shape[0]
             n = 0
             for c in range(nchunks):
                 lo, hi = span(c, chunk, nbags)
@@ -796,9 +916,8 @@ def make_kernels(FS):
                 hits[t] += got
                 if missed.shape[0]:
                     count = ihi - ilo - got
-                    if ilo != n:
-                        for q in range(count):
-                            missed[n + q] = missed[ilo + q]
+                    for q in range(count):
+                        missed[n + q] = idx[missed[ilo + q]]
                     n += count
             nmissed[t] = n
         return hits
@@ -948,6 +1067,7 @@ def make_kernels(FS):
 
     return dict(gather=gather, gather_many=gather_many, bag_sum=bag_sum,
                 bag_sum_cached=bag_sum_cached, bag_sum_cached_many=bag_sum_cached_many,
+                translate_cached=translate_cached, bag_sum_placed=bag_sum_placed,
                 apply_sgd_cached_many=apply_sgd_cached_many,
                 bag_sum_many=bag_sum_many, apply_sgd=apply_sgd,
                 apply_sgd_cached=apply_sgd_cached, grad=grad, update_many=update_many,

@@ -562,6 +562,78 @@ def _indirect_bags(b, c, where, idx, off, nbags, flat, stride, missed, refs, bou
     return hits
 
 
+class CachingLookup:
+    """A lookup between ``lookup_caching_begin`` and ``lookup_caching_end``: its indices
+    translated (``pos``), ``hits`` of them cached; the positions of the other ``nmissed``
+    at the front of ``missed``, their ``nrows`` rows in ``rows`` (first seen first) and
+    marked in ``where``, ``kof[q]`` the number of missed[q]'s row."""
+
+    __slots__ = ("base", "where", "off", "nbags", "out", "flat", "stride", "scratch", "pos",
+                 "delta", "missed", "kof", "rows", "hits", "nmissed", "nrows")
+
+    def missed_rows(self):
+        """The rows marked in ``where``, k-th first."""
+        return self.rows[:self.nrows]
+
+
+def lookup_caching_begin(base, cache, where, indices, offsets, out, refs=None, *,
+                         name="table", check=False):
+    """The first pass of a table's bag lookup that caches the rows it misses: every index
+    translated to where its row lives (see ``bag_sum_cached``), the missed rows listed once
+    each and marked in ``where`` (-2 - k for the k-th); then ``lookup_caching_end`` copies
+    them into the slots given and sums the bags. For a table's own arrays: ``where``
+    valid, the pool apart from the base, the offsets checked (``check`` False, or
+    ``IN_KERNEL`` to check the indices in the kernel). Returns a ``CachingLookup``, or
+    None (nothing done) where the two-pass kernel does not serve."""
+    nbags = _nbags_of(out, offsets)
+    fs = base.shape[1]
+    if check is True or not nbags or not fs or _INDIRECT_LOOKUP != "bag_sum_cached":
+        return None
+    delta = _distance(base, cache)
+    if delta is None:
+        return None
+    bound = NO_BOUND
+    if check == IN_KERNEL and _plain_index_array(indices):
+        idx, bound = indices, np.uint64(base.shape[0])
+    else:
+        idx = _indices(indices, base.shape[0], name, bool(check))
+    nidx = idx.shape[0]
+    look = CachingLookup()
+    look.base, look.nbags, look.delta = _readonly(base), nbags, delta
+    look.off = _offsets(offsets, nidx, nbags, name, False)
+    look.where = _where_array(where, name)
+    look.out, look.flat, look.stride, look.scratch = _output(out, nbags, fs, base.dtype, name)
+    look.pos = scratch("positions", nidx, np.uint64)
+    look.missed = scratch("missed", nidx, np.int64)
+    look.kof = scratch("missed_rank", nidx, np.int64)
+    look.rows = scratch("miss_rows", nidx, np.int64)
+    bad = np.zeros(1, dtype=np.uint8)
+    hits, nmissed, nrows = _pick("translate_cached", fs)(
+        look.base, look.where, idx, look.missed, delta, look.pos,
+        _NO_MARKS if refs is None else refs, bound, bad, look.rows, look.kof)
+    if bad[0]:
+        check_indices(idx, base.shape[0], name)     # raises, naming the first bad index
+        raise AssertionError("the lookup kernel flagged an index that is in range")
+    look.hits, look.nmissed, look.nrows = int(hits), int(nmissed), int(nrows)
+    return look
+
+
+def lookup_caching_end(look, cache, backedge, slots):
+    """The first ``len(slots)`` missed rows of ``look`` copied into those slots of ``cache``
+    (a writable view of the pool; None with no slots) and pointed at them, the others
+    unmarked; then the bag sums into ``look``'s ``out``, every cached row read from the
+    pool."""
+    fs = look.base.shape[1]
+    if cache is None:
+        cache = np.empty((0, fs), dtype=look.base.dtype)
+    _pick("bag_sum_placed", fs)(look.base, cache, look.where, backedge, look.off, look.nbags,
+                                look.flat, look.stride, 0, look.pos, look.delta, look.missed,
+                                look.kof, look.nmissed, look.rows, look.nrows, slots)
+    if look.scratch is not None:
+        look.out[...] = look.scratch
+    return look.out
+
+
 def _prepare_update(nrows, indices, offsets, dout, dtype, fs, name, check=True):
     idx = _indices(indices, nrows, name, check)
     if offsets is None:  # one index per bag (the pullback of a non-reducing lookup)
