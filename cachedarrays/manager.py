@@ -22,7 +22,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from . import copyengine
-from ._records import ManagerRecord, ObjectRecord, RegionRecord
+from ._records import ManagerLock, ManagerRecord, ObjectRecord, RegionRecord
 from ._records import bind as _bind_records
 from ._records import create_fast as _create_fast
 from ._records import drain as _drain
@@ -351,7 +351,7 @@ class Manager(ManagerRecord):
         self._pid = os.getpid()
         self._gate = True             # closing or closed: pins and allocations take the slow path
         self._closing = False
-        self._lock = threading.RLock()
+        self._lock = ManagerLock()     # threading.RLock's interface, taken in C without a call
         self._cond = threading.Condition(self._lock)   # notified when pins drop while closing
         self._scopes = {}             # open access scope -> (thread id, ((object, shape), ...))
         self._pinned_by = {}          # (thread id, object id) -> (object, count) for pin()
@@ -627,7 +627,7 @@ class Manager(ManagerRecord):
         """In a forked child: refuse every use of this manager of the parent, and let go
         of its devices without writing to them (the slow mapping, its heap headers included,
         is shared with the parent) or removing the parent's files."""
-        self._lock = threading.RLock()            # held at the fork by a thread now gone
+        self._lock = ManagerLock()                # held at the fork by a thread now gone
         self._cond = threading.Condition(self._lock)
         self._copier = None                       # its worker threads are the parent's
         self._reading = []

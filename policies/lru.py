@@ -37,7 +37,7 @@ import numpy as np
 
 from .._records import LRURecord
 from .._records import bind_lru as _bind_lru
-from ..manager import Observer
+from ..manager import Manager, Observer
 from ..registry import register_policy
 from ..trace import StableIds
 from .base import Policy
@@ -364,4 +364,4 @@ class LRU(Policy, LRURecord):
 
 
 register_policy(LRU.name, LRU)
-_bind_lru(LRU.read_use, LRU.new_in_fast, LRU.forget)
+_bind_lru(LRU.read_use, LRU.new_in_fast, LRU.forget, LRU.write_use, Manager.markdirty)
