@@ -162,6 +162,20 @@ def test_an_output_path_that_is_not_a_directory_is_refused(tmp_path, tsv):
     assert (out / "labels").read_text() == "mine"
 
 
+@pytest.mark.parametrize("name", ["labels", "dense", "sparse"])
+def test_an_array_directory_that_is_a_symbolic_link_is_refused_and_its_target_kept(
+        tmp_path, tsv, name):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "data.ninja").write_bytes(b"precious")
+    out = tmp_path / "out"
+    out.mkdir()
+    os.symlink(elsewhere, out / name)
+    with pytest.raises(ValueError, match=f"{name} is a symbolic link"):
+        C.convert_criteo(tsv, out, SIZES)
+    assert (elsewhere / "data.ninja").read_bytes() == b"precious"
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
 def test_a_read_only_output_directory_is_refused(tmp_path, tsv):
     out = tmp_path / "ro"

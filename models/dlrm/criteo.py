@@ -242,6 +242,10 @@ def _output_dir(out_dir) -> Path:
                                  f"(convert_criteo creates it when missing)")
     for name in _ARRAYS:
         part = out / name
+        if part.is_symlink():
+            raise ValueError(f"{part} is a symbolic link (to {os.readlink(part)}); "
+                             f"convert_criteo writes and deletes the {name} array's files "
+                             f"there: remove the link or pass another out_dir")
         if (part.exists() or part.is_symlink()) and not part.is_dir():
             raise NotADirectoryError(f"{part} exists and is not a directory; convert_criteo "
                                      f"writes the {name} array there: move it away")
