@@ -573,3 +573,17 @@ def test_a_dataset_pickles_as_its_arguments(converted):
     assert len(blob) < 2000                                 # not the data
     again = pickle.loads(blob)
     assert len(again) == len(ds) == 15 and _same_batches(list(ds), list(again))
+
+
+def test_zipf_sample_names_a_seed_given_for_a_generator_and_a_bad_size():
+    from cachedarrays.models.dlrm import ZipfSampler
+    z = ZipfSampler(100, 1.1)
+    with pytest.raises(TypeError, match="takes a np.random.Generator, got int"):
+        z.sample(7, 10)
+    with pytest.raises(ValueError, match="size .* must be >= 0, got -1"):
+        z.sample(np.random.default_rng(0), -1)
+    with pytest.raises(TypeError, match="size .* must be an integer"):
+        z.sample(np.random.default_rng(0), 2.5)
+    got = z.sample(np.random.default_rng(0), 1000)
+    assert got.shape == (1000,) and got.min() >= 0 and got.max() < 100
+    assert z.sample(np.random.default_rng(0), 0).shape == (0,)

@@ -246,6 +246,11 @@ class ZipfSampler:
         return np.exp(ratio * u)
 
     def sample(self, rng: np.random.Generator, size: int) -> np.ndarray:
+        """``size`` 0-based ranks drawn with ``rng`` (a ``np.random.Generator``)."""
+        if not isinstance(rng, np.random.Generator):
+            raise TypeError(f"ZipfSampler.sample takes a np.random.Generator, got "
+                            f"{type(rng).__name__}; e.g. sample(np.random.default_rng(seed), n)")
+        size = _integer(size, "size (how many ranks to draw)", 0)
         out = np.empty(size, dtype=np.int64)
         todo = np.arange(size)
         while todo.size:
