@@ -216,7 +216,8 @@ def prefetch(*xs, force=False, wait=True):
     passed directly or found inside a container, raises UseAfterFreeError; so do evict,
     softevict and unsafe_free.
     """
-    _each("prefetch", xs, True, force, wait)
+    _each("prefetch", xs, True, _switch("prefetch", "force", force),
+          _switch("prefetch", "wait", wait))
 
 
 def evict(*xs, to=None, wait=True):
@@ -225,7 +226,14 @@ def evict(*xs, to=None, wait=True):
     to: the device to move them to (a tier name; default the slow device). wait=False returns
     at once while the copies run in the background.
     """
-    _each("evict", xs, True, to, wait)
+    _each("evict", xs, True, to, _switch("evict", "wait", wait))
+
+
+def _switch(op, name, v):
+    """v if it is True or False; TypeError otherwise (the text "no" or None is no answer)."""
+    if not isinstance(v, (bool, np.bool_)):
+        raise TypeError(f"ca.{op}: {name}={v!r} must be True or False")
+    return bool(v)
 
 
 def softevict(*xs):

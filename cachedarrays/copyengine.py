@@ -27,7 +27,10 @@ they exit (no submit is possible any more), so threads never leak.
 from __future__ import annotations
 
 import logging
+import math
 import mmap
+import numbers
+import operator
 import os
 import collections
 import concurrent.futures
@@ -57,23 +60,68 @@ def _after_fork_in_child():
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+def _whole(n, what, low=0, high=1 << 64):
+    """n as an int in [low, high): TypeError for a bool, float or str (never rounded or parsed),
+    ValueError outside the range."""
+    if isinstance(n, bool):
+        raise TypeError(f"{what} must be an int, not a bool")
+    try:
+        v = operator.index(n)
+    except TypeError:
+        raise TypeError(f"{what} must be an int, not {type(n).__name__} {n!r} (it is never "
+                        "rounded or parsed); pass a whole number") from None
+    if not low <= v < high:
+        bound = f">= {low}" if low and high == 1 << 64 else \
+            f"in [{low}, {_BOUNDS.get(high, high)})"
+        raise ValueError(f"{what} must be {bound}, got {v}")
+    return v
+
+
+_BOUNDS = {1 << 64: "2**64", 1 << 31: "2**31"}
+
+
+def check_timeout(timeout, what="timeout"):
+    """timeout as a float number of seconds, or None (no limit, also for +inf); a negative one
+    is 0. TypeError for a bool, str or other non-number, ValueError for NaN."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, (bool, str, bytes)) or not isinstance(timeout, numbers.Real):
+        raise TypeError(f"{what} must be a number of seconds or None (no limit), not "
+                        f"{type(timeout).__name__} {timeout!r}")
+    t = float(timeout)
+    if math.isnan(t):
+        raise ValueError(f"{what} is NaN; pass a number of seconds or None (no limit)")
+    return None if t == math.inf else max(0.0, t)
+
+
 def _ptr(addr, what):
     if isinstance(addr, ffi.CData):
         return ffi.cast("void *", addr)
-    try:
-        a = int(addr)
-    except TypeError:
-        raise TypeError(f"{what} must be an int address or a cffi pointer, got {type(addr).__name__}") from None
+    if isinstance(addr, bool) or not hasattr(type(addr), "__index__"):
+        raise TypeError(f"{what} must be an int address or a cffi pointer, got "
+                        f"{type(addr).__name__}")
+    a = operator.index(addr)
     if a < 0 or a >= 1 << 64:
         raise ValueError(f"{what} address {a} is outside the address space")
     return ffi.cast("void *", a)
 
 
 def _size(n, what="nbytes"):
-    n = int(n)
-    if n < 0 or n >= 1 << 64:
-        raise ValueError(f"{what} must be in [0, 2**64), got {n}")
-    return n
+    return _whole(n, what)
+
+
+def _threads(n, what="threads"):
+    """A thread count: an int >= 1 (counts above the engine's 64 are clamped to 64)."""
+    return min(_whole(n, what, 1, 1 << 64), 64)
+
+
+def _check_apart(dst, src, n):
+    """ValueError if [dst, dst+n) and [src, src+n) overlap but differ (the copy would read
+    bytes it already overwrote; the same range is a no-op)."""
+    if dst != src and dst < src + n and src < dst + n:
+        raise ValueError(f"copy of {n} bytes from {src:#x} to {dst:#x}: the ranges overlap "
+                         f"by {n - abs(dst - src)} bytes; copy through a separate buffer (or "
+                         "np.copyto on views, which handles overlap)")
 
 
 def copy(dst_address, src_address, nbytes: int, threads: int | None = None,
@@ -83,7 +131,9 @@ def copy(dst_address, src_address, nbytes: int, threads: int | None = None,
     persist=True writes the destination's cache lines back (for DAX-mapped persistent memory).
     """
     if type(nbytes) is int and 0 < nbytes < MT_MIN and type(dst_address) is int \
-            and type(src_address) is int and (threads is None or type(threads) is int and threads > 0):
+            and type(src_address) is int and (threads is None or type(threads) is int and
+                                              0 < threads <= 64) \
+            and (dst_address >= src_address + nbytes or src_address >= dst_address + nbytes):
         try:
             _copy_u(dst_address, src_address, nbytes, threads or 0,
                     lib.CA_COPY_PERSIST if persist else 0)     # fastest path: small, plain ints
@@ -94,11 +144,10 @@ def copy(dst_address, src_address, nbytes: int, threads: int | None = None,
     if threads is None:
         t = 0
     else:
-        t = int(threads)
-        if t < 1:
-            raise ValueError(f"threads must be >= 1 (or None for the default), got {threads}")
+        t = _threads(threads, "threads (or None for the default)")
     flags = lib.CA_COPY_PERSIST if persist else 0
     if type(dst_address) is int and type(src_address) is int and type(nbytes) is int and nbytes > 0:
+        _check_apart(dst_address, src_address, nbytes)
         if t == 0 and not _chosen and nbytes >= MT_MIN:
             _choose_default()
         try:
@@ -112,6 +161,7 @@ def copy(dst_address, src_address, nbytes: int, threads: int | None = None,
         return
     d = _ptr(dst_address, "destination")
     s = _ptr(src_address, "source")
+    _check_apart(int(ffi.cast("uintptr_t", d)), int(ffi.cast("uintptr_t", s)), n)
     if t == 0 and not _chosen and n >= MT_MIN:
         _choose_default()
     lib.ca_copy(d, s, n, t, flags)
@@ -120,9 +170,7 @@ def copy(dst_address, src_address, nbytes: int, threads: int | None = None,
 def set_threads(n: int) -> None:
     """Set the default thread count for copies (>= 1); disables automatic calibration."""
     global _chosen
-    n = int(n)
-    if n < 1:
-        raise ValueError(f"copy thread count must be >= 1, got {n}")
+    n = _threads(n, "copy thread count")
     with _engine_lock:
         lib.ca_copy_set_threads(n)
         _chosen = True
@@ -167,7 +215,8 @@ def flush(addr, nbytes: int) -> None:
 def mbind(addr, nbytes: int, node: int) -> None:
     """Bind the pages of [addr, addr+nbytes) to NUMA node `node`; raises OSError on failure."""
     n = _size(nbytes)
-    rc = lib.ca_mbind(_ptr(addr, "mbind"), n, int(node))
+    node = _whole(node, "NUMA node", 0, 1 << 31)
+    rc = lib.ca_mbind(_ptr(addr, "mbind"), n, node)
     if rc:
         raise OSError(rc, f"mbind of {n} bytes at {int(ffi.cast('uintptr_t', _ptr(addr, 'mbind'))):#x} "
                           f"to NUMA node {node} failed: {os.strerror(rc)}; check the node exists "
@@ -208,6 +257,8 @@ def _choose_default() -> None:
 def calibrate(nbytes: int = CALIBRATION_BYTES, repeats: int = 3) -> int:
     """Time a copy of nbytes at 1 and 2 threads (min of repeats); set and return the faster."""
     global _chosen
+    nbytes = _whole(nbytes, "calibration bytes", 1)
+    repeats = _whole(repeats, "calibration repeats", 1)
     with _engine_lock:
         n = _calibrate_locked(nbytes, repeats)
         lib.ca_copy_set_threads(n)
@@ -304,6 +355,7 @@ class CopyJob:
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the job finished or was cancelled; False if timeout (seconds) ran out."""
+        timeout = check_timeout(timeout)
         if self._state >= _DONE:
             return True
         t0 = time.perf_counter()
@@ -429,11 +481,11 @@ class CopyWorkers:
 
         keepalive stays referenced until the job ends (e.g. the buffers, so they stay mapped).
         """
-        chunk = int(self.chunk)
-        if chunk < 1:
-            raise ValueError(f"CopyWorkers.chunk must be >= 1 byte, got {self.chunk}")
-        job = CopyJob(self._s, key, _addr_int(dst_addr, "destination"),
-                      _addr_int(src_addr, "source"), _size(nbytes), bool(persist), keepalive, chunk)
+        chunk = _whole(self.chunk, "CopyWorkers.chunk (bytes per piece of a copy)", 1)
+        dst, src, nbytes = _addr_int(dst_addr, "destination"), _addr_int(src_addr, "source"), \
+            _size(nbytes)
+        _check_apart(dst, src, nbytes)
+        job = CopyJob(self._s, key, dst, src, nbytes, bool(persist), keepalive, chunk)
         s = self._s
         if s.pid != os.getpid():
             raise RuntimeError(f"this CopyWorkers was made in process {s.pid}, and its worker "
@@ -463,7 +515,7 @@ class CopyWorkers:
 
     def drain(self, timeout: float | None = None) -> bool:
         """Wait until every job finished and its callbacks ran; False if timeout ran out."""
-        s = self._s
+        s, timeout = self._s, check_timeout(timeout)
         with s.cond:
             return s.cond.wait_for(lambda: not s.running and not any(s.queues.values()), timeout)
 

@@ -635,9 +635,20 @@ class SlowDevice(Device):
                     f"({format_size(self.size)}); choose a smaller size or another path"
                 ) from None
             if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
-                raise DeviceError(f"cannot size slow device file {self.path!r} to "
-                                  f"{format_size(self.size)}: {e.strerror}") from None
-            os.ftruncate(fd, max(have, self.size))
+                raise self._sizing_error(e) from None
+            try:
+                os.ftruncate(fd, max(have, self.size))
+            except OSError as e:
+                raise self._sizing_error(e) from None
+
+    def _sizing_error(self, e):
+        """The DeviceError for a backing file that cannot grow to the device's size."""
+        fix = "choose a smaller slow size or a slow_path on another file system"
+        if e.errno == errno.EFBIG:
+            fix = ("the process's file-size limit (ulimit -f) or the file system's largest file "
+                   f"is smaller: raise the limit, or {fix}")
+        return DeviceError(f"cannot size slow device file {self.path!r} to "
+                           f"{format_size(self.size)}: {e.strerror}; {fix}")
 
     def _map(self, fd, populate):
         prot = mmap.PROT_READ | mmap.PROT_WRITE

@@ -123,6 +123,7 @@ class Heap(HeapRecord):
 
     def __init__(self, base, size: int, granularity: int = 0, name: str = "heap"):
         self.name = name
+        size, granularity = _int_arg(size, "size", name), _int_arg(granularity, "granularity", name)
         if size < 0 or granularity < 0:
             raise ValueError(f"heap {name!r}: size {size} and granularity {granularity} must be >= 0")
         ptr, self._keepalive = _as_pointer(base)
@@ -422,9 +423,17 @@ def _block_info(out) -> BlockInfo:
                      bool(f & lib.CA_FLAG_FREE), bool(f & lib.CA_FLAG_EVICTING))
 
 
+def _int_arg(n, what, name) -> int:
+    """n as an int; TypeError naming the heap for a bool, float or str (never rounded)."""
+    if isinstance(n, bool) or not hasattr(type(n), "__index__"):
+        raise TypeError(f"heap {name!r}: {what} must be an int number of bytes, not "
+                        f"{type(n).__name__} {n!r}")
+    return operator.index(n)
+
+
 def _nonneg(n, what) -> int:
     try:
-        v = operator.index(n)
+        v = -1 if isinstance(n, bool) else operator.index(n)
     except TypeError:
         v = -1
     if v < 0 or v >= 1 << 64:

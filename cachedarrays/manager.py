@@ -10,7 +10,6 @@ by their finalizer; the queue drains at the next manager call.
 """
 
 import itertools
-import math
 import os
 import sys
 import threading
@@ -39,7 +38,7 @@ from .poison import Poison
 from .poison import enabled as debug_enabled
 from .registry import resolve as resolve_policy
 from .sizes import _MAX_TEXT, MAX_SIZE, format_size, parse_size
-from .telemetry import Telemetry, check_event_log
+from .telemetry import MAX_DEVICES, Telemetry, check_event, check_event_log
 
 
 class Region(RegionRecord):
@@ -192,6 +191,12 @@ TIER_PROFILES = {"fast": "dram", "dram": "dram", "slow": "optane", "pmem": "opta
                  "nvme-ssd": "nvme-ssd"}
 
 
+def _close_made(dev, given):
+    """Close dev after a failed construction unless the caller passed it in (for a retry)."""
+    if not any(dev is g for g in given):
+        dev.close()
+
+
 def _tier_error(i, spec, why):
     return ValueError(f"tiers[{i}] = {spec!r}: {why}; write each tier as (name, size) or "
                       "(name, size, path) or (name, size, path, profile), fastest first, e.g. "
@@ -204,6 +209,10 @@ def _build_tiers(tiers, virtual, **kw):
     if isinstance(tiers, (str, bytes)) or not hasattr(tiers, "__len__") or len(tiers) < 2:
         raise ValueError(f"tiers must list at least two tiers, fastest first, got {tiers!r}; "
                          'e.g. tiers=[("dram", "4GiB"), ("pmem", "32GiB", "/mnt/pmem")]')
+    if len(tiers) > MAX_DEVICES:
+        raise ValueError(f"tiers lists {len(tiers)} tiers, but a manager has at most "
+                         f"{MAX_DEVICES} (telemetry counts that many devices); merge the slowest "
+                         "tiers into one, or run two managers")
     devs, names = [], set()
     try:
         for i, spec in enumerate(tiers):
@@ -243,7 +252,7 @@ def _build_tiers(tiers, virtual, **kw):
             devs.append(dev)
     except BaseException:
         for d in devs:
-            d.close()
+            _close_made(d, [t for t in tiers if isinstance(t, Device)])
         raise
     return devs
 
@@ -397,7 +406,7 @@ class Manager(ManagerRecord):
                 slow_dev = slow if isinstance(slow, Device) else VirtualDevice(
                     parse_size(slow, "slow memory size"), name="slow", granularity=granularity)
             except BaseException:
-                fast_dev.close()
+                _close_made(fast_dev, given)
                 raise
             devs = [fast_dev, slow_dev]
         else:
@@ -408,13 +417,12 @@ class Manager(ManagerRecord):
                             SlowDevice(parse_size(slow, "slow memory size"), path=slow_path,
                                        name="slow", populate=populate, granularity=granularity))
             except BaseException:
-                fast_dev.close()
+                _close_made(fast_dev, given)
                 raise
             devs = [fast_dev, slow_dev]
         if len({d.virtual for d in devs}) > 1:
             for d in devs:
-                if not any(d is g for g in given):
-                    d.close()
+                _close_made(d, given)
             names = ", ".join(f"{d.name!r} ({'virtual' if d.virtual else d.kind}, "
                               f"{format_size(d.size)})" for d in devs)
             raise DeviceError(f"devices {names} mix virtual and real memory: a virtual device "
@@ -428,8 +436,10 @@ class Manager(ManagerRecord):
                 d.profile = TIER_PROFILES.get(d.name, "dram" if i == 0 else "optane")
         if len({d.name for d in devs}) != len(devs):
             for d in devs:
-                d.close()
-            raise ValueError(f"two devices share the name {devs[0].name!r}; name them apart")
+                _close_made(d, given)
+            raise ValueError(f"two devices share the name {devs[0].name!r}; name them apart "
+                             "(a device you make takes name=, e.g. "
+                             "SlowDevice(size, name=\"slow\"))")
         self.tiers = devs
         self.devices = {d.name: d for d in devs}
         self.fast, self.slow = devs[0], devs[1]
@@ -439,8 +449,7 @@ class Manager(ManagerRecord):
             self.telemetry = Telemetry(self.devices, event_log=event_log)
         except BaseException:
             for d in devs:
-                if not any(d is g for g in given):
-                    d.close()
+                _close_made(d, given)
             raise
         for d in devs:
             d._owner = self._ref
@@ -449,8 +458,17 @@ class Manager(ManagerRecord):
         try:
             self.policy = self._resolve_policy(policy, policy_options or {})
         except BaseException:
+            self._give_back(given)
             self.close()
             raise
+
+    def _give_back(self, given):
+        """A construction failed: devices the caller passed in, still empty, stay open (for a
+        retry); close() then releases only the devices the manager made."""
+        for d in given:
+            if d.heap is None or d.heap.stats().nallocated == 0:
+                self.devices = {n: v for n, v in self.devices.items() if v is not d}
+                d._owner = None
 
     @staticmethod
     def open_managers():
@@ -506,6 +524,7 @@ class Manager(ManagerRecord):
             #                                       keep it (to read its records afterwards)
 
     def _close(self, timeout):
+        timeout = copyengine.check_timeout(timeout, "close timeout")
         with self._lock:
             while self._closing:                  # another thread is closing: take its outcome
                 self._cond.wait()
@@ -564,9 +583,7 @@ class Manager(ManagerRecord):
             pinned = self._pinned()
             mine = {id(o) for o, _ in here}
             raise self._pinned_error(sorted(pinned, key=lambda o: id(o) not in mine), True)
-        if timeout is not None and math.isinf(float(timeout)) and timeout > 0:
-            timeout = None                        # no limit
-        deadline = None if timeout is None else time.monotonic() + max(0.0, float(timeout))
+        deadline = None if timeout is None else time.monotonic() + timeout
         self._closing = True
         self._gate = True
         done = False
@@ -1123,6 +1140,7 @@ class Manager(ManagerRecord):
 
     def wait_copies(self, timeout=None):
         """Wait until every background copy has finished; False on timeout."""
+        timeout = copyengine.check_timeout(timeout, "wait_copies timeout")
         copier = self._copier
         return True if copier is None else copier.drain(timeout)
 
@@ -1612,6 +1630,11 @@ class Manager(ManagerRecord):
 
     def _device(self, device):
         if isinstance(device, Device):
+            if self.devices.get(device.name) is not device:
+                raise ValueError(f"device {device.name!r} ({format_size(device.size)}) is not one "
+                                 f"of this manager's devices: its heap belongs to another manager "
+                                 f"(or to none); pass one of this manager's devices or its name "
+                                 f"({', '.join(self.devices)})")
             return device
         try:
             return self.devices[device]
@@ -2007,6 +2030,7 @@ class Manager(ManagerRecord):
 
     def count(self, name, nbytes=0, **fields):
         """Record a named event in telemetry (used by policies and the array layer)."""
+        nbytes = check_event(name, nbytes)
         with self._lock:
             self.telemetry.count(name, nbytes, **fields)
 

@@ -4,12 +4,16 @@ These counts are the ground truth for comparing policies on machines without per
 """
 
 import json
+import logging
+import operator
 import os
 import threading
 import time
 from collections import defaultdict
 
 from ._records import TelemetryRecord
+
+log = logging.getLogger(__name__)
 
 # Every named event the library counts, so stats()["events"] holds each one (zero until it
 # happens). A test checks that every count("name", ...) call in the source tree is listed here.
@@ -57,7 +61,8 @@ class Telemetry(TelemetryRecord):
         self._c = memoryview(self).cast("q")    # the C counters: [kind * MAX_DEVICES + device]
         check_event_log(event_log)
         self._log_path = event_log
-        self._log = open(event_log, "a", buffering=1 << 16) if event_log else None
+        self._log = _open_event_log(event_log) if event_log else None
+        self.log_error = None                    # why the event log stopped, if it did
         self._log_lock = threading.Lock()
         self.t0 = time.perf_counter()
         self.reset()
@@ -126,12 +131,41 @@ class Telemetry(TelemetryRecord):
             return
         rec = {"t": round(time.perf_counter() - self.t0, 9), "event": event, **fields}
         with self._log_lock:
-            self._log.write(json.dumps(rec) + "\n")
+            f = self._log
+            if f is None:
+                return
+            try:
+                f.write(json.dumps(rec, default=repr) + "\n")
+            except (OSError, ValueError) as e:
+                self._stop_log(e)
+
+    def _stop_log(self, e):
+        """The event log cannot be written (a full disk): stop logging and say so once.
+
+        Never raised: an event is emitted in the middle of the manager's operations, which an
+        exception there would leave half done."""
+        f, self._log = self._log, None
+        try:
+            f.close()
+        except (OSError, ValueError):
+            pass
+        self._report(e)
+
+    def _report(self, e):
+        self.log_error = e
+        log.warning("event log %r could not be written (%s); event logging stopped and the "
+                    "log lacks the events since its last write: free space or pass another "
+                    "event_log", self._log_path, getattr(e, "strerror", None) or e)
 
     def close(self):
-        if self._log is not None:
-            self._log.close()
-            self._log = None
+        """Close the event log; a failure to write its last events is logged, never raised."""
+        with self._log_lock:
+            f, self._log = self._log, None
+        if f is not None:
+            try:
+                f.close()
+            except (OSError, ValueError) as e:
+                self._report(e)
 
     # Reports -------------------------------------------------------------------------------
 
@@ -155,6 +189,31 @@ class Telemetry(TelemetryRecord):
                 rec.update({"heap_" + k: v for k, v in device_stats[d].items()})
             out["devices"][d] = rec
         return out
+
+
+def _open_event_log(path):
+    """The event log opened for appending; OSError naming the path and the fix otherwise."""
+    try:
+        return open(path, "a", buffering=1 << 16)
+    except OSError as e:
+        raise type(e)(e.errno, f"cannot open event_log {os.fspath(path)!r}: {e.strerror}; pass "
+                      "the path of a file in a writable directory, or None for no log") from None
+
+
+def check_event(name, nbytes):
+    """nbytes as an int; TypeError unless name is a non-empty str and nbytes a whole number of
+    bytes >= 0 (stats() sorts the names and sums the bytes)."""
+    if type(name) is not str or not name:
+        raise TypeError(f"an event's name must be a non-empty str such as 'my_event', not "
+                        f"{name!r}")
+    if type(nbytes) is not int:
+        if isinstance(nbytes, bool) or not hasattr(type(nbytes), "__index__"):
+            raise TypeError(f"event {name!r}: nbytes must be an int number of bytes, not "
+                            f"{type(nbytes).__name__} {nbytes!r}")
+        nbytes = operator.index(nbytes)
+    if nbytes < 0:
+        raise ValueError(f"event {name!r}: nbytes must be >= 0, got {nbytes}")
+    return nbytes
 
 
 def check_event_log(event_log):
