@@ -9,6 +9,7 @@ input of "the largest batch that trains in this much fast memory" searches.
 """
 
 import math
+import numbers
 from fractions import Fraction
 
 from .trace import Trace, TraceError
@@ -21,11 +22,14 @@ _ELEMENT = 8
 
 
 def _batch(batch, what="batch"):
-    if isinstance(batch, bool) or not isinstance(batch, int):
-        if isinstance(batch, float) and batch.is_integer():
-            batch = int(batch)
-        else:
-            raise TypeError(f"{what} must be a whole number of samples, not {batch!r}")
+    """batch as an int of at least 1: an integer (NumPy's too) or an integral float."""
+    if isinstance(batch, numbers.Integral) and not isinstance(batch, bool):
+        batch = int(batch)
+    elif isinstance(batch, numbers.Real) and not isinstance(batch, bool) and \
+            float(batch).is_integer():
+        batch = int(batch)
+    else:
+        raise TypeError(f"{what} must be a whole number of samples, not {batch!r}")
     if batch <= 0:
         raise ValueError(f"{what} must be at least 1, not {batch}")
     return batch

@@ -12,7 +12,7 @@ import weakref
 
 import numpy as np
 
-from .errors import UseAfterFreeError
+from .errors import CachedArraysError, UseAfterFreeError
 from .heap import HEADER
 from .sizes import format_size
 
@@ -200,11 +200,12 @@ class PinnedView:
     """Pinned ndarray access to one array: what ``ca.readable`` and ``ca.writable`` return
     (see cachedarrays.scopes), and what the type's own conversions read through."""
 
-    __slots__ = ("arr", "write")
+    __slots__ = ("arr", "write", "opened")
 
     def __init__(self, arr, write):
         self.arr = arr
         self.write = write
+        self.opened = 0                 # with-blocks entered and not yet exited
 
     def __enter__(self):
         a = self.arr
@@ -216,12 +217,20 @@ class PinnedView:
         try:
             v = a._view(readonly=not self.write)
             m.scope_opened(self, ((a._obj, a._shape),))
-            return v
         except BaseException:
             m.release((a._obj,))
             raise
+        self.opened += 1
+        return v
 
     def __exit__(self, *exc):
+        if not self.opened:
+            kind = "ca.writable" if self.write else "ca.readable"
+            raise CachedArraysError(
+                f"{kind} scope exited but it is not open (never entered, or exited already): "
+                "its pin is released once, by the __exit__ of its with-block; releasing it "
+                "again would unpin an array other scopes still use")
+        self.opened -= 1
         m = self.arr._m
         m.scope_closed(self)
         m.release((self.arr._obj,))

@@ -6,6 +6,7 @@ array may move and a kept view would show (or overwrite) another array's bytes.
 """
 
 from .array import CachedArray
+from .errors import CachedArraysError
 from .layout import c_strides, contiguous_strides
 from .pinning import PinnedView, acquire_grouped, release_grouped
 from .lineage import Recipe, capture_rng
@@ -18,6 +19,22 @@ def _checked(x):
     if not isinstance(x, CachedArray):
         raise TypeError(f"expected a CachedArray, got {type(x).__name__}")
     return x
+
+
+def _sequence(who, xs):
+    """reads or writes as a tuple or list: a CachedArray alone is refused (iterating it would
+    pass its rows), another iterable (a generator) is read once into a tuple."""
+    if type(xs) is tuple or type(xs) is list:
+        return xs
+    if isinstance(xs, CachedArray):
+        raise TypeError(f"{who} takes CachedArrays (or None) as reads and writes, in a tuple or "
+                        "list; got a CachedArray itself (iterating it would pass its rows): "
+                        "write (x,) for one array")
+    try:
+        return tuple(xs)
+    except TypeError:
+        raise TypeError(f"{who} takes CachedArrays (or None) as reads and writes, in a tuple or "
+                        f"list; got {type(xs).__name__}") from None
 
 
 def readable(x):
@@ -51,6 +68,8 @@ class access:
     __slots__ = ("reads", "writes", "done", "name", "touched")
 
     def __init__(self, reads=(), writes=()):
+        who = f"ca.{type(self).__name__}"
+        reads, writes = _sequence(who, reads), _sequence(who, writes)
         for a in (*reads, *writes):
             if a is not None and not isinstance(a, CachedArray):
                 raise TypeError(f"ca.{type(self).__name__} takes CachedArrays (or None) as reads "
@@ -61,6 +80,8 @@ class access:
         self.touched = None
 
     def __enter__(self):
+        if self.done is not None:
+            raise _reentered(self)
         # In C, the common case: one manager with nothing under way, so no observer either
         # (``touched`` is for observers: the Python path below hands it to them).
         got = _kernel_enter(self, self.name, self.reads, self.writes)
@@ -69,7 +90,7 @@ class access:
             return got[0]
         r = [a._obj for a in self.reads if a is not None]
         w = [a._obj for a in self.writes if a is not None]
-        self.done = acquire_grouped(r, w, self.name, self.touched)
+        done = self.done = acquire_grouped(r, w, self.name, self.touched)
         try:
             views = [None if a is None else a._view(readonly=True) for a in self.reads] + \
                 [None if a is None else a._view() for a in self.writes]
@@ -78,18 +99,36 @@ class access:
                 m.scope_opened(self, tuple((a._obj, a._shape) for a in arrays if a._m is m))
             return views
         except BaseException:
-            for m, _ in self.done:
+            self.done = None
+            for m, _ in done:
                 m.scope_closed(self)
-            release_grouped(self.done)
+            release_grouped(done)
             raise
 
     def __exit__(self, *exc):
-        if type(self.done) is tuple:
-            _kernel_exit(self, *self.done)
+        done = self.done
+        if done is None:
+            raise _not_open(f"ca.{type(self).__name__} scope {self.name!r}")
+        self.done = None
+        if type(done) is tuple:
+            _kernel_exit(self, *done)
             return
-        for m, _ in self.done:
+        for m, _ in done:
             m.scope_closed(self)
-        release_grouped(self.done)
+        release_grouped(done)
+
+
+def _reentered(scope):
+    return CachedArraysError(
+        f"ca.{type(scope).__name__} scope {scope.name!r} is open already: one scope object "
+        "pins its arrays once; create another for a nested with-block")
+
+
+def _not_open(what):
+    return CachedArraysError(
+        f"{what} exited but it is not open (never entered, or exited already): its pins are "
+        "released once, by the __exit__ of its with-block; releasing them again would unpin "
+        "arrays other scopes still use")
 
 
 class kernel(access):
@@ -140,6 +179,8 @@ def compute(name, fn, reads=(), writes=(), *, rng=None, touched=None):
         done = _compute_fast(name, fn, reads, writes, Recipe)     # in C, the common call
         if done is not None:
             return done[0]
+    who = f"ca.compute {name!r}"
+    reads, writes = _sequence(who, reads), _sequence(who, writes)
     if touched:
         touched = kernel(name, reads, writes, touched).touched    # checks touched
     if not callable(fn):

@@ -22,12 +22,23 @@ from .trace import Trace, TraceError
 __all__ = ["StepProfile"]
 
 
+def _step_index(step):
+    """step as an int: an integer (or an integral float); anything else is a TypeError."""
+    if isinstance(step, float) and step.is_integer():
+        return int(step)
+    if isinstance(step, bool) or not hasattr(step, "__index__"):
+        raise TypeError(f"StepProfile: the step must be a whole number (a step index, negative "
+                        f"from the end), not {step!r}")
+    return step.__index__()
+
+
 class StepProfile:
     """The kernels and objects of one step of a trace (see the module docstring)."""
 
     def __init__(self, trace, step):
         if not isinstance(trace, Trace):
             raise TypeError(f"StepProfile takes a Trace, not {type(trace).__name__}")
+        step = _step_index(step)
         steps = trace.step_kernels()
         marks = trace.steps
         if not steps:

@@ -114,6 +114,14 @@ def test_a_batch_is_a_positive_whole_number(batch, error, match):
         hand_family().at(batch)
 
 
+@pytest.mark.parametrize("batch", [np.int64(6), np.uint16(6), np.float32(6.0), 6.0])
+def test_numpy_integers_and_integral_floats_are_batches(batch):
+    fam = hand_family()
+    assert fam.at(batch).meta["batch"] == 6 and type(fam.at(batch).meta["batch"]) is int
+    assert fam.sizes(batch) == fam.sizes(6)
+    assert first_steps(hand_trace(2, [1.0, 0.5, 0.2]), np.int64(1)).steps == 1
+
+
 def test_traces_of_different_programs_are_refused_naming_the_first_difference():
     a = hand_trace(2, [1.0, 0.5, 0.2])
     with pytest.raises(TraceError, match=r"kernel 1 is \('grad'.*\('backward'"):
