@@ -21,6 +21,9 @@ def _checked(x):
     return x
 
 
+_SEQUENCES = (tuple, list)
+
+
 def _sequence(who, xs):
     """reads or writes as a tuple or list: a CachedArray alone is refused (iterating it would
     pass its rows), another iterable (a generator) is read once into a tuple."""
@@ -68,8 +71,9 @@ class access:
     __slots__ = ("reads", "writes", "done", "name", "touched")
 
     def __init__(self, reads=(), writes=()):
-        who = f"ca.{type(self).__name__}"
-        reads, writes = _sequence(who, reads), _sequence(who, writes)
+        if not (type(reads) in _SEQUENCES and type(writes) in _SEQUENCES):   # named only then:
+            who = f"ca.{type(self).__name__}"           # formatting it cost 0.2 us per kernel
+            reads, writes = _sequence(who, reads), _sequence(who, writes)
         for a in (*reads, *writes):
             if a is not None and not isinstance(a, CachedArray):
                 raise TypeError(f"ca.{type(self).__name__} takes CachedArrays (or None) as reads "
