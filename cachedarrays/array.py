@@ -756,15 +756,11 @@ def _equality(ufunc, name, op):
     """x == y, x != y as _binary's operator, and where the ufunc has no loop for the dtypes,
     ndarray's operator on the pinned views (it compares records field by field and unlike
     types as unequal)."""
+    forward = _binary(ufunc, name)[0]
+
     def compare(self, other):
-        if type(other) is CachedArray or type(other) in _PY_SCALARS:
-            res = _fast_ufunc(ufunc, (self, other))
-            if res is not _SLOW:
-                return res
-        if getattr(type(other), "__array_ufunc__", False) is None:
-            return NotImplemented
         try:
-            return ufunc(self, other)
+            return forward(self, other)
         except TypeError:
             done = acquire_grouped(list(objects_in((self, other))), [], name)
             try:

@@ -43,7 +43,9 @@ import cachedarrays as ca
 from cachedarrays import costmodel
 
 from . import kernels
-from ._fs_kernels import at, prefetch_row, span
+from ._fs_kernels import PPI as _PLACE_PER_ITEM
+from ._fs_kernels import SCAN_AHEAD as _SCAN_AHEAD
+from ._fs_kernels import at, place_misses, span
 from ._intrinsics import prefetch_write
 
 __all__ = [
@@ -65,13 +67,6 @@ FLUSH_POLICIES = ("oldest", "second-chance")
 _DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 #: Rows per cache page unless the table says otherwise (a page is the unit of flushing).
 DEFAULT_PAGE_ROWS = 1024
-#: Rows one parallel work item of ``_place_rows`` copies, and how far ahead it prefetches.
-_PLACE_PER_ITEM = 256
-_PLACE_AHEAD = 8
-#: Missed rows ahead whose ``where`` entries ``_scan_misses`` prefetches (for writing): the
-#: entries are random and cold after the sums; 26,000 of them took 0.56 ms unprefetched,
-#: 0.38 ms 32 ahead (0.41 ms 16 ahead, 0.38 ms 64 ahead).
-_SCAN_AHEAD = 32
 
 
 # ---- numba helpers for the cache (kernels.py owns lookup and SGD) -------------------------
@@ -118,32 +113,15 @@ def _scan_misses(indices, where, miss_rows):
 
 @njit(parallel=True, cache=True, nogil=True)
 def _place_rows(base, cache, where, backedge, rows, slots):
-    """Copy rows[k] into slot slots[k] for k < len(slots); unmark the rest (stay in base).
-
-    Flat unsigned offsets (a loop LLVM vectorises) and the source row prefetched a few rows
-    ahead: the rows are random reads of the base, 3-4x faster than 2-D indexing."""
+    """Copy rows[k] into slot slots[k] for k < len(slots); unmark the rest (stay in base);
+    see ``place_misses``."""
     fs = base.shape[1]
     bflat = base.reshape(-1)
     cflat = cache.reshape(-1)
-    nslots = slots.shape[0]
     n = rows.shape[0]
     for it in prange((n + _PLACE_PER_ITEM - 1) // _PLACE_PER_ITEM):
         lo, hi = span(it, _PLACE_PER_ITEM, n)
-        for k in range(lo, hi):
-            r = rows[k]
-            if k < nslots:
-                if k + _PLACE_AHEAD < min(hi, nslots):
-                    prefetch_row(bflat, at(rows[k + _PLACE_AHEAD], fs), fs)
-                s = slots[k]
-                src = at(r, fs)
-                dst = at(s, fs)
-                for f in range(fs):
-                    uf = np.uint64(f)
-                    cflat[dst + uf] = bflat[src + uf]
-                backedge[s] = r
-                where[r] = s
-            else:
-                where[r] = -1
+        place_misses(bflat, cflat, where, backedge, rows, lo, hi, slots, fs)
 
 
 #: The same copy on one thread: for a few rows, starting the thread pool costs more than the copy.

@@ -488,6 +488,15 @@ def lookup_sum_indirect_hits(base, cache, where, indices, offsets, out, missed=N
     return _lookup_bags(base, cache, where, indices, offsets, out, name, check, missed, refs)
 
 
+def _bounded_indices(indices, nrows, name, check):
+    """(indices, bound) for a lookup kernel: int64 indices as they are with the bound ``nrows``
+    the kernel holds them to when ``check`` is ``IN_KERNEL``, else the indices checked here
+    (``check`` True) or trusted, with ``NO_BOUND``."""
+    if check == IN_KERNEL and _plain_index_array(indices):
+        return indices, np.uint64(nrows)
+    return _indices(indices, nrows, name, bool(check)), NO_BOUND
+
+
 def _lookup_bags(base, cache, where, indices, offsets, out, name, check, missed=None, refs=None):
     """The bag sums of ``lookup_sum`` (``where=None``, ``cache=base``) and ``lookup_sum_indirect``.
 
@@ -499,11 +508,8 @@ def _lookup_bags(base, cache, where, indices, offsets, out, name, check, missed=
     the offsets (and ``where``) and has the kernel check the indices as it reads them."""
     nbags = _nbags_of(out, offsets)
     fs = base.shape[1]
-    bound = NO_BOUND
-    if check == IN_KERNEL and nbags and fs and _plain_index_array(indices):
-        idx, bound = indices, np.uint64(base.shape[0])
-    else:
-        idx = _indices(indices, base.shape[0], name, bool(check))
+    idx, bound = _bounded_indices(indices, base.shape[0], name,
+                                  check if nbags and fs else bool(check))
     check = check is True
     off = _offsets(offsets, idx.shape[0], nbags, name, check)
     if where is not None:
@@ -592,11 +598,7 @@ def lookup_caching_begin(base, cache, where, indices, offsets, out, refs=None, *
     delta = _distance(base, cache)
     if delta is None:
         return None
-    bound = NO_BOUND
-    if check == IN_KERNEL and _plain_index_array(indices):
-        idx, bound = indices, np.uint64(base.shape[0])
-    else:
-        idx = _indices(indices, base.shape[0], name, bool(check))
+    idx, bound = _bounded_indices(indices, base.shape[0], name, check)
     nidx = idx.shape[0]
     look = CachingLookup()
     look.base, look.nbags, look.delta = _readonly(base), nbags, delta
