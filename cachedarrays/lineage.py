@@ -111,53 +111,75 @@ def _broken(obj, chain):
             "ca.access, ca.writable or NumPy call records no recipe)")
 
 
-def why_not(m, obj, virtual=None, memo=None, writing=()):
+def why_not(m, obj, virtual=None, memo=None, writing=(), known=None):
     """Why obj cannot be regenerated from its chain on manager m, in words; None if it can.
 
     writing: ids of objects a kernel is about to write (an object made from one of them must
-    not be dropped now: its input is about to change)."""
+    not be dropped now: its input is about to change). known: None, or a set of ids of dropped
+    objects known to be regenerable (not walked again); each dropped object found regenerable
+    is added to it. The walk keeps its own stack: a chain of any length is checked."""
     if obj.freed:
         return f"object {obj.id} was freed"
     if memo is None:
         memo = {}
     elif obj.id in memo:
         return memo[obj.id]
-    memo[obj.id] = None                           # no cycles, but never loop if there were
     if virtual is None:
         virtual = m.fast.virtual
+    memo[obj.id] = None                           # no cycles, but never loop if there were
+    stack = [(obj, _reasons(m, obj, virtual, writing))]
+    sub = None
+    while True:
+        o, steps = stack[-1]
+        try:
+            r = steps.send(sub)                   # the next dropped input it needs checked
+        except StopIteration as done:
+            sub = memo[o.id] = done.value
+            stack.pop()
+            if sub is None and known is not None and o.dropped:
+                known.add(o.id)
+            if not stack:
+                return sub
+            continue
+        if r.id in memo:
+            sub = memo[r.id]
+        elif r.freed:
+            sub = f"object {r.id} was freed"
+        elif known is not None and r.id in known:
+            sub = None
+        else:
+            memo[r.id] = sub = None
+            stack.append((r, _reasons(m, r, virtual, writing)))
+
+
+def _reasons(m, obj, virtual, writing):
+    """The checks of why_not for obj alone, as a generator: it yields each dropped input, is
+    sent back that input's reason (None: regenerable), and returns obj's reason."""
     chain = obj.chain
-    reason = None
     if type(chain) is not list or not chain:
-        reason = _broken(obj, chain)
-    else:
-        for e in chain:
-            if e.fn is None and not virtual:
-                reason = (f"kernel {e.name!r} was recorded without its function (a replay's "
-                          "recipe); only a virtual manager can rerun it")
-                break
-            for rid, v in zip(e.reads, e.versions):
-                if rid == obj.id:
-                    continue
-                r = m.object(rid)
-                if r is None:
-                    reason = f"input object {rid} of kernel {e.name!r} was freed"
-                elif rid in writing:
-                    reason = (f"input object {rid} of kernel {e.name!r} is about to be "
-                              "written by the kernel starting now")
-                elif r.version != v:
-                    reason = (f"input object {rid} of kernel {e.name!r} was written since "
-                              f"(version {r.version}; the kernel read version {v})")
-                elif r.dropped:
-                    sub = why_not(m, r, virtual, memo, writing)
-                    if sub is not None:
-                        reason = (f"input object {rid} of kernel {e.name!r} was dropped and "
-                                  f"cannot be regenerated: {sub}")
-                if reason is not None:
-                    break
-            if reason is not None:
-                break
-    memo[obj.id] = reason
-    return reason
+        return _broken(obj, chain)
+    for e in chain:
+        if e.fn is None and not virtual:
+            return (f"kernel {e.name!r} was recorded without its function (a replay's "
+                    "recipe); only a virtual manager can rerun it")
+        for rid, v in zip(e.reads, e.versions):
+            if rid == obj.id:
+                continue
+            r = m.object(rid)
+            if r is None:
+                return f"input object {rid} of kernel {e.name!r} was freed"
+            if rid in writing:
+                return (f"input object {rid} of kernel {e.name!r} is about to be "
+                        "written by the kernel starting now")
+            if r.version != v:
+                return (f"input object {rid} of kernel {e.name!r} was written since "
+                        f"(version {r.version}; the kernel read version {v})")
+            if r.dropped:
+                sub = yield r
+                if sub is not None:
+                    return (f"input object {rid} of kernel {e.name!r} was dropped and "
+                            f"cannot be regenerated: {sub}")
+    return None
 
 
 def scratch(dtype, shape, strides, offset):

@@ -33,7 +33,7 @@ from .errors import (CachedArraysError, DeviceError, OutOfMemoryError, PinnedErr
                      RecomputeError, UseAfterFreeError)
 from .heap import HEADER, Heap
 from .lineage import scratch as _scratch
-from .lineage import why_not as _why_not
+from .lineage import why_not as _lineage_why_not
 from .poison import Poison
 from .poison import enabled as debug_enabled
 from .registry import resolve as resolve_policy
@@ -368,6 +368,8 @@ class Manager(ManagerRecord):
         self._dropped = set()         # ids of dropped objects (acquire rebuilds them)
         self._kept = {}               # dropped object id -> the input objects it is rebuilt from
         self._dependents = {}         # input object id -> ids of dropped objects rebuilt from it
+        self._regenerable = set()     # ids of dropped objects found regenerable since the last
+        #                               write or free of an input of a dropped object
         self._writing = frozenset()   # ids a kernel is about to write (nothing made from them
         #                               may be dropped meanwhile)
         self.recipe = None            # lineage.Recipe of the kernel being acquired (observers)
@@ -637,7 +639,7 @@ class Manager(ManagerRecord):
                 r._buffer = None
             table.clear()
         for held in (self._objects, self._kept, self._dependents, self._dropped,
-                     self._deferred, self._scopes, self._pinned_by, self._fresh):
+                     self._regenerable, self._deferred, self._scopes, self._pinned_by, self._fresh):
             held.clear()
 
     def _forsake(self):
@@ -851,8 +853,9 @@ class Manager(ManagerRecord):
         if self._dropped:
             self._dropped.discard(obj_id)
             self._kept.pop(obj_id, None)
-        if self._dependents:
-            self._dependents.pop(obj_id, None)
+        if self._dependents and self._dependents.pop(obj_id, None) is not None:
+            self._regenerable.clear()             # an input of a dropped object went
+        self._regenerable.discard(obj_id)
         if not self.closed:
             self.policy.forget(obj_id)
             if self._observers:
@@ -1284,7 +1287,7 @@ class Manager(ManagerRecord):
         with self._lock:
             if self._deferred:
                 self._drain()
-            return _why_not(self, obj, writing=self._writing)
+            return self._why_not(obj, self._writing)
 
     def regenerable(self, obj):
         """True if obj's data can be rebuilt bitwise from its lineage (so it may be dropped)."""
@@ -1308,7 +1311,7 @@ class Manager(ManagerRecord):
             if obj._pins:
                 raise PinnedError(f"cannot drop {_describe(obj)}: a running kernel or an open "
                                   "access scope pins it; drop it after the scope ends")
-            why = _why_not(self, obj, writing=self._writing)
+            why = self._why_not(obj, self._writing)
             if why is not None:
                 raise RecomputeError(
                     f"cannot drop object {obj.id} ({format_size(obj.nbytes)}): it could not be "
@@ -1318,8 +1321,22 @@ class Manager(ManagerRecord):
                 for o in self._observers:
                     o.on_annotation("drop", obj, ())
             self._let_go(obj)
+            if not self._writing:
+                self._regenerable.add(obj.id)
             self.telemetry.count("drop", obj.nbytes, id=obj.id)
             return True
+
+    def _why_not(self, obj, writing, rebuilding=None):
+        """lineage.why_not, skipping the dropped objects found regenerable since the last write
+        or free of an input of a dropped object (``_rescue``): a sequence of drops down a chain
+        walks each object once, not the whole chain below it each time. While a write is about
+        to happen (``_writing``) what is found may not hold after it: then only rebuilding (the
+        set one rebuild keeps, under that same writing) is used."""
+        if not writing and not self._writing:
+            known = self._regenerable
+        else:
+            known = rebuilding if writing == self._writing else None
+        return _lineage_why_not(self, obj, writing=writing, known=known)
 
     def regenerate(self, obj, annotation=False):
         """Rebuild a dropped obj bitwise by rerunning the kernels that made it (its dropped
@@ -1327,7 +1344,9 @@ class Manager(ManagerRecord):
 
         obj goes to fast memory if it fits (the policy makes room), else to slow memory.
         Inputs rebuilt on the way stay when they found room in fast memory without evicting
-        anything, and are dropped again otherwise. RecomputeError when it cannot be done.
+        anything, and are dropped again otherwise, as soon as what is made from them is rebuilt
+        (a chain of any length holds only a few arrays at a time). RecomputeError when it
+        cannot be done; OutOfMemoryError when its arrays find no room (they stay dropped).
         """
         obj = _object_of(obj, "regenerate")
         with self._lock:
@@ -1339,31 +1358,31 @@ class Manager(ManagerRecord):
                     o.on_annotation("regenerate", obj, ())
             if not obj.dropped:
                 return False
-            why = _why_not(self, obj)
+            why = self._why_not(obj, ())
             if why is not None:
                 raise RecomputeError(
                     f"cannot regenerate object {obj.id} ({format_size(obj.nbytes)}), which was "
                     f"dropped: {why}. Its data is lost; free it (ca.unsafe_free) and compute it "
                     "again, and drop only arrays that m.regenerable says can be rebuilt")
             t = time.perf_counter()
-            placed, temps = [], []
+            held, kept = {}, []
             try:
-                self._rebuild(obj, True, placed, temps)
-            except BaseException:
-                for o in placed:                  # half-built: its data is not what it was
+                self._rebuild(obj, held, kept)
+            except BaseException as e:
+                for o in held.values():           # half-built: its data is not what it was
                     o._pins -= 1
                     if not o.dropped and not o.freed:
                         self._let_go(o)
+                if isinstance(e, OutOfMemoryError) and not self.recomputing:
+                    raise OutOfMemoryError(
+                        f"cannot regenerate object {obj.id} ({format_size(obj.nbytes)}): its "
+                        "rebuild holds it and the operands of one of its kernels at a time, "
+                        f"and they found no room ({e}). It stays dropped; free or evict other "
+                        "arrays, or give the manager larger devices") from e
                 raise
-            for o in placed:
-                o._pins -= 1
-            for o in temps:
-                if not o._pins and not o.dropped and \
-                        _why_not(self, o, writing=self._writing) is None:
-                    self._let_go(o)
-                    self.telemetry.count("drop", o.nbytes, id=o.id)
+            obj._pins -= 1
             # Inputs kept for the objects rebuilt may go now (when this list goes).
-            kept = [self._kept.pop(o.id, None) for o in placed if not o.dropped]  # noqa: F841
+            kept.append(self._kept.pop(obj.id, None))
             if self._closing:
                 self._cond.notify_all()
             self.telemetry.count("regenerate", obj.nbytes, id=obj.id,
@@ -1402,13 +1421,19 @@ class Manager(ManagerRecord):
 
     def _rescue(self, obj):
         """obj is about to be written or freed: rebuild the dropped objects made from it first
-        (their data would be lost otherwise)."""
-        for did in sorted(self._dependents.pop(obj.id, ())):
+        (their data would be lost otherwise). Those not rebuilt when one fails stay listed."""
+        ids = sorted(self._dependents.pop(obj.id, ()))
+        self._regenerable.clear()                 # what was found regenerable may change now
+        for i, did in enumerate(ids):
             d = self.object(did)
             if d is not None and d.dropped:
                 self.telemetry.count("regenerate_before_change", d.nbytes, id=d.id,
                                      input=obj.id)
-                self.regenerate(d)
+                try:
+                    self.regenerate(d)
+                except BaseException:
+                    self._dependents.setdefault(obj.id, set()).update(ids[i:])
+                    raise
 
     def _regenerate_operands(self, reads, writes):
         """Before a kernel: rebuild the dropped objects made from what it writes (their data
@@ -1456,23 +1481,84 @@ class Manager(ManagerRecord):
         if self._closing:
             self._cond.notify_all()
 
-    def _rebuild(self, obj, target, placed, temps):
-        """Rebuild dropped obj: a region (before its inputs take the room), its dropped inputs,
-        then its chain rerun. Every object placed is pinned and listed in placed; inputs that
-        took room from others or went to slow memory are listed in temps (dropped again)."""
-        if self._place(obj, placed) is False and not target:
-            temps.append(obj)
-        chain = obj.chain
-        for e in chain:
+    def _rebuild(self, obj, held, kept):
+        """Rebuild dropped obj: a region first (before its inputs take the room), then its
+        dropped inputs from the deepest up, each placed and rerun once its own inputs are
+        there. Every object placed is pinned and in held (id -> object); an input is let go
+        (``_done``) as soon as the last object made from it is rebuilt, so a chain of any depth
+        holds only a few inputs at a time. obj stays pinned and in held.
+
+        In kernels-in-fast mode obj is placed at its turn instead: each rerun stages its
+        operands in fast memory, and a rebuild then needs no more room than one kernel did."""
+        order, users = self._rebuild_order(obj)
+        first = not getattr(self.policy, "kernels_in_fast", False)
+        if first:
+            self._place(obj, held)
+        temps = set()                             # ids of inputs to drop again once used
+        found = set()                             # ids found regenerable (while _writing)
+        for o, inputs in order:
+            if o.dropped:                         # not rebuilt on the way as another output
+                if self._place(o, held) is False and o is not obj:
+                    temps.add(o.id)
+                self._rerun_chain(o, held, temps)
+            elif o is obj and first:
+                self._rerun_chain(o, held, temps)
+            for r in inputs:
+                users[r.id] -= 1
+            for r in [*inputs, *held.values()]:   # inputs used up, other outputs unused
+                if r is not obj and not users.get(r.id) and r.id in held:
+                    self._done(r, held, kept, temps, found)
+
+    def _rerun_chain(self, obj, held, temps):
+        """Rerun every recipe of obj's chain, oldest first."""
+        for e in obj.chain:
+            self._rerun(e, obj, held, temps)
+
+    def _rebuild_order(self, obj):
+        """The dropped objects obj is rebuilt from, each with its dropped inputs, deepest first
+        and obj last (a walk with its own stack); and how many of them read each input."""
+        order, users, seen = [], {}, {obj.id}
+        stack = [(obj, self._dropped_inputs(obj), [0])]
+        while stack:
+            o, inputs, at = stack[-1]
+            if at[0] == len(inputs):
+                stack.pop()
+                order.append((o, inputs))
+                continue
+            r = inputs[at[0]]
+            at[0] += 1
+            users[r.id] = users.get(r.id, 0) + 1
+            if r.id not in seen:
+                seen.add(r.id)
+                stack.append((r, self._dropped_inputs(r), [0]))
+        return order, users
+
+    def _dropped_inputs(self, obj):
+        """The dropped objects obj's chain reads (obj aside), each once."""
+        out = {}
+        for e in obj.chain:
             for rid in e.reads:
-                if rid != obj.id:
+                if rid != obj.id and rid not in out:
                     r = self.object(rid)
                     if r is not None and r.dropped:
-                        self._rebuild(r, False, placed, temps)
-        for e in chain:
-            self._rerun(e, obj, placed, temps)
+                        out[rid] = r
+        return list(out.values())
 
-    def _place(self, obj, placed):
+    def _done(self, obj, held, kept, temps, found):
+        """A rebuilt input is used up: unpin it, and drop it again if it took room from others
+        (its id in temps) or went to slow memory and is still regenerable, else let its own
+        inputs go. found: the rebuild's ids found regenerable while a write is about to happen."""
+        del held[obj.id]
+        obj._pins -= 1
+        if obj.id in temps and not obj._pins and \
+                self._why_not(obj, self._writing, found) is None:
+            self._let_go(obj)
+            (found if self._writing else self._regenerable).add(obj.id)
+            self.telemetry.count("drop", obj.nbytes, id=obj.id)
+        else:
+            kept.append(self._kept.pop(obj.id, None))
+
+    def _place(self, obj, held):
         """A region for a dropped obj: fast if it fits (the policy makes room), else slow.
         Returns True when it went to fast memory without evicting anything. obj is pinned."""
         n = obj.nbytes
@@ -1490,13 +1576,14 @@ class Manager(ManagerRecord):
         r._dirty = True                           # no other copy: an eviction must copy it
         obj.dropped = False
         self._dropped.discard(obj.id)
-        obj._pins += 1                            # its inputs stay kept until regenerate ends
-        placed.append(obj)
+        self._regenerable.discard(obj.id)
+        obj._pins += 1                            # its inputs stay kept while it is in held
+        held[obj.id] = obj
         if r.device is fast:
             self.policy.on_fast(obj)
         return free_room
 
-    def _rerun(self, e, target, placed, temps):
+    def _rerun(self, e, target, held, temps):
         """Run recipe e again, writing target; its other outputs are written too if they are
         dropped and e alone made them, else into scratch arrays (their data stays)."""
         reads = [self.object(rid) for rid in e.reads]
@@ -1507,8 +1594,8 @@ class Manager(ManagerRecord):
                 writes.append(w)
             elif w is not None and w.dropped and type(w.chain) is list and \
                     len(w.chain) == 1 and w.chain[0] is e:
-                if self._place(w, placed) is False:
-                    temps.append(w)
+                if self._place(w, held) is False:
+                    temps.add(wid)
                 writes.append(w)
             else:
                 scratch.add(wid)
