@@ -19,6 +19,7 @@ import numpy as np
 
 from ._records import walk as _c_walk
 from .array import CachedArray, pop_scope, push_scope
+from .copyengine import check_switch
 from .devices import Device
 from .errors import UseAfterFreeError
 from .manager import Manager, Object, Region
@@ -231,9 +232,7 @@ def evict(*xs, to=None, wait=True):
 
 def _switch(op, name, v):
     """v if it is True or False; TypeError otherwise (the text "no" or None is no answer)."""
-    if not isinstance(v, (bool, np.bool_)):
-        raise TypeError(f"ca.{op}: {name}={v!r} must be True or False")
-    return bool(v)
+    return check_switch(v, f"ca.{op}: {name}")
 
 
 def softevict(*xs):
@@ -460,8 +459,7 @@ def _check_switches(**switches):
             raise TypeError("ca.annotate takes switches, not the function: write "
                             "@ca.annotate() or @ca.annotate(cleanup=True, ...) above the def, "
                             "with the parentheses")
-        if not isinstance(v, (bool, np.bool_)):
-            raise TypeError(f"ca.annotate: {name}={v!r} must be True or False")
+        check_switch(v, f"ca.annotate: {name}")
 
 
 def _wrap_pullback(captured, args, kwargs, do_prefetch, do_softevict):

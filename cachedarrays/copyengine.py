@@ -38,6 +38,8 @@ import threading
 import time
 import weakref
 
+from numpy import bool_ as np_bool
+
 from cachedarrays._native import ffi, lib
 
 log = logging.getLogger(__name__)
@@ -94,6 +96,16 @@ def check_timeout(timeout, what="timeout"):
     return None if t == math.inf else max(0.0, t)
 
 
+def check_switch(v, what):
+    """v as a bool if it is True or False (NumPy's bools too); TypeError otherwise, naming
+    `what`, the value's type and the fix (the text "no", None, 2 or an array is no answer)."""
+    if not isinstance(v, (bool, np_bool)):
+        name = what.rpartition(" ")[2]
+        raise TypeError(f"{what}={v!r} must be True or False, not {type(v).__name__}; write "
+                        f"{name}=True or {name}=False")
+    return bool(v)
+
+
 def _ptr(addr, what):
     if isinstance(addr, ffi.CData):
         return ffi.cast("void *", addr)
@@ -130,6 +142,8 @@ def copy(dst_address, src_address, nbytes: int, threads: int | None = None,
 
     persist=True writes the destination's cache lines back (for DAX-mapped persistent memory).
     """
+    if persist is not False and persist is not True:
+        persist = check_switch(persist, "copy: persist")
     if type(nbytes) is int and 0 < nbytes < MT_MIN and type(dst_address) is int \
             and type(src_address) is int and (threads is None or type(threads) is int and
                                               0 < threads <= 64) \
@@ -481,11 +495,12 @@ class CopyWorkers:
 
         keepalive stays referenced until the job ends (e.g. the buffers, so they stay mapped).
         """
+        persist = check_switch(persist, "CopyWorkers.submit: persist")
         chunk = _whole(self.chunk, "CopyWorkers.chunk (bytes per piece of a copy)", 1)
         dst, src, nbytes = _addr_int(dst_addr, "destination"), _addr_int(src_addr, "source"), \
             _size(nbytes)
         _check_apart(dst, src, nbytes)
-        job = CopyJob(self._s, key, dst, src, nbytes, bool(persist), keepalive, chunk)
+        job = CopyJob(self._s, key, dst, src, nbytes, persist, keepalive, chunk)
         s = self._s
         if s.pid != os.getpid():
             raise RuntimeError(f"this CopyWorkers was made in process {s.pid}, and its worker "
@@ -522,6 +537,7 @@ class CopyWorkers:
     def shutdown(self, cancel: bool = True) -> None:
         """Stop the workers: cancel queued jobs (or run them if cancel is False), wait for the
         running ones and join the threads. Idempotent; from a done callback it does not join."""
+        cancel = check_switch(cancel, "CopyWorkers.shutdown: cancel")
         self._finalizer.detach()
         _close(self._s, cancel)
         me = threading.current_thread()

@@ -243,6 +243,8 @@ class DRAM(Device):
 
     def __init__(self, size, name="fast", populate=False, hugepages=True, numa_node=None,
                  granularity=0):
+        populate = copyengine.check_switch(populate, "DRAM: populate")
+        hugepages = copyengine.check_switch(hugepages, "DRAM: hugepages")
         super().__init__(name, size, granularity)
         if self.size == 0:
             return
@@ -454,6 +456,7 @@ class SlowDevice(Device):
     kind = "slow"
 
     def __init__(self, size, path=None, name="slow", populate=False, granularity=0):
+        populate = copyengine.check_switch(populate, "SlowDevice: populate")
         super().__init__(name, size, granularity)
         self._release = None       # drops the lock and removes a file this device created
         self._where = None         # what the not-DAX report names: the path, or the directory

@@ -364,6 +364,7 @@ class Manager(ManagerRecord):
         self._cond = threading.Condition(self._lock)   # notified when pins drop while closing
         self._scopes = {}             # open access scope -> (thread id, ((object, shape), ...))
         self._pinned_by = {}          # (thread id, object id) -> (object, count) for pin()
+        self._detached = {}           # object id -> count of pin(detached=True) not yet unpinned
         self._fresh = set()           # ids of new_pinned objects not yet released (observed)
         self._dropped = set()         # ids of dropped objects (acquire rebuilds them)
         self._kept = {}               # dropped object id -> the input objects it is rebuilt from
@@ -387,6 +388,9 @@ class Manager(ManagerRecord):
         self._ref = weakref.ref(self)
         self._observers = ()
         check_event_log(event_log)
+        virtual = copyengine.check_switch(virtual, "Manager: virtual")
+        populate = copyengine.check_switch(populate, "Manager: populate")
+        hugepages = copyengine.check_switch(hugepages, "Manager: hugepages")
         if policy_options is not None and not isinstance(policy_options, Mapping):
             raise TypeError(f"policy_options must be a dict of the policy's options, e.g. "
                             f"policy_options={{'kernels_in_fast': True}}; got {policy_options!r}")
@@ -517,7 +521,9 @@ class Manager(ManagerRecord):
         access scopes) are waited for, up to timeout seconds (None: no limit), while new uses
         wait for the outcome. If pins remain, or the calling thread itself has an access scope
         open, PinnedError names the pinned objects and the manager stays open and usable.
-        After a close, every use of the manager's arrays raises UseAfterFreeError.
+        From inside a manager operation (a policy, observer or ``evictfrom`` callback, or an
+        ``m.atomic()`` block) it raises RuntimeError at once: the operation is still using the
+        heaps. After a close, every use of the manager's arrays raises UseAfterFreeError.
         """
         self._close(timeout)
         policy = getattr(self, "policy", None)
@@ -527,7 +533,10 @@ class Manager(ManagerRecord):
 
     def _close(self, timeout):
         timeout = copyengine.check_timeout(timeout, "close timeout")
+        inside = self._lock._is_owned()   # this thread is in a manager operation (a callback)
         with self._lock:
+            if inside and not self.closed:
+                self._refuse_close_inside()
             while self._closing:                  # another thread is closing: take its outcome
                 self._cond.wait()
             if self.closed:
@@ -578,13 +587,29 @@ class Manager(ManagerRecord):
         return PinnedError(f"cannot close the manager while {len(pinned)} object(s) are in use "
                            f"({names}{more}); {why}. The manager stays open")
 
-    def _wait_unpinned(self, timeout):
-        """Wait (lock released) until no object is pinned; PinnedError if that cannot happen."""
+    def _refuse_held_here(self):
+        """PinnedError if the calling thread itself pins objects (close would wait for itself)."""
         here = self._held_here() or [(o, None) for o in self._held_by_calls()]
         if here:
             pinned = self._pinned()
             mine = {id(o) for o, _ in here}
             raise self._pinned_error(sorted(pinned, key=lambda o: id(o) not in mine), True)
+
+    def _refuse_close_inside(self):
+        """close() called by a thread inside a manager operation (it holds the lock): the
+        operation, a movement perhaps, still uses the heaps, and waiting for other threads'
+        pins would let them in mid-operation. Refused; the manager stays open."""
+        if self._pinned():
+            self._refuse_held_here()
+        raise RuntimeError(
+            "cannot close the manager from within one of its operations (a policy, observer or "
+            "evictfrom callback, or an m.atomic() block) while it may be moving data: the "
+            "operation still uses the heaps. Return from the callback (or leave the block) and "
+            "call close() after the operation ends. The manager stays open")
+
+    def _wait_unpinned(self, timeout):
+        """Wait (lock released) until no object is pinned; PinnedError if that cannot happen."""
+        self._refuse_held_here()
         deadline = None if timeout is None else time.monotonic() + timeout
         self._closing = True
         self._gate = True
@@ -639,7 +664,8 @@ class Manager(ManagerRecord):
                 r._buffer = None
             table.clear()
         for held in (self._objects, self._kept, self._dependents, self._dropped,
-                     self._regenerable, self._deferred, self._scopes, self._pinned_by, self._fresh):
+                     self._regenerable, self._deferred, self._scopes, self._pinned_by,
+                     self._detached, self._fresh):
             held.clear()
 
     def _forsake(self):
@@ -935,9 +961,11 @@ class Manager(ManagerRecord):
     def pin(self, obj, detached=False):
         """Pin obj: nothing moves or frees it until the matching unpin. Re-entrant.
 
+        A pin belongs to the thread that took it: only that thread's ``unpin`` releases it.
         ``detached=True``: a pin that no thread owns, for memory handed to code that lets go of
         it on another thread (a buffer being sent); release it with ``unpin(obj,
         detached=True)`` from any thread. close() waits for it as for other threads' pins."""
+        detached = copyengine.check_switch(detached, "Manager.pin: detached")
         with self._lock:
             if self._gate:
                 self._pass_gate((obj,))
@@ -950,29 +978,58 @@ class Manager(ManagerRecord):
                 self._settle(obj)
             obj._pins += 1
             if detached:
+                self._detached[obj.id] = self._detached.get(obj.id, 0) + 1
                 return
             key = (threading.get_ident(), obj.id)
             held = self._pinned_by.get(key)
             self._pinned_by[key] = (obj, held[1] + 1 if held else 1)
 
     def unpin(self, obj, detached=False):
+        """Release one pin that the calling thread took with ``pin(obj)`` (or, with
+        ``detached=True``, one detached pin, from any thread).
+
+        Refused (CachedArraysError, nothing changes) when there is no such pin: another
+        thread's pin, a running kernel's or an open access scope's is not the caller's to
+        release (the array could move under that thread's view)."""
+        detached = copyengine.check_switch(detached, "Manager.unpin: detached")
         with self._lock:
             if obj._pins <= 0:
                 raise CachedArraysError(f"object {obj.id} is not pinned; unpin without pin")
-            obj._pins -= 1
             if detached:
-                if self._closing:
-                    self._cond.notify_all()
-                return
-            key = (threading.get_ident(), obj.id)
-            held = self._pinned_by.get(key)
-            if held is not None:
+                held = self._detached.get(obj.id, 0)
+                if held <= 0:
+                    raise self._foreign_unpin(obj, True)
+                if held > 1:
+                    self._detached[obj.id] = held - 1
+                else:
+                    del self._detached[obj.id]
+            else:
+                key = (threading.get_ident(), obj.id)
+                held = self._pinned_by.get(key)
+                if held is None:
+                    raise self._foreign_unpin(obj, False)
                 if held[1] > 1:
                     self._pinned_by[key] = (obj, held[1] - 1)
                 else:
                     del self._pinned_by[key]
+            obj._pins -= 1
             if self._closing:
                 self._cond.notify_all()
+
+    def _foreign_unpin(self, obj, detached):
+        """The error for an unpin of obj that matches no pin the caller may release."""
+        others = sum(n for (tid, oid), (_, n) in self._pinned_by.items() if oid == obj.id)
+        loose = self._detached.get(obj.id, 0)
+        rest = obj._pins - others - loose
+        holders = ", ".join(f"{n} {what}" for n, what in (
+            (others, "by pin() on other threads"), (loose, "detached (pin(detached=True))"),
+            (rest, "by running kernels or open access scopes")) if n)
+        asked = "detached pin" if detached else "pin of this thread"
+        return CachedArraysError(
+            f"object {obj.id} holds no {asked} to release (its {obj._pins} pin(s): {holders}); "
+            "unpin from the thread that called pin(), release a detached pin with "
+            "unpin(obj, detached=True), or take pin(obj, detached=True) to hand a pin to "
+            "another thread")
 
     def acquire(self, reads=(), writes=(), name="use", touched=None, recipe=None):
         """Pin every object and report its use to the policy, in one step (for kernels).
@@ -1191,6 +1248,8 @@ class Manager(ManagerRecord):
         ``run_ufunc`` (native/records.c) repeats this common path for the ufunc results that
         cachedarrays.ufuncs makes: keep the two in step.
         """
+        if short is not False and short is not True:
+            short = copyengine.check_switch(short, "Manager.run: short")
         lock = self._lock
         lock.acquire()
         try:
@@ -1302,6 +1361,8 @@ class Manager(ManagerRecord):
         asked for it (``ca.drop``; traces record it, replays repeat it); a policy leaves it off.
         """
         obj = _object_of(obj, "drop")
+        if annotation is not False and annotation is not True:
+            annotation = copyengine.check_switch(annotation, "Manager.drop: annotation")
         with self._lock:
             self._live(obj)
             if self._deferred:
@@ -1349,6 +1410,8 @@ class Manager(ManagerRecord):
         cannot be done; OutOfMemoryError when its arrays find no room (they stay dropped).
         """
         obj = _object_of(obj, "regenerate")
+        if annotation is not False and annotation is not True:
+            annotation = copyengine.check_switch(annotation, "Manager.regenerate: annotation")
         with self._lock:
             self._live(obj)
             if self._deferred:
@@ -1636,6 +1699,10 @@ class Manager(ManagerRecord):
         An object already in fast memory only reports a ``read_use``. wait=False lets the copy
         run in the background (policies that support it; see ``Policy.prefetch``).
         """
+        if force is not False and force is not True:
+            force = copyengine.check_switch(force, "Manager.prefetch: force")
+        if wait is not True and wait is not False:
+            wait = copyengine.check_switch(wait, "Manager.prefetch: wait")
         with self._lock:
             self._live(obj)
             if self._deferred:      # frees queued before the request are recorded before it
@@ -1655,6 +1722,8 @@ class Manager(ManagerRecord):
 
     def evict(self, obj, to=None, wait=True):
         """Ask the policy to move obj out of fast memory (to: a device name; default slow)."""
+        if wait is not True and wait is not False:
+            wait = copyengine.check_switch(wait, "Manager.evict: wait")
         with self._lock:
             self._live(obj)
             if to is not None:
@@ -1889,6 +1958,8 @@ class Manager(ManagerRecord):
         Between virtual devices (a replay) the copy is counted and reported but moves nothing.
         wait=False: the copy may run in the background (see ``Policy.prefetch``).
         """
+        if wait is not True and wait is not False:
+            wait = copyengine.check_switch(wait, "Manager.copyto: wait")
         with self._lock:
             self._check_open()
             if dst.freed or src.freed:

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, fields, replace
 import numpy as np
 
 from .. import costmodel
+from ..copyengine import check_switch
 from ..registry import register_policy
 from ._memorymode_slots import (_CLEAN, _DIRTY, _DRAM_READ, _DRAM_WRITE, _FLUSHED, _HITS,
                                 _NCOUNTERS, _READ_BYTES, _READ_LINES, _SLOW_READ, _SLOW_WRITE,
@@ -205,7 +206,7 @@ class MemoryModeCache:
         self.line_size = line_size
         self.sets = capacity // line_size
         self.capacity = self.sets * line_size
-        self.write_nofill = bool(write_nofill)
+        self.write_nofill = check_switch(write_nofill, "MemoryModeCache: write_nofill")
         self.profile = get_profile(profile)
         self.tags = np.full(self.sets, -1, dtype=np.int64)
         self.dirty_lines = np.zeros(self.sets, dtype=np.uint8)
@@ -332,8 +333,8 @@ class MemoryMode(SlowOnly):
                              "(None: the fast device's size)")
         self.line_size = line_size
         self.capacity = capacity
-        self.write_nofill = bool(write_nofill)
-        self.allows_cleanup = bool(cleanup)
+        self.write_nofill = check_switch(write_nofill, "MemoryMode: write_nofill")
+        self.allows_cleanup = check_switch(cleanup, "MemoryMode: cleanup")
         self.cache = None
         self._last = None             # (k, operand ids, record) of the kernel being acquired
 

@@ -21,6 +21,7 @@ import numbers
 import numpy as np
 
 import cachedarrays as ca
+from cachedarrays.copyengine import check_switch
 
 from ..backend import get_backend
 
@@ -111,7 +112,7 @@ class Session:
                             "slow=...), 'numpy')")
         self.m = manager
         self.be = _backend(backend)
-        self.annotations = bool(annotations)
+        self.annotations = check_switch(annotations, "Session: annotations")
         self.dtype = _compute_dtype(dtype, self.be)
         self.fused = None
         # Skip annotation walks that cannot do anything under this policy (the results are the

@@ -17,6 +17,8 @@ import math
 
 import numpy as np
 
+from cachedarrays.copyengine import check_switch
+
 from .core import F32, Unit
 
 __all__ = ["Conv2d", "BatchNorm2d", "ReLU", "MaxPool2d", "AvgPool2d", "Flatten", "Dense",
@@ -71,7 +73,8 @@ class Conv2d(_Weighted):
         kh, kw = _pair(kernel)
         self.w_shape = (int(out_channels), self.in_shape[1], kh, kw)
         self.out_shape = _window_shape(name, self.in_shape, int(out_channels), kernel, stride, pad)
-        self.has_bias, self.need_dx = bool(bias), bool(need_dx)
+        self.has_bias = check_switch(bias, "Conv2d: bias")
+        self.need_dx = check_switch(need_dx, "Conv2d: need_dx")
         self.w = self.b = None
 
 
@@ -302,7 +305,8 @@ class Dense(_Weighted):
             raise ValueError(f"layer {name}: expects a 2-d (N, features) input, got {self.in_shape}")
         self.w_shape = (int(out_features), self.in_shape[1])
         self.out_shape = (self.in_shape[0], int(out_features))
-        self.has_bias, self.need_dx = bool(bias), bool(need_dx)
+        self.has_bias = check_switch(bias, "Dense: bias")
+        self.need_dx = check_switch(need_dx, "Dense: need_dx")
         self.w = self.b = None
 
 

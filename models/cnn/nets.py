@@ -17,6 +17,7 @@ import threading
 import numpy as np
 
 import cachedarrays as ca
+from cachedarrays.copyengine import check_switch
 
 from .core import Session, Unit
 from .layers import (AvgPool2d, BatchNorm2d, Chain, Conv2d, Dense, Flatten, MaxPool2d, ReLU, add,
@@ -412,6 +413,8 @@ def train_step(s, model, x, labels, optimizer, defrag=True, fused=True):
     indices of the model, an optimizer without ``update``/``step``, a loss that is NaN or inf
     (``FloatingPointError``), and a second step on the same model or session while one runs.
     """
+    defrag = check_switch(defrag, "train_step: defrag")
+    fused = check_switch(fused, "train_step: fused")
     _check_model(s, model)
     _check_optimizer(optimizer, fused)
     x = _cached_input(x, "images x", s, s.dtype) if isinstance(x, ca.CachedArray) else \

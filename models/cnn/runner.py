@@ -37,6 +37,7 @@ import time
 import numpy as np
 
 import cachedarrays as ca
+from cachedarrays.copyengine import check_switch
 from cachedarrays.policies import LRU, FastOnly, MemoryMode
 from cachedarrays.registry import resolve
 from cachedarrays.trace import StableIds
@@ -145,6 +146,8 @@ def make_session(setup, fast, slow, backend="numpy", line_size=64, event_log=Non
     allocation site).
     """
     setup = check_setup(setup)
+    annotations = check_switch(annotations, "make_session: annotations")
+    stable_ids = check_switch(stable_ids, "make_session: stable_ids")
     fast = ca.parse_size(fast, "fast memory size")
     if _is_2lm(setup):
         if dram_cache is None:
@@ -177,6 +180,7 @@ def fast_only_reference(model_name, depth, backend="numpy", fused=True,
     Every setup's modelled time uses these times (see ``trace.evaluate``); save the trace
     (``Trace.save``) to give later runs the same figures.
     """
+    fused = check_switch(fused, "fast_only_reference: fused")
     _check_iterations(iterations)
     model = build(model_name, depth, **shape)
     est = model.footprint_estimate()
@@ -245,6 +249,7 @@ class Trainer:
                  profile=None, slow=None, event_log=None, line_size=64, fused=True,
                  footprint=None, dram_cache=None, reference=None):
         setup = check_setup(setup)
+        fused = check_switch(fused, "Trainer: fused")
         _check_footprint(footprint)
         if _is_2lm(setup):
             fast = 0 if fast is None else fast

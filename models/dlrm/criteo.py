@@ -27,6 +27,8 @@ from typing import Iterator, Sequence
 import numpy as np
 from mmap_ninja import numpy as np_ninja
 
+from cachedarrays.copyengine import check_switch
+
 from .data import Batch, _integer, _table_sizes
 
 __all__ = [
@@ -296,6 +298,7 @@ class CriteoDataset:
 
     def __init__(self, path, batch_size: int, table_sizes: Sequence[int] | None = None,
                  drop_last: bool = True):
+        drop_last = check_switch(drop_last, "CriteoDataset: drop_last")
         self.path = _as_path(path, "path")
         meta = _read_meta(self.path)
         self.table_sizes = meta["table_sizes"]
@@ -306,7 +309,7 @@ class CriteoDataset:
                     raise ValueError(f"table {t}: {self.path} was hashed into {have} rows but "
                                      f"{need} were requested; convert again with these sizes")
         self.batch_size = _integer(batch_size, "batch_size", 1)
-        self.drop_last = bool(drop_last)
+        self.drop_last = drop_last
         self.rows = meta["rows"]
         if self.drop_last and self.rows < self.batch_size:
             raise ValueError(f"batch_size {self.batch_size} is larger than the {self.rows} rows "

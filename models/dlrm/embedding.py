@@ -41,6 +41,7 @@ from numba import njit, prange
 
 import cachedarrays as ca
 from cachedarrays import costmodel
+from cachedarrays.copyengine import check_switch
 
 from . import kernels
 from ._fs_kernels import PPI as _PLACE_PER_ITEM
@@ -956,11 +957,12 @@ class CachedEmbeddingTable(EmbeddingTable):
     @_locked
     def prepopulate(self, rows=None, seed=0, freeze=True):
         """Static caching: cache ``rows`` (default: random rows up to ``cachelower``), then freeze."""
+        freeze = check_switch(freeze, "prepopulate: freeze")
         if rows is None:
             k = min(self.nvectors, max(self._lower_rows, 0), self.npages * self.page_rows)
             rows = np.random.default_rng(seed).choice(self.nvectors, size=k, replace=False)
         self._cache_rows(kernels.check_indices(rows, self.nvectors, self.name))
-        self.frozen = bool(freeze)
+        self.frozen = freeze
 
     @_locked
     def maintain(self):
@@ -1068,6 +1070,7 @@ class CachedEmbeddingTable(EmbeddingTable):
     def check(self, clean=False):
         """Verify the pointer invariants, that cached rows not marked dirty equal their base
         rows (and, with ``clean``, that every cached row does)."""
+        clean = check_switch(clean, "check: clean")
         cached = np.flatnonzero(self.where >= 0)
         slots = self.where[cached]
         errors = []
