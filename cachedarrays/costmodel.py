@@ -224,8 +224,35 @@ _ARITY = {"kernel": 3, "cache": 8, "alloc": 5, "free": 5, "copy": 8, "cancel": 4
           "layer": 1}
 
 
+_SID_KINDS = ("alloc", "free", "copy", "cancel", "fault")
+
+
+def _hashable(v):
+    try:
+        hash(v)
+    except TypeError:
+        return False
+    return True
+
+
 def _kind(rec):
     return rec[0] if isinstance(rec, (tuple, list)) and rec and isinstance(rec[0], str) else None
+
+
+def _bytes(v):
+    """A byte count or offset: a finite number >= 0 that a float holds (not a bool)."""
+    if not _number(v):
+        return False
+    try:
+        return math.isfinite(float(v)) and v >= 0
+    except OverflowError:               # an int beyond any float
+        return False
+
+
+def _short(v, n=120):
+    """repr(v), cut to n characters for an error message."""
+    r = repr(v)
+    return r if len(r) <= n else r[:n] + "..."
 
 
 def _overlap(a, m, b, n):
@@ -267,7 +294,7 @@ class _Model:
 
     def _dev(self, rec, *devs):
         for d in devs:
-            if d not in self.R:
+            if not isinstance(d, str) or d not in self.R:
                 raise ValueError(f"decision {rec!r} names device {d!r}; the tiers are {list(self.devices)}")
 
     def _add(self, **amounts):
@@ -296,6 +323,9 @@ class _Model:
                 raise ValueError(f"decision {i}: unknown record {rec!r}; known kinds: {sorted(_ARITY)}")
             if len(rec) != _ARITY[kind]:
                 raise ValueError(f"decision {i}: record {rec!r} should have {_ARITY[kind]} fields")
+            if kind in _SID_KINDS and not _hashable(rec[1]):
+                raise ValueError(f"decision {i}: record {_short(rec)} names its object by "
+                                 f"{type(rec[1]).__name__}; give its id (a str)")
             cache = decisions[i + 1] if kind == "kernel" and i + 1 < len(decisions) else None
             if _kind(cache) != "cache":
                 cache = None
@@ -322,9 +352,9 @@ class _Model:
 
     def _sizes(self, rec, *values):
         for v in values:
-            if not (_number(v) and v >= 0):
-                raise ValueError(f"decision {rec!r}: offsets and byte counts are numbers >= 0, "
-                                 f"not {v!r}")
+            if not _bytes(v):
+                raise ValueError(f"decision {_short(rec)}: offsets and byte counts are finite "
+                                 f"numbers >= 0, not {_short(v)}")
 
     def alloc(self, rec):
         _, sid, dev, off, n = rec
@@ -341,6 +371,7 @@ class _Model:
     def free(self, rec):
         _, sid, dev, off, n = rec
         self._dev(rec, dev)
+        self._sizes(rec, off, n)
         regs = self.regions.get((sid, dev), [])
         if (int(off), int(n)) in regs:
             regs.remove((int(off), int(n)))
@@ -394,14 +425,16 @@ class _Model:
 
     def kernel(self, rec, cache):
         _, k, ops = rec
-        if not (isinstance(k, numbers.Integral) and 0 <= k < len(self.times)):
+        if isinstance(k, bool) or not (isinstance(k, numbers.Integral) and 0 <= k < len(self.times)):
             raise ValueError(f"decision {rec!r}: kernel index {k!r} is not in range(len(times)) = "
                              f"range({len(self.times)}); give times for every kernel of the log")
-        ops = [tuple(op) for op in ops]
+        form = "(sid, nbytes, device, is_write), nbytes a finite number >= 0"
+        if isinstance(ops, (str, bytes, Mapping)) or not hasattr(ops, "__iter__"):
+            raise ValueError(f"decision {_short(rec)}: its operands are a sequence of {form}")
+        ops = [tuple(op) if isinstance(op, (tuple, list)) else (op,) for op in ops]
         for op in ops:
-            if len(op) != 4 or not (_number(op[1]) and op[1] >= 0):
-                raise ValueError(f"decision {rec!r}: operand {op!r} should be "
-                                 "(sid, nbytes, device, is_write), nbytes a number >= 0")
+            if len(op) != 4 or not _bytes(op[1]) or not _hashable(op[0]):
+                raise ValueError(f"decision {_short(rec)}: operand {_short(op)} should be {form}")
             self._dev(rec, op[2])
         w = max([self.t] + [self._ready(sid, dev) for sid, _, dev, _ in ops])
         if w > self.t:
@@ -422,6 +455,9 @@ class _Model:
             P = max(reads + writes, (self.F - 1) * comp) if off_write else reads
         else:
             _, ck, rr, rw, dr, dw, sr, sw = cache
+            if not all(_bytes(v) for v in cache[2:]):
+                raise ValueError(f"decision {_short(cache)}: a cache record's byte counts are "
+                                 "finite numbers >= 0")
             if ck != k or len(self.devices) < 2:
                 raise ValueError(f"decisions {rec!r}, {cache!r}: a cache record follows its own kernel "
                                  "(same k) and needs a second tier (the cached slow memory)")

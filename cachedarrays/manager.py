@@ -9,6 +9,8 @@ dirty bits are private to this module: the rest of the library reads and changes
 by their finalizer; the queue drains at the next manager call.
 """
 
+import difflib
+import inspect
 import itertools
 import os
 import sys
@@ -342,6 +344,24 @@ def _after_fork_in_child():
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+def _check_options(factory, options, name):
+    """TypeError naming the policy_options a policy's constructor does not take (a typo would
+    otherwise be an opaque error from inside its __init__), with the ones it does take."""
+    try:
+        params = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):         # a builtin or an odd callable: let it say
+        return
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return
+    known = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    unknown = sorted(str(k) for k in options if k not in known)
+    if unknown:
+        near = difflib.get_close_matches(unknown[0], known, 1)
+        hint = f" (did you mean {near[0]!r}?)" if near else ""
+        raise TypeError(f"policy_options {unknown} are not options of policy {name!r}{hint}; "
+                        f"its options are {known + ['kernels_in_fast']}")
+
+
 class Manager(ManagerRecord):
     """Owns the devices (fast and slow heaps), every object and region, the policy and telemetry.
 
@@ -488,8 +508,11 @@ class Manager(ManagerRecord):
             raise ValueError(f"kernels_in_fast={in_fast!r}: give True (every kernel's operands "
                              "must be in fast memory before it runs) or False")
         if isinstance(policy, str):
-            policy = resolve_policy(policy)(**options)
+            factory = resolve_policy(policy)
+            _check_options(factory, options, policy)
+            policy = factory(**options)
         elif isinstance(policy, type):
+            _check_options(policy, options, policy.__name__)
             policy = policy(**options)
         elif options:
             raise TypeError(f"policy_options {sorted(options)} would be ignored: the policy "

@@ -83,6 +83,9 @@ def replay(trace, policy="lru", fast=None, slow=None, *, tiers=None, policy_opti
     if not isinstance(trace, Trace):
         raise TypeError(f"replay takes a Trace (ca.trace or Trace.load), not "
                         f"{type(trace).__name__}")
+    if tiers is not None and (fast is not None or slow is not None):
+        raise ValueError("pass either tiers=[...] or fast=/slow=, not both: tiers= gives every "
+                         "tier its size, e.g. tiers=[('fast', 0.5), ('slow', 4.0)]")
     trace.validate()
     foot = trace.footprint()
     blocks = trace.footprint(granularity)

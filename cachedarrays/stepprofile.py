@@ -66,7 +66,7 @@ class StepProfile:
             kind = e[0]
             if cur < self.step:
                 if kind == "alloc":
-                    live[e[1]] = e[2]
+                    live[e[1]] = int(e[2])
                 elif kind == "free":
                     live.pop(e[1], None)
                 elif kind == "step":
@@ -80,11 +80,11 @@ class StepProfile:
             if kind == "step":
                 cur += 1
             elif kind == "alloc":
-                sid = e[1]
-                self.objects[sid] = e[2]
+                sid, nbytes = e[1], int(e[2])  # a NumPy unsigned size would wrap in sums
+                self.objects[sid] = nbytes
                 self.alloc_at[sid] = begun
-                self.allocs.append((sid, e[2], e[3]))
-                live[sid] = e[2]
+                self.allocs.append((sid, nbytes, e[3]))
+                live[sid] = nbytes
             elif kind == "free":
                 if e[1] in live:
                     self.free_at[e[1]] = begun
@@ -102,7 +102,7 @@ class StepProfile:
                 for sid in writes:
                     self.uses.setdefault(sid, []).append((begun, True))
                 for sid, nb in part.items():
-                    self.touched[(begun, sid)] = nb
+                    self.touched[(begun, sid)] = int(nb)
                 begun += 1
             elif kind == "layer":
                 layer += 1
@@ -116,8 +116,11 @@ class StepProfile:
 
     @classmethod
     def of(cls, trace, step=-1):
-        """The profile of one step of trace (a Trace or a path to a saved one)."""
-        if not isinstance(trace, Trace):
+        """The profile of one step of trace (a Trace or a path to a saved one); TraceError if
+        the trace is malformed (a loaded one was validated by ``load``)."""
+        if isinstance(trace, Trace):
+            trace.validate()
+        else:
             trace = Trace.load(trace)
         return cls(trace, step)
 

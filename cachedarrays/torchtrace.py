@@ -386,6 +386,11 @@ def from_torch(model, inputs, loss_fn, *, steps=3, optimizer=None, name=None):
             raise ValueError(f"from_torch records CPU runs only, but {what} is on {t.device}: "
                              f"move the model and the inputs to the CPU first (model.to('cpu'))")
 
+    if optimizer is not None and not (isinstance(getattr(optimizer, "param_groups", None), list)
+                                      and callable(getattr(optimizer, "step", None))
+                                      and callable(getattr(optimizer, "zero_grad", None))):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer over the model's parameters "
+                        f"(or None for SGD), not {type(optimizer).__name__}")
     if optimizer is None:
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:

@@ -359,11 +359,15 @@ class Trace:
 
         granularity: count each object as the heap block that holds it (its 64-byte header
         and rounding to granularity, 0 for the heap's default) instead of its data."""
+        if granularity is not None and not _whole(granularity):
+            raise ValueError(f"granularity={granularity!r}: give the heap's granularity in "
+                             "bytes (a power of two >= 64, or 0 for the default)")
         g = None if granularity is None else (granularity or DEFAULT_GRANULARITY)
         live, cur, peak = {}, 0, 0
         for e in self.events:
             if e[0] == "alloc":
-                n = e[2] if g is None or not e[2] else -(-(e[2] + HEADER) // g) * g
+                n = int(e[2])       # a NumPy unsigned size would wrap when subtracted
+                n = n if g is None or not n else -(-(n + HEADER) // g) * g
                 cur += n - live.get(e[1], 0)
                 live[e[1]] = n
                 peak = max(peak, cur)
@@ -463,9 +467,35 @@ class Trace:
 
     def _validate_tables(self):
         """The tables beside the events: kernels, times, objects, touched, pure, partial."""
+        for what, want, kinds in (("events", "a list of event tuples", (list, tuple)),
+                                  ("kernels", "a list of (name, reads, writes)", (list, tuple)),
+                                  ("times", "a list of seconds", (list, tuple)),
+                                  ("devices", "a list of tier names", (list, tuple)),
+                                  ("objects", "a dict of id -> bytes", dict),
+                                  ("decisions", "a list of decision records", (list, tuple)),
+                                  ("meta", "a dict", dict),
+                                  ("touched", "a dict of kernel -> {id: bytes}", dict),
+                                  ("pure", "a set of kernel indices",
+                                   (set, frozenset, list, tuple)),
+                                  ("partial", "a dict of kernel -> write ids", dict)):
+            v = getattr(self, what)
+            if not isinstance(v, kinds):
+                raise TraceError(f"Trace.{what} is {type(v).__name__}; it must be {want}")
+        ints = [k for k in (*self.touched, *self.pure, *self.partial) if type(k) is not int]
+        if ints:
+            raise TraceError(f"kernel index {ints[0]!r} in touched, pure or partial: kernel "
+                             "indices are ints")
+        for k, v in self.touched.items():
+            if not isinstance(v, dict):
+                raise TraceError(f"touched bytes of kernel {k} are {type(v).__name__}; give a "
+                                 "dict of id -> bytes")
+        for k, v in self.partial.items():
+            if not (isinstance(v, (list, tuple)) and all(isinstance(s, str) for s in v)):
+                raise TraceError(f"partial writes of kernel {k} are {v!r}; give a list of "
+                                 "write ids (strings)")
         nk = len(self.kernels)
         for k, row in enumerate(self.kernels):
-            if not (isinstance(row, (tuple, list)) and len(row) >= 3 and
+            if not (isinstance(row, (tuple, list)) and len(row) == 3 and
                     isinstance(row[0], str) and
                     all(isinstance(x, (tuple, list)) and all(isinstance(s, str) for s in x)
                         for x in row[1:3])):
@@ -528,6 +558,9 @@ class Trace:
     def with_times(self, other):
         """A copy with kernel times taken from another trace of the same program (typically a
         fast-only run), matched by position; TraceError if their kernel names differ."""
+        if not isinstance(other, Trace):
+            raise TypeError(f"Trace.with_times takes another Trace (of the same program), not "
+                            f"{type(other).__name__}")
         a = [k[0] for k in self.kernels]
         b = [k[0] for k in other.kernels]
         if a != b:
@@ -548,8 +581,15 @@ class Trace:
 
     def save(self, path):
         """Write the trace to one gzip-compressed JSON file (atomically: a temporary file is
-        renamed over path, which must be a regular file, a symlink or not exist yet)."""
+        renamed over path, which must be a regular file, a symlink or not exist yet).
+
+        The trace is validated first: one that ``load`` would refuse is never written, so it
+        cannot replace a good file."""
         path = _path(path, "Trace.save")
+        try:
+            self.validate()
+        except TraceError as e:
+            raise TraceError(f"Trace.save: {e}; {path} is left as it was") from None
         try:
             mode = os.lstat(path).st_mode
         except OSError:
@@ -571,14 +611,22 @@ class Trace:
                "touched": [[k, list(v.items())] for k, v in sorted(self.touched.items())],
                "pure": sorted(self.pure),
                "partial": [[k, v] for k, v in sorted(self.partial.items())]}
-        tmp = f"{path}.tmp{os.getpid()}-{threading.get_ident()}"    # one per saving thread
+        # One per saving thread, beside path, and short (path's own name may be the longest
+        # the file system takes).
+        tmp = os.path.join(os.path.dirname(path),
+                           f".trace-{os.getpid()}-{threading.get_ident()}.tmp")
         try:
             with gzip.open(tmp, "wt", encoding="utf-8", compresslevel=6) as f:
-                json.dump(doc, f, separators=(",", ":"))
+                json.dump(doc, f, separators=(",", ":"), default=_json_number)
             os.replace(tmp, path)
+        except OSError as e:
+            _unlink(tmp)
+            if e.errno is None:
+                raise
+            raise type(e)(e.errno, f"Trace.save cannot write {path}: {e.strerror}; check that its "
+                          "directory exists, is writable and has room") from None
         except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+            _unlink(tmp)
             raise
         return path
 
@@ -638,6 +686,26 @@ def _path(path, who):
     except TypeError:
         raise TypeError(f"{who} takes a file path (str, bytes or os.PathLike), not "
                         f"{type(path).__name__}") from None
+
+
+def _unlink(path):
+    """Remove path if it is there (a temporary file of a save that failed)."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _json_number(v):
+    """A NumPy (or other numbers-registered) scalar as the Python number JSON writes; anything
+    else a trace file cannot hold is a TypeError naming it."""
+    if isinstance(v, numbers.Integral):
+        return int(v)
+    if isinstance(v, numbers.Real):
+        return float(v)
+    raise TypeError(f"Trace.save: a trace holds a {type(v).__name__} ({_short(v)}), which a "
+                    "trace file cannot store; keep to str, int, float, bool, None, lists and "
+                    "dicts (in meta too)")
 
 
 def _file_kind(mode):
