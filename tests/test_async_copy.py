@@ -359,8 +359,9 @@ def test_a_callback_added_while_others_run_runs_after_them(workers):
         started.set()
         go.wait(T)
         seen.append(("first", threading.current_thread()))
-    job = w.submit("k", 0, 0, 0)
-    job.add_done_callback(first)
+    with w._s.cond:     # the worker cannot finish the job before its first callback is added
+        job = w.submit("k", 0, 0, 0)
+        job.add_done_callback(first)
     assert started.wait(T) and job.done()
     job.add_done_callback(lambda j: seen.append(("second", threading.current_thread())))
     assert seen == []
