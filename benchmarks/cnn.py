@@ -270,10 +270,12 @@ def reference_times(args):
 
 
 def run_interleaved(trainers, iterations, bar=None):
-    """Records per trainer: iteration i of every trainer runs before iteration i+1 of any."""
+    """Records per trainer: iteration i of every trainer runs before iteration i+1 of any
+    (in ``_common.turn_order``)."""
     recs = [[] for _ in trainers]
-    for _ in range(iterations):
-        for tr, out in zip(trainers, recs):
+    for it in range(iterations):
+        for k in _common.turn_order(len(trainers), it):
+            tr, out = trainers[k], recs[k]
             rec = tr.step()
             out.append(rec)
             if bar is not None:

@@ -163,7 +163,7 @@ def _traffic(model):
 def run(cfg, table_kinds, distribution, iterations, cache, backend, seed, peer=None,
         progress=True, slow_profile="optane", flush_policy="oldest"):
     """Train every kind (and the peer) on the same ``iterations + 1`` batches, in turn per
-    batch; one result dict per kind (``peer_*`` entries on each when a peer ran).
+    batch (``_common.turn_order``); one result dict per kind (``peer_*`` entries on each when a peer ran).
     ``modelled_table_times``: per timed iteration, the tables' traffic in seconds at the
     bandwidths of DRAM and of ``slow_profile`` (``embedding.traffic_time``)."""
     data = synthetic_dataset(cfg, distribution, seed=seed, num_batches=iterations + 1)
@@ -184,13 +184,16 @@ def run(cfg, table_kinds, distribution, iterations, cache, backend, seed, peer=N
         peer_losses, peer_steps = [], []
         gc.disable()
         try:
-            for b in _common.progress(batches, total=len(batches), desc=f"dlrm {distribution}",
-                                      disable=not progress):
-                for model, loss, step, tr in zip(models, losses, steps, traffic):
-                    loss.append(_timed(model.train_step, b, step))
-                    tr.append(_traffic(model))
-                if torch_model is not None:
-                    peer_losses.append(_timed(torch_model.train_step, b, peer_steps))
+            n = len(models) + (torch_model is not None)
+            for i, b in enumerate(_common.progress(batches, total=len(batches),
+                                                   desc=f"dlrm {distribution}",
+                                                   disable=not progress)):
+                for k in _common.turn_order(n, i):
+                    if k == len(models):
+                        peer_losses.append(_timed(torch_model.train_step, b, peer_steps))
+                    else:
+                        losses[k].append(_timed(models[k].train_step, b, steps[k]))
+                        traffic[k].append(_traffic(models[k]))
         finally:
             gc.enable()
         results = []

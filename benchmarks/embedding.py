@@ -6,8 +6,9 @@ next to torch.nn.EmbeddingBag(mode="sum", sparse=True) + torch.optim.SGD on the 
     .venv/bin/python benchmarks/embedding.py                       # 1M x 64 rows, B 8192, 40 per bag
     .venv/bin/python benchmarks/embedding.py --rows 200000 --fs 16 --bag 1 --repeats 31
 
-Every repetition draws a fresh batch and times each implementation in turn (interleaved), so
-ours and torch see the same load; figures are medians with their spread [min-max, n], and
+Every repetition draws a fresh batch and times each implementation in turn (interleaved,
+forward and backward in alternate repetitions: ``_common.turn_order``), so ours and torch see
+the same load; figures are medians with their spread [min-max, n], and
 "speedup" is torch's time / ours (> 1: we are faster), from the paired repetitions.
 
 Cached tables follow the dissertation's protocol: a lookup caches the rows it touches
@@ -176,7 +177,8 @@ def bench(impls, data, repeats, lookup, bar):
         b = data.batch(rep)
         idx, off = b.indices[0], b.offsets[0]
         dout = rng.standard_normal((off.shape[0], fs), dtype=np.float32)
-        for k, impl in enumerate(impls):
+        for k in _common.turn_order(len(impls), rep):
+            impl = impls[k]
             gc.disable()
             try:
                 if lookup:

@@ -68,6 +68,16 @@ def test_stat_median_spread_and_speedup_direction():
         common.Stat([])
 
 
+def test_interleaved_runs_alternate_direction_so_no_implementation_always_follows_another():
+    assert list(common.turn_order(3, 0)) == [0, 1, 2]
+    assert list(common.turn_order(3, 1)) == [2, 1, 0]
+    calls = []
+    samples = common.interleaved_samples([lambda: calls.append("a"), lambda: calls.append("b")],
+                                         4)
+    assert calls == ["a", "b", "b", "a", "a", "b", "b", "a"]
+    assert [len(s) for s in samples] == [4, 4]       # each fn's samples stay its own
+
+
 def test_goal_lines_print_and_record(tmp_path, monkeypatch, capsys):
     path = tmp_path / "results.jsonl"
     monkeypatch.setenv("CA_BENCH_RESULTS", str(path))
