@@ -478,6 +478,13 @@ def evaluate(times, decisions, devices, profile=None, slow_output_factor=SLOW_OU
     kernel k from a fast-only run; ``devices``: tier order, fast first; ``profile``: as tier_profiles;
     ``fault_latency``: seconds charged per on-demand fetch (a GPU's unified-memory fault: 45e-6)."""
     profiles = tier_profiles(devices, profile)
+    f, fault_latency = check_options(slow_output_factor, fault_latency)
+    return _Model(times, profiles, f, fault_latency).run(decisions)
+
+
+def check_options(slow_output_factor, fault_latency):
+    """(slow_output_factor, fault_latency) as floats; ValueError naming a bad one (callers
+    that run a replay first check them before it, not after)."""
     f = slow_output_factor
     if not (_number(f) and math.isfinite(f) and f >= 1):
         raise ValueError(f"slow_output_factor={f!r}: give a finite number >= 1 (1 = no slowdown; "
@@ -485,4 +492,4 @@ def evaluate(times, decisions, devices, profile=None, slow_output_factor=SLOW_OU
     if not (_number(fault_latency) and math.isfinite(fault_latency) and fault_latency >= 0):
         raise ValueError(f"fault_latency={fault_latency!r}: give a finite number of seconds >= 0, "
                          "e.g. 45e-6 (0.0 charges nothing)")
-    return _Model(times, profiles, float(f), float(fault_latency)).run(decisions)
+    return float(f), float(fault_latency)

@@ -86,6 +86,7 @@ def replay(trace, policy="lru", fast=None, slow=None, *, tiers=None, policy_opti
     if tiers is not None and (fast is not None or slow is not None):
         raise ValueError("pass either tiers=[...] or fast=/slow=, not both: tiers= gives every "
                          "tier its size, e.g. tiers=[('fast', 0.5), ('slow', 4.0)]")
+    costmodel.check_options(slow_output_factor, fault_latency)    # before the replay runs
     trace.validate()
     foot = trace.footprint()
     blocks = trace.footprint(granularity)

@@ -539,6 +539,10 @@ class Trace:
         The first steps warm caches and compile kernels, so they are left out when there are
         enough steps. Returns a new Trace.
         """
+        if isinstance(skip, bool) or not isinstance(skip, numbers.Integral) or skip < 0:
+            raise ValueError(f"median_times: skip={skip!r} must be a whole number of steps >= 0 "
+                             "(the first steps left out, e.g. skip=1)")
+        skip = int(skip)
         groups = self.step_kernels()
         if not groups:
             return self.copy()

@@ -298,3 +298,27 @@ def test_from_torch_names_an_optimizer_that_is_not_one(optimizer):
     with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer"):
         ca.trace.from_torch(model, torch.ones(2, 4), lambda o: o.sum(), optimizer=optimizer)
     assert model.training and torch.is_grad_enabled()
+
+
+@pytest.mark.parametrize("options", [dict(slow_output_factor=0.5), dict(fault_latency=-1.0),
+                                     dict(fault_latency=float("nan")),
+                                     dict(slow_output_factor="2")])
+def test_replay_refuses_bad_cost_model_options_before_it_runs_the_policy(recorded, options,
+                                                                        monkeypatch):
+    ran = []
+    real = ca.Manager.__init__
+
+    def spy(self, *a, **k):
+        ran.append(1)
+        real(self, *a, **k)
+    monkeypatch.setattr(ca.Manager, "__init__", spy)
+    with pytest.raises(ValueError, match="slow_output_factor|fault_latency"):
+        ca.replay(recorded, "lru", fast=0.5, **options)
+    assert ran == []                          # refused before any replay work
+
+
+@pytest.mark.parametrize("skip", [-1, 1.5, "1", True, None])
+def test_median_times_takes_a_whole_number_of_steps_to_skip(recorded, skip):
+    with pytest.raises(ValueError, match="skip="):
+        recorded.median_times(skip=skip)
+    assert recorded.median_times(skip=np.int64(0)).times    # NumPy integers serve
