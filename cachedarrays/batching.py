@@ -21,17 +21,24 @@ __all__ = ["BatchFamily", "first_steps"]
 _ELEMENT = 8
 
 
+# A batch (or step count) above this gives arrays larger than any device holds (2**62 bytes).
+_MOST = 1 << 62
+
+
 def _batch(batch, what="batch"):
-    """batch as an int of at least 1: an integer (NumPy's too) or an integral float."""
+    """batch as an int from 1 to 2**62: an integer (NumPy's too) or an integral float."""
     if isinstance(batch, numbers.Integral) and not isinstance(batch, bool):
         batch = int(batch)
     elif isinstance(batch, numbers.Real) and not isinstance(batch, bool) and \
             float(batch).is_integer():
         batch = int(batch)
     else:
-        raise TypeError(f"{what} must be a whole number of samples, not {batch!r}")
+        raise TypeError(f"{what} must be a whole number, not {batch!r}")
     if batch <= 0:
         raise ValueError(f"{what} must be at least 1, not {batch}")
+    if batch > _MOST:
+        raise ValueError(f"{what} {batch} is more than 2**62: its arrays would outgrow any "
+                         "memory; give a batch the program could run")
     return batch
 
 

@@ -2211,7 +2211,7 @@ class Manager(ManagerRecord):
 
     def count(self, name, nbytes=0, **fields):
         """Record a named event in telemetry (used by policies and the array layer)."""
-        nbytes = check_event(name, nbytes)
+        nbytes = check_event(name, nbytes, fields)
         with self._lock:
             self.telemetry.count(name, nbytes, **fields)
 

@@ -24,11 +24,23 @@ POISON = 0xDB
 """The byte written over vacated memory (as float64: about -3.2e134, not a common value)."""
 
 
+_ON, _OFF = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+
+
 def enabled(flag=None):
-    """Debug mode on? An explicit flag wins; None reads CACHEDARRAYS_DEBUG (1/true/yes/on)."""
+    """Debug mode on? An explicit flag (a bool, 0 or 1) wins; None reads CACHEDARRAYS_DEBUG
+    (1/true/yes/on, or 0/false/no/off/empty). Anything else is refused, not guessed."""
     if flag is None:
-        return os.environ.get(ENV, "").strip().lower() in ("1", "true", "yes", "on")
-    return bool(flag)
+        value = os.environ.get(ENV, "")
+        word = value.strip().lower()
+        if word not in _ON + _OFF:
+            raise ValueError(f"{ENV}={value!r} is neither on nor off: set it to 1, true, yes or "
+                             "on for debug mode, or 0, false, no, off or nothing")
+        return word in _ON
+    if isinstance(flag, (bool, np.bool_)) or (type(flag) is int and flag in (0, 1)):
+        return bool(flag)
+    raise TypeError(f"debug must be True, False or None (read {ENV}), not "
+                    f"{type(flag).__name__} {flag!r}")
 
 
 Vacated = namedtuple("Vacated", "start end owner nbytes why")

@@ -191,18 +191,41 @@ class Telemetry(TelemetryRecord):
         return out
 
 
+_RECORD_START = '{"t": '          # how every record's line begins (json.dumps of rec in emit)
+
+
 def _open_event_log(path):
-    """The event log opened for appending; OSError naming the path and the fix otherwise."""
+    """The event log opened for appending; OSError naming the path and the fix otherwise.
+
+    A last line left unfinished by an earlier writer is ended first, so that the next record
+    starts a line of its own and the cut one stays recognisable (read_event_log skips it)."""
+    f = None
     try:
-        return open(path, "a", buffering=1 << 16)
+        f = open(path, "a", buffering=1 << 16)
+        if f.tell() > 0:
+            with open(path, "rb") as r:
+                r.seek(-1, os.SEEK_END)
+                if r.read(1) != b"\n":
+                    f.write("\n")
+        return f
     except OSError as e:
+        if f is not None:
+            f.close()
         raise type(e)(e.errno, f"cannot open event_log {os.fspath(path)!r}: {e.strerror}; pass "
                       "the path of a file in a writable directory, or None for no log") from None
 
 
-def check_event(name, nbytes):
+#: Keys of every event log record; an event's own fields may not take them.
+RECORD_KEYS = ("t", "event", "nbytes")
+
+
+def check_event(name, nbytes, fields=()):
     """nbytes as an int; TypeError unless name is a non-empty str and nbytes a whole number of
-    bytes >= 0 (stats() sorts the names and sums the bytes)."""
+    bytes >= 0 (stats() sorts the names and sums the bytes), and no field is a record key."""
+    taken = [k for k in fields if k in RECORD_KEYS]
+    if taken:
+        raise TypeError(f"event {name!r}: field {taken[0]!r} would overwrite the event log's own "
+                        f"{taken[0]!r}; name the field otherwise (e.g. {taken[0] + '_'!r})")
     if type(name) is not str or not name:
         raise TypeError(f"an event's name must be a non-empty str such as 'my_event', not "
                         f"{name!r}")
@@ -221,12 +244,30 @@ def check_event_log(event_log):
     if event_log is not None and not isinstance(event_log, (str, os.PathLike)):
         raise TypeError(f"event_log must be the path of a file to append events to (a str or "
                         f"os.PathLike), or None for no log; got {event_log!r}")
+    if event_log is not None and not os.fspath(event_log):
+        raise ValueError("event_log is an empty path: pass the path of a file to append events "
+                         "to, or None for no log")
 
 
 def read_event_log(path):
-    """Read an event log written by a manager (one JSON record per line)."""
+    """Read an event log written by a manager (one JSON record per line).
+
+    A record cut short (its process was killed or the disk filled mid-write) is skipped; any
+    other line that is not a JSON record is a ValueError naming it."""
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        lines = f.read().split("\n")
+    out = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            out.append(json.loads(line))
+        except ValueError as e:
+            if i == len(lines) - 1 or line.startswith(_RECORD_START):    # an unfinished write
+                continue
+            raise ValueError(f"event log {os.fspath(path)!r}, line {i + 1}: not a JSON record "
+                             f"({e}); is it a manager's event_log?") from None
+    return out
 
 
 def format_stats(stats):

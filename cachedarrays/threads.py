@@ -23,15 +23,40 @@ def prefer_passive_wait() -> str:
     return os.environ.setdefault("OMP_WAIT_POLICY", WAIT_POLICY)
 
 
+#: The most threads a pool may be given: an OpenMP runtime started with far more threads than
+#: it can create aborts the process.
+MAX_THREADS = 1024
+
+
+def _count(threads) -> int:
+    """threads as an int in [1, MAX_THREADS]; TypeError or ValueError naming it otherwise."""
+    if isinstance(threads, bool) or not hasattr(type(threads), "__index__"):
+        raise TypeError(f"threads.limit: threads must be a whole number such as 2, not "
+                        f"{type(threads).__name__} {threads!r}")
+    n = int(threads)
+    if not 1 <= n <= MAX_THREADS:
+        raise ValueError(f"threads.limit: need threads >= 1 and at most {MAX_THREADS}, got {n} "
+                         f"(this machine has {os.cpu_count()} cores)")
+    return n
+
+
 def limit(threads: int) -> dict:
     """Run every pool in this process (BLAS, OpenMP, numba, PyTorch if loaded) on `threads`
-    threads; return :func:`settings`. The limit stays until changed."""
-    n = int(threads)
-    if n < 1:
-        raise ValueError(f"threads.limit: need threads >= 1, got {threads!r}")
-    os.environ["OMP_NUM_THREADS"] = str(n)
+    threads; return :func:`settings`. The limit stays until changed.
+
+    threads: an int from 1 to MAX_THREADS; anything else is refused before any pool changes."""
+    n = _count(threads)
     from threadpoolctl import threadpool_limits
-    threadpool_limits(limits=n)
+    before = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = str(n)
+    try:
+        threadpool_limits(limits=n)
+    except BaseException:
+        if before is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = before
+        raise
     numba = sys.modules.get("numba")
     if numba is not None:
         numba.set_num_threads(max(1, min(n, numba.config.NUMBA_NUM_THREADS)))

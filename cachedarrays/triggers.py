@@ -19,6 +19,27 @@ __all__ = ["Plan"]
 _KINDS = {"kernel": 2, "kernel_end": 2, "layer": 2, "use": 3, "step": 1}
 
 
+def _count(point, value, least):
+    """value as an int >= least (a kernel, layer or use count); bools and others refused."""
+    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+        raise TypeError(f"plan point {point!r}: {value!r} is not a whole number; counts in a "
+                        "point are ints (kernels and layers from 0, uses from 1)")
+    value = int(value)
+    if value < least:
+        raise ValueError(f"plan point {point!r}: {value} would never fire; kernels and layers "
+                         f"count from 0, uses from 1")
+    return value
+
+
+def _checked(point):
+    """The point with its counts as ints; an error for a count that could never fire."""
+    if point[0] == "use":
+        return ("use", point[1], _count(point, point[2], 1))
+    if len(point) == 2:
+        return (point[0], _count(point, point[1], 0))
+    return point
+
+
 class Plan(Observer):
     """Actions keyed by points of the step; attach with ``Plan(manager)``."""
 
@@ -39,6 +60,7 @@ class Plan(Observer):
                 len(point) != _KINDS[point[0]]:
             raise ValueError(f"plan point {point!r}: write ('kernel', k), ('kernel_end', k), "
                              "('layer', l), ('use', sid, n) or ('step',)")
+        point = _checked(point)
         if not callable(action):
             raise TypeError(f"plan action for {point!r} must be callable, got "
                             f"{type(action).__name__}")

@@ -254,3 +254,13 @@ def test_max_batch_refuses_what_it_cannot_search(capacity, family):
     with pytest.raises(TypeError, match="BatchFamily"):
         capacity.max_batch(recorded(2), "lru", 1 << 20)
     assert capacity.max_batch(family, "fastonly", 32 << 10)[0] == 0    # the weights alone
+
+
+@pytest.mark.parametrize("batch", [2**62 + 1, 10**400, 1e300])
+def test_a_batch_no_memory_could_hold_is_refused_by_name(batch):
+    f = hand_family()
+    for call in (f.at, f.sizes, f.footprint, f.operand_peak):
+        with pytest.raises(ValueError, match="more than 2\\*\\*62"):
+            call(batch)
+    with pytest.raises(ValueError, match="more than 2\\*\\*62"):
+        first_steps(f.trace_b, batch)

@@ -58,6 +58,32 @@ def test_limit_sets_every_loaded_pool_and_describe_names_them():
         threads.limit(0)
 
 
+@pytest.mark.parametrize("bad, error", [
+    (True, TypeError), (2.7, TypeError), (1.0, TypeError), ("2", TypeError), (None, TypeError),
+    (float("nan"), TypeError), (float("inf"), TypeError), (0, ValueError), (-1, ValueError),
+    (10**6, ValueError), (10**30, ValueError)])
+def test_limit_refuses_a_bad_thread_count_before_changing_any_pool(monkeypatch, bad, error):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    threads.settings()          # the first call starts numba's threads, which loads a pool
+    before = threads.settings()
+    with pytest.raises(error, match="threads"):
+        threads.limit(bad)
+    assert threads.settings() == before            # nothing half set
+
+
+def test_limit_restores_omp_num_threads_when_a_pool_refuses(monkeypatch):
+    import threadpoolctl
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("pool refused")
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setattr(threadpoolctl, "threadpool_limits", refuse)
+    with pytest.raises(RuntimeError, match="pool refused"):
+        threads.limit(2)
+    assert os.environ["OMP_NUM_THREADS"] == "1"
+
+
 def test_stat_median_spread_and_speedup_direction():
     s = common.Stat([0.003, 0.001, 0.002])
     assert (s.median, s.lo, s.hi, s.n) == (0.002, 0.001, 0.003, 3)

@@ -138,3 +138,22 @@ def test_debug_mode_from_the_environment(monkeypatch):
         w[0] = 1.0
         m.check()
         assert stale_writes(m) == 0
+
+
+@pytest.mark.parametrize("flag", ["off", "no", "0", "", 2, -1, 0.0, [], object()])
+def test_a_debug_flag_that_is_not_a_bool_is_refused_not_guessed(flag):
+    with pytest.raises(TypeError, match="debug must be True, False or None"):
+        ca.Manager(fast="1MiB", slow="16MiB", debug=flag)
+
+
+@pytest.mark.parametrize("value, on", [("1", True), (" ON ", True), ("yes", True),
+                                       ("0", False), ("off", False), ("", False),
+                                       ("2", None), ("enable", None), ("nein", None)])
+def test_debug_from_the_environment_is_on_off_or_refused(monkeypatch, value, on):
+    monkeypatch.setenv("CACHEDARRAYS_DEBUG", value)
+    if on is None:
+        with pytest.raises(ValueError, match="CACHEDARRAYS_DEBUG"):
+            ca.Manager(fast="1MiB", slow="16MiB")
+        return
+    with ca.Manager(fast="1MiB", slow="16MiB") as m:
+        assert (m._debug is not None) is on

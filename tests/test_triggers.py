@@ -138,3 +138,15 @@ def test_lookahead_must_be_a_count():
             LRU(lookahead=bad)
     assert LRU(preset="CA:LMP").lookahead == 4
     assert LRU(preset="CA:LM").lookahead == 0
+
+
+@pytest.mark.parametrize("point, error", [
+    (("kernel", -1), ValueError), (("kernel_end", -2), ValueError), (("layer", -1), ValueError),
+    (("use", "w", 0), ValueError), (("kernel", 1.5), TypeError), (("kernel", True), TypeError),
+    (("kernel", "0"), TypeError), (("layer", None), TypeError), (("use", "w", 1.0), TypeError)])
+def test_a_plan_point_that_could_never_fire_is_refused(m, point, error):
+    plan = Plan(m)
+    with pytest.raises(error, match="plan point"):
+        plan.at(point, lambda mm: None)
+    assert not plan.actions
+
