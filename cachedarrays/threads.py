@@ -42,7 +42,9 @@ def _count(threads) -> int:
 
 def limit(threads: int) -> dict:
     """Run every pool in this process (BLAS, OpenMP, numba, PyTorch if loaded) on `threads`
-    threads; return :func:`settings`. The limit stays until changed.
+    threads; return :func:`settings`. The limit stays until changed. numba's count is the
+    calling thread's own (``numba.set_num_threads``): call ``limit`` in each thread that runs
+    numba kernels, or set ``NUMBA_NUM_THREADS`` before numba is imported.
 
     threads: an int from 1 to MAX_THREADS; anything else is refused before any pool changes."""
     n = _count(threads)
