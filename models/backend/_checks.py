@@ -11,15 +11,28 @@ import numpy as np
 FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 
-def pair(value, what: str, op: str) -> tuple[int, int]:
-    """Normalise an int or a 2-sequence (height, width) to a pair of ints."""
-    if isinstance(value, (int, np.integer)):
-        return int(value), int(value)
-    try:
-        a, b = value
-        return int(a), int(b)
-    except (TypeError, ValueError):
-        raise ValueError(f"{op}: {what} must be an int or a pair of ints, got {value!r}") from None
+#: Geometry values (stride, pad, kernel) and channel offsets stay below this: oneDNN takes
+#: them as int64 and multiplies them with sizes, and no real layer comes near it.
+GEOMETRY_LIMIT = 1 << 31
+
+
+def whole(value, what: str, op: str, low: int = 0) -> int:
+    """A whole number (int or NumPy integer, not a bool) in [low, GEOMETRY_LIMIT), as an int."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{op}: {what} must be a whole number (an int), got {value!r}; "
+                         "floats, bools and strings are not rounded or parsed")
+    if not low <= value < GEOMETRY_LIMIT:
+        raise ValueError(f"{op}: {what} must lie in [{low}, 2**31), got {value}")
+    return int(value)
+
+
+def pair(value, what: str, op: str, low: int = 0) -> tuple[int, int]:
+    """Normalise an int or a 2-sequence (height, width) of ints to a pair of ints >= low."""
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__len__"):
+        return whole(value, what, op, low), whole(value, what, op, low)
+    if len(value) != 2:
+        raise ValueError(f"{op}: {what} must be an int or a pair of ints (height, width), got {value!r}")
+    return whole(value[0], what, op, low), whole(value[1], what, op, low)
 
 
 def window_output_size(size: int, kernel: int, stride: int, pad: int) -> int:
@@ -33,12 +46,13 @@ def conv2d_output_shape(x_shape, w_shape, stride=1, pad=0, op="conv2d_output_sha
         raise ValueError(f"{op}: x must be (N,C,H,W) and w (K,C,R,S); got x {tuple(x_shape)}, w {tuple(w_shape)}")
     n, c, h, w = (int(v) for v in x_shape)
     k, c2, r, s = (int(v) for v in w_shape)
-    sh, sw = pair(stride, "stride", op)
+    sh, sw = pair(stride, "stride", op, 1)
     ph, pw = pair(pad, "pad", op)
+    if min(k, c2, r, s) < 1:
+        raise ValueError(f"{op}: w {tuple(w_shape)} has a zero dimension; a convolution needs at "
+                         "least one input and output channel and a kernel of at least 1x1")
     if c != c2:
         raise ValueError(f"{op}: channel mismatch: x {tuple(x_shape)} has C={c} but w {tuple(w_shape)} has C={c2}")
-    if sh < 1 or sw < 1 or ph < 0 or pw < 0:
-        raise ValueError(f"{op}: need stride >= 1 and pad >= 0, got stride {(sh, sw)}, pad {(ph, pw)}")
     if h + 2 * ph < r or w + 2 * pw < s:
         raise ValueError(f"{op}: kernel {(r, s)} larger than padded input {(h + 2 * ph, w + 2 * pw)} (x {tuple(x_shape)}, pad {(ph, pw)})")
     return (n, k, window_output_size(h, r, sh, ph), window_output_size(w, s, sw, pw))
@@ -49,12 +63,10 @@ def pool_output_shape(x_shape, kernel, stride, pad, op="pool_output_shape"):
     if len(x_shape) != 4:
         raise ValueError(f"{op}: x must be (N,C,H,W), got {tuple(x_shape)}")
     n, c, h, w = (int(v) for v in x_shape)
-    kh, kw = pair(kernel, "kernel", op)
-    sh, sw = pair(stride, "stride", op)
+    kh, kw = pair(kernel, "kernel", op, 1)
+    sh, sw = pair(stride, "stride", op, 1)
     ph, pw = pair(pad, "pad", op)
-    if kh < 1 or kw < 1 or sh < 1 or sw < 1:
-        raise ValueError(f"{op}: kernel and stride must be >= 1, got kernel {(kh, kw)}, stride {(sh, sw)}")
-    if not (0 <= ph < kh and 0 <= pw < kw):
+    if not (ph < kh and pw < kw):                 # pair() held them to >= 1 and >= 0
         raise ValueError(f"{op}: pad {(ph, pw)} must be >= 0 and smaller than kernel {(kh, kw)}")
     if h + 2 * ph < kh or w + 2 * pw < kw:
         raise ValueError(f"{op}: kernel {(kh, kw)} larger than padded input {(h + 2 * ph, w + 2 * pw)} (x {tuple(x_shape)})")
@@ -131,6 +143,7 @@ def check_pool_forward(op, x, kernel, stride, pad, out, **kw):
     oshape = pool_output_shape(x.shape, kernel, stride, pad, op)
     array(op, "out", out, shape=oshape, writable=True, **kw)
     same_dtype(op, x=x, out=out)
+    separate(op, "out", out, x=x)
     return oshape
 
 
@@ -142,6 +155,30 @@ def check_pool_backward(op, dy, kernel, stride, pad, dx, x=None, **kw):
     array(op, "dy", dy, shape=oshape, **kw)
     same_dtype(op, dy=dy, dx=dx, x=x)
     return oshape
+
+
+def separate(op, out_name, out, **inputs):
+    """out shares no memory with any input (oneDNN's pooling reads windows it has already
+    overwritten when computing in place, a silently wrong result)."""
+    for name, a in inputs.items():
+        if a is not None and np.may_share_memory(out, a):
+            raise ValueError(f"{op}: output {out_name} {out.shape} overlaps input {name} "
+                             f"{a.shape}; pass a separate output array")
+
+
+def check_eps(op, eps):
+    """A batch norm's epsilon: a finite real number > 0 (NaN or < 0 gives NaN outputs)."""
+    if isinstance(eps, (bool, np.bool_)) or not isinstance(eps, (int, float, np.integer, np.floating)) \
+            or not 0 < eps < float("inf"):
+        raise ValueError(f"{op}: eps {eps!r} must be a finite number > 0, e.g. 1e-5")
+    return float(eps)
+
+
+def check_batch_stats(op, x):
+    """Training batch norm needs at least one value per channel: the statistics of an empty
+    batch are undefined (NaN)."""
+    if 0 in x.shape:
+        raise ValueError(f"{op}: x {x.shape} is empty; batch statistics need N, C, H and W >= 1")
 
 
 def check_channels(op, x, names_arrays, **kw):
@@ -215,7 +252,7 @@ def check_concat(op, xs, out, **kw):
 
 def check_split(op, dy, sizes, outs, **kw):
     array(op, "dy", dy, ndim=4, **kw)
-    sizes = [int(s) for s in sizes]
+    sizes = [whole(s, f"sizes[{i}]", op) for i, s in enumerate(sizes)]
     if len(sizes) != len(outs) or sum(sizes) != dy.shape[1]:
         raise ValueError(f"{op}: sizes {sizes} must have one entry per output ({len(outs)}) and sum to dy channels {dy.shape[1]} (dy {dy.shape})")
     for i, (s, o) in enumerate(zip(sizes, outs)):
@@ -243,7 +280,7 @@ def check_slice(op, x, start, out, **kw):
     """out (N, C, H, W) receives channels start..start+C of x (N, >= start+C, H, W)."""
     array(op, "x", x, ndim=4, **kw)
     array(op, "out", out, ndim=4, writable=True, **kw)
-    start = int(start)
+    start = whole(start, "start", op)
     n, c = out.shape[:2]
     if start < 0 or x.shape[0] != n or x.shape[2:] != out.shape[2:] or x.shape[1] < start + c:
         raise ValueError(f"{op}: out {out.shape} must be channels {start}..{start + c} of x "
@@ -256,7 +293,7 @@ def check_place(op, x, start, out, **kw):
     """x (N, C, H, W) is written to channels start..start+C of out (N, >= start+C, H, W)."""
     array(op, "x", x, ndim=4, **kw)
     array(op, "out", out, ndim=4, writable=True, **kw)
-    start = int(start)
+    start = whole(start, "start", op)
     n, c = x.shape[:2]
     if start < 0 or out.shape[0] != n or out.shape[2:] != x.shape[2:] or out.shape[1] < start + c:
         raise ValueError(f"{op}: x {x.shape} must fit channels {start}..{start + c} of out "

@@ -796,7 +796,7 @@ def _bn_fwd(xs, eps):
 _F32_STRIDED = {"dtypes": _F32["dtypes"], "contiguous": False}
 
 
-def _bn_checks(op, x, per_channel, same_shape):
+def _bn_checks(op, x, eps, per_channel, same_shape):
     """Check a batch norm's arguments; returns x as its kernel reads it. Every argument but x
     must be C-contiguous; x may be a channel slice of a larger NCHW array (a dense block's
     concatenation buffer), which the numba kernels read in place and oneDNN's get as a copy."""
@@ -804,6 +804,8 @@ def _bn_checks(op, x, per_channel, same_shape):
     ck.check_same_shape(op, "x", x, same_shape, **_F32_STRIDED)
     for name, a, _ in (*per_channel, *same_shape):
         ck.array(op, name, a, **_F32)
+    ck.check_batch_stats(op, x)
+    ck.check_eps(op, eps)
     if not x.flags.c_contiguous and not (_bn_numba and x.ndim == 4):
         x = np.ascontiguousarray(x)
     return x
@@ -812,7 +814,7 @@ def _bn_checks(op, x, per_channel, same_shape):
 def batchnorm_forward(x, gamma, beta, eps, out, mean_out, var_out):
     """Training-mode batch norm: batch mean and biased variance over N,H,W."""
     op = "batchnorm_forward"
-    x = _bn_checks(op, x, [("gamma", gamma, False), ("beta", beta, False),
+    x = _bn_checks(op, x, eps, [("gamma", gamma, False), ("beta", beta, False),
                            ("mean_out", mean_out, True), ("var_out", var_out, True)],
                    [("out", out, True)])
     if _bn_numba and x.ndim == 4:
@@ -824,7 +826,7 @@ def batchnorm_forward(x, gamma, beta, eps, out, mean_out, var_out):
 def batchnorm_backward(dy, x, gamma, mean, var, eps, dx, dgamma, dbeta):
     """Gradients of training-mode batch norm given the saved batch mean and variance."""
     op = "batchnorm_backward"
-    x = _bn_checks(op, x, [("gamma", gamma, False), ("mean", mean, False), ("var", var, False),
+    x = _bn_checks(op, x, eps, [("gamma", gamma, False), ("mean", mean, False), ("var", var, False),
                            ("dgamma", dgamma, True), ("dbeta", dbeta, True)],
                    [("dy", dy, False), ("dx", dx, True)])
     if _bn_numba and x.ndim == 4:
@@ -849,7 +851,7 @@ def batchnorm_backward(dy, x, gamma, mean, var, eps, dx, dgamma, dbeta):
 def batchnorm_relu_forward(x, gamma, beta, eps, out, mean_out, var_out):
     """Training batch norm then ReLU, one pass over the output (numba; or two kernels)."""
     op = "batchnorm_relu_forward"
-    x = _bn_checks(op, x, [("gamma", gamma, False), ("beta", beta, False),
+    x = _bn_checks(op, x, eps, [("gamma", gamma, False), ("beta", beta, False),
                            ("mean_out", mean_out, True), ("var_out", var_out, True)],
                    [("out", out, True)])
     if _bn_numba and x.ndim == 4:
@@ -862,7 +864,7 @@ def batchnorm_relu_backward(dy, y, x, gamma, mean, var, eps, dx, dgamma, dbeta, 
     """Gradients of batchnorm_relu_forward given its output y (the ReLU mask is y > 0); with
     acc (N, >= C, H, W), its first C channels are added to dx in the same pass."""
     op = "batchnorm_relu_backward"
-    x = _bn_checks(op, x, [("gamma", gamma, False), ("mean", mean, False), ("var", var, False),
+    x = _bn_checks(op, x, eps, [("gamma", gamma, False), ("mean", mean, False), ("var", var, False),
                            ("dgamma", dgamma, True), ("dbeta", dbeta, True)],
                    [("dy", dy, False), ("y", y, False), ("dx", dx, True)])
     if acc is not None:
@@ -882,7 +884,7 @@ def batchnorm_inference(x, gamma, beta, mean, var, eps, out):
     ck.check_channels(op, x, [("gamma", gamma, False), ("beta", beta, False),
                               ("mean", mean, False), ("var", var, False)], **_F32)
     ck.check_same_shape(op, "x", x, [("out", out, True)], **_F32)
-    xs, eps = x.shape, float(eps)
+    xs, eps = x.shape, ck.check_eps(op, eps)
 
     def build():
         md = _bn_md(xs)
@@ -1097,6 +1099,8 @@ def dense_backward_data(dy, w, dx):
     """dx = dy @ w."""
     op = "dense_backward_data"
     ck.check_dense_backward_data(op, dy, w, dx, **_F32)
+    if dy.size == 0 or dx.size == 0:            # nothing to multiply: oneDNN needs every dim
+        return _ref.dense_backward_data(dy, w, dx)
     xs, ws = dx.shape, w.shape
 
     def build():

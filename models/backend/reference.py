@@ -218,6 +218,8 @@ def batchnorm_forward(x, gamma, beta, eps, out, mean_out, var_out):
                               ("mean_out", mean_out, True), ("var_out", var_out, True)])
     ck.check_same_shape(op, "x", x, [("out", out, True)])
     ck.same_dtype(op, x=x, gamma=gamma, beta=beta, mean_out=mean_out, var_out=var_out)
+    ck.check_batch_stats(op, x)
+    eps = ck.check_eps(op, eps)
     mean = x.mean(axis=_BN_AXES)
     centred = x - _bcast(mean)
     var = np.mean(centred * centred, axis=_BN_AXES)
@@ -236,6 +238,8 @@ def batchnorm_backward(dy, x, gamma, mean, var, eps, dx, dgamma, dbeta):
                               ("dgamma", dgamma, True), ("dbeta", dbeta, True)])
     ck.check_same_shape(op, "x", x, [("dy", dy, False), ("dx", dx, True)])
     ck.same_dtype(op, x=x, gamma=gamma, mean=mean, var=var, dgamma=dgamma, dbeta=dbeta)
+    ck.check_batch_stats(op, x)
+    eps = ck.check_eps(op, eps)
     m = x.shape[0] * x.shape[2] * x.shape[3]
     invstd = 1.0 / np.sqrt(var + x.dtype.type(eps))
     xhat = (x - _bcast(mean)) * _bcast(invstd)
@@ -278,6 +282,7 @@ def batchnorm_inference(x, gamma, beta, mean, var, eps, out):
                               ("mean", mean, False), ("var", var, False)])
     ck.check_same_shape(op, "x", x, [("out", out, True)])
     ck.same_dtype(op, x=x, gamma=gamma, beta=beta, mean=mean, var=var)
+    eps = ck.check_eps(op, eps)
     scale = gamma / np.sqrt(var + x.dtype.type(eps))
     np.multiply(x, _bcast(scale), out=out)
     out += _bcast(beta - mean * scale)
@@ -358,7 +363,7 @@ def concat_channels(xs, out):
 
 def slice_channels(x, start, out):
     """out = x[:, start:start + C] for out (N, C, ...): one part of a concatenation."""
-    ck.check_slice("slice_channels", x, start, out)
+    start = ck.check_slice("slice_channels", x, start, out)
     out[...] = x[:, start:start + out.shape[1]]
     return out
 

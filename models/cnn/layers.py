@@ -14,6 +14,7 @@ the gradients passed between its layers once the next pullback consumed them.
 from __future__ import annotations
 
 import math
+import numbers
 
 import numpy as np
 
@@ -25,8 +26,40 @@ __all__ = ["Conv2d", "BatchNorm2d", "ReLU", "MaxPool2d", "AvgPool2d", "Flatten",
            "Chain", "add", "softmax_cross_entropy"]
 
 
-def _pair(v):
-    return (int(v), int(v)) if np.isscalar(v) else (int(v[0]), int(v[1]))
+_GEOMETRY_LIMIT = 1 << 31       # as the backends' (``_checks.GEOMETRY_LIMIT``)
+
+
+def _whole(name, what, v, low, high=None):
+    """v as an int: a whole number (an int, or a float without a fraction; not a bool or a
+    string) in [low, high); raises ValueError naming the layer and the argument."""
+    ok = isinstance(v, (numbers.Integral, numbers.Real)) and not isinstance(v, (bool, np.bool_))
+    if ok:
+        ok = math.isfinite(v) and int(v) == v and v >= low and (high is None or v < high)
+    if not ok:
+        bound = f">= {low}" if high is None else f"in [{low}, 2**31)"
+        raise ValueError(f"layer {name}: {what} must be a whole number {bound}, got {v!r}")
+    return int(v)
+
+
+def _pair(v, name="?", what="size", low=0):
+    """(height, width) from an int or a pair of whole numbers >= low."""
+    if isinstance(v, (str, bytes)) or not hasattr(v, "__len__"):
+        v = (v, v)
+    elif len(v) != 2:
+        raise ValueError(f"layer {name}: {what} must be an int or a pair (height, width), got {v!r}")
+    return tuple(_whole(name, what, a, low, _GEOMETRY_LIMIT) for a in v)
+
+
+def _shape(name, shape, ndim=None):
+    """shape as a tuple of whole numbers >= 1 (of ndim dimensions when given)."""
+    if isinstance(shape, (str, bytes)) or not hasattr(shape, "__len__"):
+        raise ValueError(f"layer {name}: input shape must be a tuple of sizes, got {shape!r}")
+    if ndim is not None and len(shape) != ndim:
+        form = "(N,C,H,W)" if ndim == 4 else "(N, features)"
+        raise ValueError(f"layer {name}: expects a {ndim}-d {form} input, got shape {tuple(shape)}")
+    if not shape:
+        raise ValueError(f"layer {name}: input shape must have at least one dimension")
+    return tuple(_whole(name, "every input size (batch included)", d, 1) for d in shape)
 
 
 def _nbytes(shape):
@@ -35,14 +68,19 @@ def _nbytes(shape):
 
 def _window_shape(name, in_shape, channels, kernel, stride, pad):
     """(N, channels, P, Q) of a window op; raises naming the layer when the input is too small."""
-    if len(in_shape) != 4:
-        raise ValueError(f"layer {name}: expects a 4-d (N,C,H,W) input, got shape {tuple(in_shape)}")
     n, _, h, w = in_shape
-    (kh, kw), (sh, sw), (ph, pw) = _pair(kernel), _pair(stride), _pair(pad)
+    (kh, kw), (sh, sw), (ph, pw) = kernel, stride, pad
     if h + 2 * ph < kh or w + 2 * pw < kw:
         raise ValueError(f"layer {name}: input {h}x{w} (pad {ph}) is smaller than its {kh}x{kw} "
                          "window; use a larger image or a shallower model")
     return (n, channels, (h + 2 * ph - kh) // sh + 1, (w + 2 * pw - kw) // sw + 1)
+
+
+def _initialised(layer, *params):
+    """Raise naming the layer when its parameters were never made (``init`` not called)."""
+    if any(p is None for p in params):
+        raise RuntimeError(f"layer {layer.name}: has no parameters yet; call "
+                           "layer.init(session, rng) (or model.init(session)) before forward")
 
 
 class _Weighted(Unit):
@@ -68,11 +106,13 @@ class Conv2d(_Weighted):
 
     def __init__(self, name, in_shape, out_channels, kernel, stride=1, pad=0, bias=False,
                  need_dx=True):
-        self.name, self.in_shape = name, tuple(in_shape)
-        self.stride, self.pad = _pair(stride), _pair(pad)
-        kh, kw = _pair(kernel)
-        self.w_shape = (int(out_channels), self.in_shape[1], kh, kw)
-        self.out_shape = _window_shape(name, self.in_shape, int(out_channels), kernel, stride, pad)
+        self.name, self.in_shape = name, _shape(name, in_shape, 4)
+        self.stride, self.pad = _pair(stride, name, "stride", 1), _pair(pad, name, "pad")
+        kernel = _pair(kernel, name, "kernel", 1)
+        out_channels = _whole(name, "out_channels", out_channels, 1)
+        self.w_shape = (out_channels, self.in_shape[1], *kernel)
+        self.out_shape = _window_shape(name, self.in_shape, out_channels, kernel, self.stride,
+                                       self.pad)
         self.has_bias = check_switch(bias, "Conv2d: bias")
         self.need_dx = check_switch(need_dx, "Conv2d: need_dx")
         self.w = self.b = None
@@ -80,6 +120,7 @@ class Conv2d(_Weighted):
 
     def forward(self, s, x):
         self.check_input(x)
+        _initialised(self, self.w, *((self.b,) if self.has_bias else ()))
         be, st, pd = s.be, self.stride, self.pad
         w = self.w.value
         b = self.b.value if self.b is not None else None
@@ -112,9 +153,7 @@ class BatchNorm2d(Unit):
     eps = 1e-5
 
     def __init__(self, name, in_shape):
-        self.name, self.in_shape = name, tuple(in_shape)
-        if len(self.in_shape) != 4:
-            raise ValueError(f"layer {name}: expects a 4-d (N,C,H,W) input, got {self.in_shape}")
+        self.name, self.in_shape = name, _shape(name, in_shape, 4)
         self.out_shape = self.in_shape
         self.gamma = self.beta = None
 
@@ -133,6 +172,7 @@ class BatchNorm2d(Unit):
         """relu: apply a following ReLU in the same kernel (``Chain`` fuses BatchNorm2d, ReLU
         pairs); the pullback then masks the incoming gradient by the output."""
         self.check_input(x)
+        _initialised(self, self.gamma, self.beta)
         be, eps, c = s.be, self.eps, self.in_shape[1]
         g, b = self.gamma.value, self.beta.value
         y, mean, var = s.empty(self.out_shape), s.empty((c,)), s.empty((c,))
@@ -181,7 +221,7 @@ class ReLU(Unit):
     """max(x, 0), computed in place (the input is never needed again); backward from the output."""
 
     def __init__(self, name, in_shape):
-        self.name, self.in_shape = name, tuple(in_shape)
+        self.name, self.in_shape = name, _shape(name, in_shape)
         self.out_shape = self.in_shape
 
     def param_count(self):
@@ -204,12 +244,25 @@ class ReLU(Unit):
         return y, pullback
 
 
-class MaxPool2d(Unit):
+class _Pool(Unit):
+    """A pooling window: kernel >= 1, stride >= 1 (default: the kernel), 0 <= pad < kernel."""
+
+    def _geometry(self, kernel, stride, pad):
+        name = self.name
+        self.kernel = _pair(kernel, name, "kernel", 1)
+        self.stride = self.kernel if stride is None else _pair(stride, name, "stride", 1)
+        self.pad = _pair(pad, name, "pad")
+        if self.pad[0] >= self.kernel[0] or self.pad[1] >= self.kernel[1]:
+            raise ValueError(f"layer {name}: pad {self.pad} must be smaller than the kernel "
+                             f"{self.kernel} (a window of padding alone has no value)")
+
+
+class MaxPool2d(_Pool):
     """Max pooling; the backend's state (argmax / workspace) is saved instead of the input."""
 
     def __init__(self, name, in_shape, kernel, stride=None, pad=0):
-        self.name, self.in_shape = name, tuple(in_shape)
-        self.kernel, self.stride, self.pad = _pair(kernel), _pair(kernel if stride is None else stride), _pair(pad)
+        self.name, self.in_shape = name, _shape(name, in_shape, 4)
+        self._geometry(kernel, stride, pad)
         self.out_shape = _window_shape(name, self.in_shape, self.in_shape[1], self.kernel,
                                        self.stride, self.pad)
 
@@ -240,14 +293,14 @@ class MaxPool2d(Unit):
         return y, pullback
 
 
-class AvgPool2d(Unit):
+class AvgPool2d(_Pool):
     """Average pooling (padding excluded); ``kernel=None`` pools globally to 1x1."""
 
     def __init__(self, name, in_shape, kernel=None, stride=None, pad=0):
-        self.name, self.in_shape = name, tuple(in_shape)
+        self.name, self.in_shape = name, _shape(name, in_shape, 4)
         if kernel is None:
             kernel = self.in_shape[2:]
-        self.kernel, self.stride, self.pad = _pair(kernel), _pair(kernel if stride is None else stride), _pair(pad)
+        self._geometry(kernel, stride, pad)
         self.out_shape = _window_shape(name, self.in_shape, self.in_shape[1], self.kernel,
                                        self.stride, self.pad)
 
@@ -277,7 +330,10 @@ class Flatten(Unit):
     """(N, C, H, W) -> (N, C*H*W) as a view (no copy); the gradient is reshaped back."""
 
     def __init__(self, name, in_shape):
-        self.name, self.in_shape = name, tuple(in_shape)
+        self.name, self.in_shape = name, _shape(name, in_shape)
+        if len(self.in_shape) < 2:
+            raise ValueError(f"layer {name}: expects an (N, ...) input of at least 2 dimensions, "
+                             f"got shape {self.in_shape}")
         self.out_shape = (self.in_shape[0], math.prod(self.in_shape[1:]))
 
     def param_count(self):
@@ -300,11 +356,10 @@ class Dense(_Weighted):
     """Fully connected layer y = x @ w.T + b with w (out, in)."""
 
     def __init__(self, name, in_shape, out_features, bias=True, need_dx=True):
-        self.name, self.in_shape = name, tuple(in_shape)
-        if len(self.in_shape) != 2:
-            raise ValueError(f"layer {name}: expects a 2-d (N, features) input, got {self.in_shape}")
-        self.w_shape = (int(out_features), self.in_shape[1])
-        self.out_shape = (self.in_shape[0], int(out_features))
+        self.name, self.in_shape = name, _shape(name, in_shape, 2)
+        out_features = _whole(name, "out_features", out_features, 1)
+        self.w_shape = (out_features, self.in_shape[1])
+        self.out_shape = (self.in_shape[0], out_features)
         self.has_bias = check_switch(bias, "Dense: bias")
         self.need_dx = check_switch(need_dx, "Dense: need_dx")
         self.w = self.b = None
@@ -312,6 +367,7 @@ class Dense(_Weighted):
 
     def forward(self, s, x):
         self.check_input(x)
+        _initialised(self, self.w, *((self.b,) if self.has_bias else ()))
         be = s.be
         w = self.w.value
         b = self.b.value if self.b is not None else None
