@@ -319,3 +319,42 @@ def test_a_ufuncs_result_has_numpys_memory_order(m, shape, op):
     assert (got.flags.c_contiguous, got.flags.f_contiguous) == \
         (want.flags.c_contiguous, want.flags.f_contiguous)
     np.testing.assert_array_equal(np.asarray(got), want)
+
+
+# ---- np.concatenate's common call gives NumPy's result or NumPy's error ----------------------
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(max_examples=60, deadline=None)
+@given(nd=st.integers(0, 3), axis=st.integers(-4, 3), n=st.integers(1, 4),
+       sizes=st.lists(st.integers(0, 3), min_size=12, max_size=12),
+       mismatch=st.booleans(), dtype=st.sampled_from(["f8", "i4", ">f8", "?"]),
+       casting=st.sampled_from(["same_kind", "no", "unsafe"]))
+def test_concatenate_of_cached_arrays_matches_numpy(nd, axis, n, sizes, mismatch, dtype,
+                                                     casting):
+    rng = np.random.default_rng(nd * 100 + n)
+    shape = tuple(sizes[:nd])
+    arrays = []
+    for i in range(n):
+        s = list(shape)
+        if nd:
+            s[(axis if -nd <= axis < nd else 0) % nd] = sizes[nd + i]
+            if mismatch and i and nd > 1:
+                s[(axis + 1) % nd] += 1        # another dimension differs: NumPy refuses
+        arrays.append((rng.standard_normal(s) * 5).astype(dtype))
+    with ca.Manager(fast="1MiB", slow="4MiB") as m:
+        cached = [ca.asarray(a, manager=m) for a in arrays]
+        try:
+            want = np.concatenate(arrays, axis=axis, casting=casting)
+        except Exception as e:                 # noqa: BLE001
+            with pytest.raises(type(e)):
+                np.concatenate(cached, axis=axis, casting=casting)
+        else:
+            got = np.concatenate(cached, axis=axis, casting=casting)
+            assert isinstance(got, ca.CachedArray)
+            assert got.dtype == want.dtype and got.shape == want.shape
+            assert np.array_equal(np.asarray(got), want)
+        m.check()
+        assert len(m._objects) == n + ("got" in locals())

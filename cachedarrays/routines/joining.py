@@ -15,6 +15,10 @@ from ._placed import into_new
 def concatenate(arrays, axis=0, out=None, *, dtype=None, casting="same_kind"):
     """np.concatenate writing straight into a policy-placed result (no extra copy)."""
     arrays = list(arrays)
+    if out is None and dtype is None and arrays:
+        res = _joined(arrays, axis, casting)
+        if res is not None:
+            return res
     first = next((a for a in arrays if isinstance(a, CachedArray)), None)
     if out is not None or first is None or axis is None or not arrays:
         return _call_on_views(np.concatenate, (arrays,), dict(axis=axis, out=out, dtype=dtype,
@@ -50,3 +54,29 @@ def concatenate(arrays, axis=0, out=None, *, dtype=None, casting="same_kind"):
                                                                casting=casting))
     finally:
         unpin(res)
+
+
+def _joined(arrays, axis, casting):
+    """The common np.concatenate: CachedArrays of one manager and one native built-in dtype,
+    of one rank, joined along an int axis into a new array. Its checks in one loop
+    (the general path took 4.8 us more than NumPy's call at 10 elements); None when the call
+    is not of that kind."""
+    first = arrays[0]
+    if type(first) is not CachedArray or type(axis) is not int:
+        return None
+    m, dt, shape = first._m, first._dtype, first._shape
+    nd = len(shape)
+    ax = axis + nd if axis < 0 else axis
+    if not 0 <= ax < nd or dt.isbuiltin != 1:    # NumPy's result dtype is dt itself
+        return None
+    total = 0
+    for a in arrays:
+        if type(a) is not CachedArray or a._m is not m or a._dtype != dt or len(a._shape) != nd:
+            return None
+        total += a._shape[ax]
+    objs = tuple([a._obj for a in arrays])
+
+    def fill(*views, out):
+        return np.concatenate(views, axis=ax, out=out, casting=casting)
+    return into_new(m, fill, tuple(arrays), objs, shape[:ax] + (total,) + shape[ax + 1:], dt,
+                    "concatenate")
