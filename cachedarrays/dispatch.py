@@ -121,7 +121,65 @@ def _array_function(self, func, types, args, kwargs):
     impl = HANDLED_FUNCTIONS.get(func)
     if impl is not None:
         return impl(*args, **kwargs)
+    if not kwargs:
+        limit = _FLAT.get(func)
+        if limit is None:
+            limit = _flat_limit(func)
+        if len(args) < limit:
+            res = _flat_read(func, args)
+            if res is not _GENERAL:
+                return res
     return _call_on_views(func, args, kwargs)
+
+
+_FLAT = {}        # NumPy function -> 1 + the number of positional arguments before its out=
+
+
+def _flat_limit(func):
+    """One more than the positional arguments a call of func may have and still write nothing
+    (0 for a function whose writes are not known or that writes an input): ``_flat_read``
+    serves such calls without keywords."""
+    out_at, target_at = (_WRITES.get(func) or _writes_of(func))[:2]
+    if func not in _WRITES_KNOWN or target_at is not None:
+        limit = 0
+    elif out_at is None or out_at[0] is None:
+        limit = 1 << 30
+    else:
+        limit = out_at[0] + 1
+    if len(_FLAT) < 4096:
+        _FLAT[func] = limit
+    return limit
+
+
+def _flat_read(func, args):
+    """The commonest call, in few steps: no keywords, no out, every CachedArray a positional
+    argument of one manager (at most 8), the rest no list, tuple or dict. As
+    ``_read_only_call``; _GENERAL when the call is not of that kind or the manager is busy."""
+    m = None
+    reads = []
+    nbytes = 0
+    for x in args:
+        tx = type(x)
+        if tx is CachedArray:
+            if m is None:
+                m = x._m
+            elif x._m is not m:
+                return _GENERAL
+            o = x._obj
+            reads.append(o)
+            nbytes += o.nbytes
+        elif tx is list or tx is tuple or tx is dict or isinstance(x, CachedArray):
+            return _GENERAL
+    if m is None or len(reads) > 8:
+        return _GENERAL
+    res = _run_read(m, functools.partial(_call_wrap, func, m, args, _NO_KWARGS), args,
+                    tuple(reads), nbytes <= SHORT_BYTES and func not in _CALLBACKS)
+    if res is None:                                # not taken: the manager is busy
+        return _GENERAL
+    return None if res is _NONE else res
+
+
+_NO_KWARGS = {}
 
 
 def _to_views_recording(x, views):
@@ -311,6 +369,8 @@ def _call_wrap(func, m, args, kwargs, *kviews):
     res = func(*views, **kwargs)
     if res is None:
         return _NONE
+    if not isinstance(res, (np.ndarray, list, tuple)):
+        return res                                 # a scalar: nothing to wrap
     return wrap(m, res, [(a, v) for a, v in zip(args, views) if type(a) is CachedArray])
 
 

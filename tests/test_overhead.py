@@ -198,3 +198,42 @@ def test_the_benchmark_times_where_on_a_random_mask_side_by_side(m):
     assert row["n"] == 1000
     assert len(row["numpy"].samples) == len(row["ours"].samples) == 3
     assert row["speedup"].median > 0
+
+
+# ---- a read-only call without keywords takes the flat path, and keeps every rule ----------------
+
+@pytest.mark.parametrize("name, call", [
+    ("dot", lambda x, y: np.dot(x, y)), ("mean", lambda x, y: np.mean(x)),
+    ("diff", lambda x, y: np.diff(x)), ("outer", lambda x, y: np.outer(x, y)),
+    ("clip", lambda x, y: np.clip(x, .2, .8)), ("isclose", lambda x, y: np.isclose(x, y))])
+def test_a_read_only_call_without_keywords_takes_the_flat_path(m, name, call, monkeypatch):
+    a, b, x, y = _pair(m)
+    general = []
+    real = dispatch._call_on_views
+    monkeypatch.setattr(dispatch, "_call_on_views",
+                        lambda *args: general.append(1) or real(*args))
+    got, want = call(x, y), call(a, b)
+    assert general == []
+    if isinstance(want, np.ndarray):
+        assert_eq(got, want)
+        assert got.manager is m                    # a new array is managed, not a plain copy
+    else:                                          # a scalar passes through as NumPy's
+        assert type(got) is type(want) and got == want
+    m.check()
+
+
+@pytest.mark.parametrize("name, call, shape", [
+    ("dot by position", lambda x, y, o: np.dot(x, y, o), ()),
+    ("dot by keyword", lambda x, y, o: np.dot(x, y, out=o), ()),
+    ("clip by position", lambda x, y, o: np.clip(x, .2, .8, o), (12,))])
+def test_a_call_that_writes_takes_the_general_path(m, name, call, shape, monkeypatch):
+    a, b, x, y = _pair(m)
+    general = []
+    real = dispatch._call_on_views
+    monkeypatch.setattr(dispatch, "_call_on_views",
+                        lambda *args: general.append(1) or real(*args))
+    want, o = np.empty(shape), ca.zeros(shape, manager=m)
+    call(a, b, want)
+    call(x, y, o)
+    assert general == [1]
+    assert_eq(o, want)
