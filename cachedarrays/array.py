@@ -26,6 +26,7 @@ from numpy.lib.mixins import NDArrayOperatorsMixin
 from ._records import bind_views as _bind_views
 from ._records import getitem as _c_getitem
 from ._records import operator as _c_operator
+from ._records import run_ufunc as _c_run_ufunc
 from .defaults import default_manager
 from .layout import (basic_index, c_strides, cast_dtype, check_dtype, contiguous_strides,
                      creation_dtype, is_fortran, shape_tuple)
@@ -95,6 +96,10 @@ def from_ndarray(manager, a, placement=None):
     strides = contiguous_strides(shape, dt.itemsize, "F") if \
         flags.f_contiguous and not flags.c_contiguous else c_strides(shape, dt.itemsize)
     n = a.nbytes
+    if placement is None:           # in C (run_ufunc) unless the manager is busy
+        res = _c_run_ufunc(manager, _copy_of, (a,), (), shape, dt, strides, n, n <= SHORT_BYTES)
+        if res is not None:
+            return res
 
     def fill(obj):
         record_new(obj)
@@ -102,6 +107,11 @@ def from_ndarray(manager, a, placement=None):
         np.copyto(out._view(), a, casting="no")
         return out
     return manager.run(fill, (), (), n, "use", n <= SHORT_BYTES, placement)
+
+
+def _copy_of(a, *, out):
+    """from_ndarray's kernel: the new array's view gets a's values."""
+    np.copyto(out, a, casting="no")
 
 
 # ---- NumPy protocol handlers -----------------------------------------------------------------

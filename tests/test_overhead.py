@@ -237,3 +237,17 @@ def test_a_call_that_writes_takes_the_general_path(m, name, call, shape, monkeyp
     call(x, y, o)
     assert general == [1]
     assert_eq(o, want)
+
+
+@pytest.mark.parametrize("a", [np.arange(12.0).reshape(3, 4), np.asfortranarray(
+    np.arange(12.0).reshape(3, 4)), np.array(7, dtype=np.int16), np.zeros((0, 3)),
+    np.arange(6, dtype=">i4")])
+def test_from_ndarray_copies_in_c_and_keeps_the_layout(m, a, monkeypatch):
+    from cachedarrays.array import from_ndarray
+    monkeypatch.setattr(type(m), "run", lambda *args, **kw: pytest.fail("took Manager.run"))
+    x = from_ndarray(m, a)
+    assert x.shape == a.shape and x.dtype == a.dtype and x.manager is m
+    f_order = a.flags.f_contiguous and not a.flags.c_contiguous
+    assert (x.flags.f_contiguous if f_order else x.flags.c_contiguous)
+    assert np.array_equal(np.asarray(x), a)
+    m.check()
