@@ -243,7 +243,7 @@ def test_configs_follow_the_tables():
         configs.get_config("huge")
 
 
-@pytest.mark.parametrize("lr", [float("nan"), float("inf"), -0.1, "0.1"])
+@pytest.mark.parametrize("lr", [float("nan"), float("inf"), -0.1, "0.1", 1e39, 10**400])
 def test_a_bad_learning_rate_is_refused_before_any_parameter_changes(m, lr):
     cfg = configs.tiny()
     model = DLRM(cfg, manager=m, backend="numpy")

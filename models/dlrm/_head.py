@@ -64,6 +64,9 @@ def output_layer_backward(dz, y, w, dx, dw, db, dbp):
     ReLU's input, and dbp (H,) = its column sums (the ReLU layer's bias gradient). All
     C-contiguous float32 (checked here). Returns dx.
     """
+    if np.ndim(y) != 2:
+        raise ValueError(f"output_layer_backward: y must be a (batch, hidden) float32 array, "
+                         f"got shape {np.shape(y)}")
     n, h = np.shape(y)
     shapes = {"dz": (dz, (n, 1)), "y": (y, (n, h)), "w": (w, (1, h)), "dx": (dx, (n, h)),
               "dw": (dw, (1, h)), "db": (db, (1,)), "dbp": (dbp, (h,))}
@@ -77,6 +80,12 @@ def output_layer_backward(dz, y, w, dx, dw, db, dbp):
     for name in ("dx", "dw", "db", "dbp"):
         if not shapes[name][0].flags.writeable:
             raise ValueError(f"output_layer_backward: {name} is read-only")
+    names = list(shapes)
+    for i, out in enumerate(names[3:], 3):          # an output that overlaps another array
+        for other in names[:i]:                     # would be read or written out of order
+            if np.may_share_memory(shapes[out][0], shapes[other][0]):
+                raise ValueError(f"output_layer_backward: {out} shares memory with {other}; "
+                                 f"pass separate arrays")
     if n == 0:
         dx[...] = 0
         dw[...] = 0

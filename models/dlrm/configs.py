@@ -6,6 +6,8 @@ Each factory takes ``scale`` (multiplies table rows; small tables keep at least 
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, replace
 
 __all__ = ["DLRMConfig", "KAGGLE_TABLE_SIZES", "small", "large", "table56", "tiny", "CONFIGS",
@@ -34,17 +36,46 @@ class DLRMConfig:
     lr: float = 0.1
 
     def __post_init__(self):
+        if not isinstance(self.name, str):
+            raise TypeError(f"config name must be a string, got {self.name!r}")
+        for field in ("featuresize", "batch_size", "dense_features", "bag_size"):
+            object.__setattr__(self, field, self._count(field, getattr(self, field)))
+        for field in ("table_sizes", "bottom", "top"):
+            object.__setattr__(self, field, self._counts(field, getattr(self, field)))
+        lr = self.lr
+        if isinstance(lr, bool) or not isinstance(lr, numbers.Real):
+            raise TypeError(f"config {self.name!r}: lr must be a number, got {lr!r}")
+        if not math.isfinite(lr) or lr < 0:
+            raise ValueError(f"config {self.name!r}: lr must be a finite number >= 0, got {lr!r}")
         if self.interaction not in ("dot", "cat"):
             raise ValueError(f"config {self.name!r}: interaction must be 'dot' or 'cat', "
                              f"got {self.interaction!r}")
-        if not self.bottom or self.bottom[-1] != self.featuresize:
+        if self.bottom[-1] != self.featuresize:
             raise ValueError(f"config {self.name!r}: the bottom MLP must end in featuresize "
                              f"{self.featuresize}, got {self.bottom}")
-        if not self.top or self.top[-1] != 1:
+        if self.top[-1] != 1:
             raise ValueError(f"config {self.name!r}: the top MLP must end in 1 output, got {self.top}")
-        if not self.table_sizes or min(self.table_sizes) < 1:
-            raise ValueError(f"config {self.name!r}: need tables of at least one row, got "
-                             f"{self.table_sizes}")
+
+    def _count(self, field, v, within=""):
+        """v as an int >= 1 (a size, width or count; an integral float is accepted)."""
+        if isinstance(v, bool) or not isinstance(v, numbers.Real) or \
+                (not isinstance(v, numbers.Integral) and not float(v).is_integer()):
+            raise TypeError(f"config {self.name!r}: {field} must be an integer >= 1, got "
+                            f"{v!r}{within}")
+        if v < 1:
+            raise ValueError(f"config {self.name!r}: {field} must be an integer >= 1, got "
+                             f"{v!r}{within}")
+        return int(v)
+
+    def _counts(self, field, v):
+        """v as a non-empty tuple of ints >= 1 (a list is accepted)."""
+        if not isinstance(v, (tuple, list)):
+            raise TypeError(f"config {self.name!r}: {field} must be a tuple of integers >= 1, "
+                            f"got {type(v).__name__}")
+        if not v:
+            what = "tables of at least one row" if field == "table_sizes" else "one layer"
+            raise ValueError(f"config {self.name!r}: {field} is empty; need {what}")
+        return tuple(self._count(field, x, f" in {tuple(v)}") for x in v)
 
     @property
     def ntables(self):
@@ -67,12 +98,24 @@ class DLRMConfig:
         return replace(self, **changes)
 
 
+def _check_scale(value, what):
+    """A scale factor: a finite number > 0."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"DLRM config: {what} must be a number, got {value!r}")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"DLRM config: {what} must be a finite number > 0 (1.0 keeps the "
+                         f"paper's sizes), got {value!r}")
+    return float(value)
+
+
 def _rows(sizes, scale):
+    scale = _check_scale(scale, "scale")
     return tuple(max(min(n, 16), int(round(n * scale))) for n in sizes)
 
 
 def _widths(widths, width_scale):
     """Scale hidden widths; the last width (featuresize or 1) is kept."""
+    width_scale = _check_scale(width_scale, "width_scale")
     hidden = tuple(max(8, int(round(w * width_scale))) for w in widths[:-1])
     return hidden + (widths[-1],)
 

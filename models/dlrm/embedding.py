@@ -313,6 +313,25 @@ def _check_dtype(dtype, name):
     return dt
 
 
+def _is_whole(v):
+    """True for an integer (or an integral float), False for bools, strings and fractions."""
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer,
+                                                              np.floating)):
+        return False
+    return isinstance(v, (int, np.integer)) or (math.isfinite(v) and float(v).is_integer())
+
+
+def _check_shape(nvectors, featuresize, name):
+    """(rows, features) as ints >= 1; a fraction, bool or string is refused, not truncated."""
+    if not (_is_whole(nvectors) and _is_whole(featuresize)):
+        raise TypeError(f"table {name!r}: rows and features must be integers, got "
+                        f"{nvectors!r}x{featuresize!r}")
+    if nvectors < 1 or featuresize < 1:
+        raise ValueError(f"table {name!r}: need at least one row and one feature, got "
+                         f"{nvectors}x{featuresize}")
+    return int(nvectors), int(featuresize)
+
+
 def _check_context(context, name):
     if context is not FORWARD and context not in _CONTEXTS:
         raise ValueError(f"table {name!r}: unknown context {context!r}; use "
@@ -458,6 +477,26 @@ class EmbeddingTable:
         """An ndarray copy of every row's current value."""
         raise NotImplementedError
 
+    def load(self, values):
+        """Set every row to ``values`` (nvectors, featuresize), the inverse of ``snapshot``."""
+        raise NotImplementedError
+
+    def _check_values(self, values):
+        """``values`` as a (nvectors, featuresize) array of finite floats, else a clear error."""
+        v = np.asarray(values)
+        if v.dtype.kind != "f":
+            raise TypeError(f"table {self.name!r}: values must be a float array, got dtype "
+                            f"{v.dtype}")
+        if v.shape != self.shape:
+            raise ValueError(f"table {self.name!r}: values have shape {v.shape}, expected "
+                             f"{self.shape}")
+        with np.errstate(over="ignore"):
+            v = v.astype(self.dtype, copy=False)
+        if not np.isfinite(v).all():
+            raise ValueError(f"table {self.name!r}: values hold NaN or infinity (or numbers too "
+                             f"large for {self.dtype}); pass finite numbers")
+        return v
+
     def stats(self):
         """Telemetry: accesses served from fast/slow memory, rows updated, and the bytes each
         tier read and wrote (``fast_read_bytes`` ... ``slow_write_bytes``: lookups, updates
@@ -477,10 +516,7 @@ class SimpleTable(EmbeddingTable):
         self.name = str(name)
         self._lock = threading.RLock()
         self.dtype = _check_dtype(dtype, self.name)
-        self.nvectors, self.featuresize = int(nvectors), int(featuresize)
-        if self.nvectors < 1 or self.featuresize < 1:
-            raise ValueError(f"table {self.name!r}: need at least one row and one feature, got "
-                             f"{nvectors}x{featuresize}")
+        self.nvectors, self.featuresize = _check_shape(nvectors, featuresize, self.name)
         if placement not in ("policy", "fast", "slow"):
             raise ValueError(f"table {self.name!r}: placement must be 'policy', 'fast' or 'slow', "
                              f"got {placement!r}")
@@ -563,6 +599,12 @@ class SimpleTable(EmbeddingTable):
         with ca.readable(self.data) as t:
             return t.copy()
 
+    @_locked
+    def load(self, values):
+        v = self._check_values(values)
+        with ca.kernel("embedding_load", (), (self.data,)) as (t,):
+            np.copyto(t, v)
+
     def stats(self):
         s = dict(self._stats)
         s["device"] = self.data.device
@@ -612,14 +654,14 @@ class CachedEmbeddingTable(EmbeddingTable):
         self.name = str(name)
         self._lock = threading.RLock()
         self.dtype = _check_dtype(dtype, self.name)
-        self.nvectors, self.featuresize = int(nvectors), int(featuresize)
-        if self.nvectors < 1 or self.featuresize < 1:
-            raise ValueError(f"table {self.name!r}: need at least one row and one feature, got "
-                             f"{nvectors}x{featuresize}")
+        self.nvectors, self.featuresize = _check_shape(nvectors, featuresize, self.name)
         if caching not in ("dynamic", "static"):
             raise ValueError(f"table {self.name!r}: caching must be 'dynamic' or 'static', "
                              f"got {caching!r}")
-        if int(page_rows) < 1:
+        if not _is_whole(page_rows):
+            raise TypeError(f"table {self.name!r}: page_rows must be an integer >= 1, got "
+                            f"{page_rows!r}")
+        if page_rows < 1:
             raise ValueError(f"table {self.name!r}: page_rows must be >= 1, got {page_rows}")
         if flush_policy not in FLUSH_POLICIES:
             raise ValueError(f"table {self.name!r}: flush_policy must be one of {FLUSH_POLICIES}, "
@@ -972,7 +1014,7 @@ class CachedEmbeddingTable(EmbeddingTable):
 
     @_locked
     def _flush(self, target_rows, writeback):
-        target = self._lower_rows if target_rows is None else int(target_rows)
+        target = self._lower_rows if target_rows is None else self._target(target_rows)
         rows = self.page_rows
         if len(self._pages) * rows <= target:          # nothing to pop
             self._full = False
@@ -1037,6 +1079,16 @@ class CachedEmbeddingTable(EmbeddingTable):
                   self.name, len(popped), nrows, copied, nkeep)
         return int(copied)
 
+    def _target(self, rows):
+        """A flush's ``target_rows``: an integer >= 0 (rows of pages to keep)."""
+        if isinstance(rows, (bool, np.bool_)) or not isinstance(rows, (int, np.integer)):
+            raise TypeError(f"table {self.name!r}: target_rows must be an integer number of "
+                            f"rows >= 0 (or None for cachelower), got {rows!r}")
+        if rows < 0:
+            raise ValueError(f"table {self.name!r}: target_rows must be >= 0 (0 empties the "
+                             f"cache), got {rows}")
+        return int(rows)
+
     def flush_clean(self, target_rows=None):
         """Drop the oldest pages until at most ``cachelower`` remains; refuses dirty rows."""
         return self._flush(target_rows, writeback=False)
@@ -1065,6 +1117,17 @@ class CachedEmbeddingTable(EmbeddingTable):
             slots = np.flatnonzero(self.backedge >= 0)
             out[self.backedge[slots]] = c[slots]
         return out
+
+    @_locked
+    def load(self, values):
+        """Set every row; cached rows take their new values too and are clean (what stays
+        cached stays cached, so a frozen static table keeps its cache)."""
+        v = self._check_values(values)
+        slots = np.flatnonzero(self.backedge >= 0)
+        with ca.kernel("embedding_load", (), (self.base, self.cache)) as (b, c):
+            np.copyto(b, v)
+            c[slots] = b[self.backedge[slots]]
+        self.dirty_slots[:] = 0
 
     @_locked
     def check(self, clean=False):

@@ -125,11 +125,43 @@ def _specialised(nfeat, fs, t, *arrays, backward=False):
     return k[1] if backward else k[0]
 
 
+def _check_interaction(t, nfeat, fs, what):
+    """(nfeat, fs) as ints for a (B, nfeat*fs) float32/float64 ndarray ``t``; the kernels
+    index without bounds checks, so a shape that does not match must stop here."""
+    for name, v in (("nfeat", nfeat), ("fs", fs)):
+        if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or v < 1:
+            raise ValueError(f"{what}: {name} must be an integer >= 1, got {v!r}")
+    nfeat, fs = int(nfeat), int(fs)
+    if not isinstance(t, np.ndarray) or t.dtype not in (np.float32, np.float64):
+        got = t.dtype if isinstance(t, np.ndarray) else type(t).__name__
+        raise TypeError(f"{what}: t must be a float32 or float64 ndarray, got {got}")
+    if t.ndim != 2 or t.shape[1] != nfeat * fs:
+        raise ValueError(f"{what}: t has shape {t.shape}, expected (batch, {nfeat * fs}) for "
+                         f"{nfeat} features of {fs} values")
+    return nfeat, fs
+
+
+def _check_interaction_output(a, shape, t, name, what, *inputs):
+    """``a`` must be an ndarray of ``shape`` and t's dtype; an output (one given ``inputs``)
+    must also be writable and apart from them (a kernel writing what it reads goes wrong)."""
+    if not isinstance(a, np.ndarray) or a.dtype != t.dtype or a.shape != shape:
+        got = f"{a.dtype} {a.shape}" if isinstance(a, np.ndarray) else type(a).__name__
+        raise ValueError(f"{what}: {name} must be a {t.dtype} ndarray of shape {shape}, got {got}")
+    if inputs and not a.flags.writeable:
+        raise ValueError(f"{what}: {name} is read-only; pass a writable array")
+    for b in inputs:
+        if np.may_share_memory(a, b):
+            raise ValueError(f"{what}: {name} shares memory with an input; pass a separate array")
+
+
 def dot_interaction(t, nfeat, fs, out=None):
     """Dot interaction of (B, nfeat*fs) features: the first block and the strictly lower
     triangle of each sample's Gram matrix (PyTorch DLRM order)."""
+    nfeat, fs = _check_interaction(t, nfeat, fs, "dot_interaction")
+    width = fs + nfeat * (nfeat - 1) // 2
     if out is None:
-        out = np.empty((t.shape[0], fs + nfeat * (nfeat - 1) // 2), dtype=t.dtype)
+        out = np.empty((t.shape[0], width), dtype=t.dtype)
+    _check_interaction_output(out, (t.shape[0], width), t, "out", "dot_interaction", t)
     k = _specialised(nfeat, fs, t, out)
     if k is not None:
         k(t, out)
@@ -140,8 +172,12 @@ def dot_interaction(t, nfeat, fs, out=None):
 
 def dot_interaction_backward(t, dr, nfeat, fs, dt=None):
     """Gradient of :func:`dot_interaction` with respect to ``t``."""
+    nfeat, fs = _check_interaction(t, nfeat, fs, "dot_interaction_backward")
+    _check_interaction_output(dr, (t.shape[0], fs + nfeat * (nfeat - 1) // 2), t, "dr",
+                              "dot_interaction_backward")
     if dt is None:
         dt = np.empty_like(t)
+    _check_interaction_output(dt, t.shape, t, "dt", "dot_interaction_backward", t, dr)
     k = _specialised(nfeat, fs, t, dr, dt, backward=True)
     if k is not None:
         k(t, dr, dt)
@@ -154,6 +190,9 @@ def bce_with_logits(z, y, dz=None):
     """Mean binary cross-entropy of sigmoid(z) (log clamped at -100, as torch.nn.BCELoss);
     writes d(loss)/dz, (sigmoid(z) - y) / B unless saturated, into ``dz`` when given."""
     z64 = z.astype(np.float64).reshape(-1)
+    if np.size(y) != z64.shape[0]:
+        raise ValueError(f"bce_with_logits: {np.size(y)} labels for {z64.shape[0]} logits; "
+                         f"pass one label per logit")
     p = 1.0 / (1.0 + np.exp(-z64))
     p32 = p.astype(np.float32).astype(np.float64)
     with np.errstate(divide="ignore"):
@@ -201,6 +240,9 @@ class DLRM:
             raise TypeError(f"config must be a DLRMConfig or a config name, got {type(config).__name__}")
         if table_kind not in emb.TABLE_KINDS:
             raise ValueError(f"unknown table kind {table_kind!r}; use one of {emb.TABLE_KINDS}")
+        if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)) or \
+                seed < 0:
+            raise ValueError(f"DLRM {config.name!r}: seed must be an integer >= 0, got {seed!r}")
         self.config, self.table_kind = config, table_kind
         self.manager = manager if manager is not None else ca.default_manager()
         self.backend = get_backend(backend)
@@ -320,6 +362,9 @@ class DLRM:
                             f"offsets, labels) tuple or a dict of those names, got "
                             f"{type(batch).__name__}")
         dense = np.asarray(batch.dense)
+        if dense.dtype.kind not in "biuf":
+            raise TypeError(f"DLRM {cfg.name!r}: dense input must be real numbers, got dtype "
+                            f"{dense.dtype}; pass a float32 array")
         if dense.ndim != 2 or dense.shape[1] != cfg.dense_features:
             raise ValueError(f"DLRM {cfg.name!r}: dense input has shape {dense.shape}, expected "
                              f"(batch, {cfg.dense_features})")
@@ -330,6 +375,13 @@ class DLRM:
         if b == 0:
             raise ValueError(f"DLRM {cfg.name!r}: the batch is empty (dense input of shape "
                              f"{dense.shape}); pass at least one sample")
+        if dense.dtype.kind == "f":
+            with np.errstate(over="ignore"):            # as the float32 the MLP reads
+                finite = np.isfinite(dense.astype(np.float32, copy=False)).all(axis=1)
+            if not finite.all():
+                raise ValueError(f"DLRM {cfg.name!r}: dense input holds NaN or infinity (or a "
+                                 f"number too large for float32) at sample "
+                                 f"{int(np.argmax(~finite))}; pass finite numbers")
         offsets = list(batch.offsets) if batch.offsets is not None else [None] * cfg.ntables
         for t, (idx, off) in enumerate(zip(batch.indices, offsets)):
             if off is None:
@@ -358,6 +410,10 @@ class DLRM:
         if not np.isfinite(y).all():
             raise ValueError(f"DLRM {name!r}: labels must be finite numbers (0 or 1 for a "
                              f"click), got {y[~np.isfinite(y)][0]}")
+        outside = (y < 0) | (y > 1)
+        if outside.any():
+            raise ValueError(f"DLRM {name!r}: labels are click probabilities between 0 and 1, "
+                             f"got {y[outside][0]} at sample {int(np.argmax(outside))}")
         return y
 
     # ---- forward / training ----------------------------------------------------------
@@ -397,7 +453,7 @@ class DLRM:
     def train_step(self, batch, lr=None):
         """One SGD iteration; returns the loss and appends phase times to ``timings``."""
         # Checked before any layer is touched: a bad rate must not half-update the model.
-        lr = kernels.check_lr(self.config.lr if lr is None else lr, "DLRM")
+        lr = kernels.check_lr(self.config.lr if lr is None else lr, "DLRM", np.float32)
         batch = self._check_batch(batch)
         labels = self._check_labels(batch.labels, batch.dense.shape[0])
         cfg, fs = self.config, self.config.featuresize
@@ -451,6 +507,44 @@ class DLRM:
         for t in self.tables:
             out[t.name] = t.snapshot()
         return out
+
+    def load_state_dict(self, state):
+        """Set every parameter from ``state`` (the keys, shapes and float values of
+        ``state_dict()``). Everything is checked first: a missing, extra, misshapen or
+        non-finite entry raises and changes nothing."""
+        if not isinstance(state, dict):
+            raise TypeError(f"DLRM {self.config.name!r}: load_state_dict takes a dict like "
+                            f"state_dict() returns, got {type(state).__name__}")
+        layers = {f"{layer.name}.{k}": a for layer in self.bottom + self.top
+                  for k, a in (("weight", layer.w), ("bias", layer.b))}
+        tables = {t.name: t for t in self.tables}
+        missing = [k for k in list(layers) + list(tables) if k not in state]
+        extra = [k for k in state if k not in layers and k not in tables]
+        if missing or extra:
+            raise KeyError(f"DLRM {self.config.name!r}: load_state_dict needs exactly the keys of "
+                           f"state_dict(); missing {missing}, unexpected {extra}")
+        values = {}
+        for k, a in layers.items():
+            v = np.asarray(state[k])
+            if v.dtype.kind != "f":
+                raise TypeError(f"DLRM {self.config.name!r}: {k} must be a float array, got "
+                                f"dtype {v.dtype}")
+            if v.shape != a.shape:
+                raise ValueError(f"DLRM {self.config.name!r}: {k} has shape {v.shape}, "
+                                 f"expected {a.shape}")
+            with np.errstate(over="ignore"):
+                v = v.astype(np.float32, copy=False)
+            if not np.isfinite(v).all():
+                raise ValueError(f"DLRM {self.config.name!r}: {k} holds NaN or infinity (or "
+                                 f"numbers too large for float32); pass finite numbers")
+            values[k] = v
+        for k, t in tables.items():
+            values[k] = t._check_values(state[k])
+        for k, a in layers.items():
+            with ca.writable(a) as w:
+                w[...] = values[k]
+        for k, t in tables.items():
+            t.load(values[k])
 
     def table_stats(self):
         """Sum of the tables' telemetry plus the overall hit rate."""
