@@ -301,3 +301,19 @@ def test_page_rows_must_be_a_positive_integer(m, page_rows, error):
 def test_a_model_seed_must_be_a_non_negative_integer(m, seed):
     with pytest.raises(ValueError, match="seed must be an integer >= 0"):
         DLRM(configs.tiny(), manager=m, backend="numpy", seed=seed)
+
+
+@pytest.mark.parametrize("resize", ["set_cachelower", "set_cacheslack"])
+def test_resizing_a_frozen_table_unfreezes_its_empty_pool_so_it_can_be_filled_again(resize):
+    with ca.Manager(fast="8MiB", slow="32MiB") as m:
+        t = CachedEmbeddingTable(1000, 8, manager=m, cachelower=0.2, cacheslack=0.05,
+                                     caching="static", seed=1)
+        t.prepopulate(rows=np.arange(100))
+        assert t.frozen and t.cached_rows == 100
+        getattr(t, resize)(0.3)
+        assert t.cached_rows == 0 and not t.frozen
+        t.prepopulate(rows=np.arange(200))
+        assert t.frozen and t.cached_rows == 200
+        out = t.lookup(np.arange(10), np.arange(10))
+        assert np.array_equal(np.asarray(out), np.asarray(t.base)[:10])
+        assert t.stats()["hits"] == 10

@@ -700,6 +700,9 @@ class CachedEmbeddingTable(EmbeddingTable):
             if self.cache is None:
                 self._build_pool()
             raise
+        finally:
+            if self.cache is not None and not self.cached_rows:
+                self.frozen = False   # an empty frozen pool would never cache a row again
 
     def _build_pool(self):
         """(Re)allocate an empty page pool for lower + slack rows (all rows sent home first)."""
@@ -749,15 +752,15 @@ class CachedEmbeddingTable(EmbeddingTable):
 
     @_locked
     def set_cachelower(self, value):
-        """Set ``cachelower`` (fraction or bytes); the pool is rebuilt empty (dirty rows go home).
-        A pool that does not fit raises OutOfMemoryError and leaves the old sizes."""
+        """Set ``cachelower`` (fraction or bytes); the pool is rebuilt empty (dirty rows go home)
+        and a frozen table is unfrozen (``prepopulate`` it again). A pool that does not fit
+        raises OutOfMemoryError and leaves the old sizes."""
         lower = _size_to_rows(value, self.nvectors, self.rowbytes, "cachelower", self.name)
         self._resize(lower, self._slack_rows)
 
     @_locked
     def set_cacheslack(self, value):
-        """Set ``cacheslack`` (fraction or bytes); the pool is rebuilt empty (dirty rows go home).
-        A pool that does not fit raises OutOfMemoryError and leaves the old sizes."""
+        """Set ``cacheslack`` (fraction or bytes), as ``set_cachelower``."""
         slack = _size_to_rows(value, self.nvectors, self.rowbytes, "cacheslack", self.name)
         self._resize(self._lower_rows, slack)
 
