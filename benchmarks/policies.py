@@ -837,6 +837,7 @@ def parse_args(argv):
                    help=f"comma-separated, from {', '.join(SECTIONS)}: the policy sweep, the "
                    "Capuchin max-batch table (batch families of the three CNNs) and the G10 "
                    "three-tier figures")
+    _common.add_standard(p, plot=False, with_threads=False)      # --no-progress
     return p.parse_args(argv)
 
 
@@ -876,7 +877,8 @@ def main(argv=None, out=print):
         f"{', '.join(f'{b}%' for b in budgets)} of each trace's footprint; traces in "
         f"{folder}")
     results, verdicts = {}, {}
-    for name in names if "sweep" in sections else ():
+    for name in _common.progress(names if "sweep" in sections else (), desc="policy sweep",
+                                 disable=args.no_progress):
         t = load_or_record(name, MODELS[name], folder, not args.record, backend,
                            args.steps, log=out)
         t0 = time.perf_counter()
