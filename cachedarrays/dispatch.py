@@ -153,8 +153,11 @@ def _flat_limit(func):
 
 def _flat_read(func, args):
     """The commonest call, in few steps: no keywords, no out, every CachedArray a positional
-    argument of one manager (at most 8), the rest no list, tuple or dict. As
-    ``_read_only_call``; _GENERAL when the call is not of that kind or the manager is busy."""
+    argument of one manager, at most 8 arguments in all (``run_read`` takes no more), the rest
+    no list, tuple or dict. As ``_read_only_call``; _GENERAL when the call is not of that kind or
+    the manager is busy."""
+    if len(args) > 8:
+        return _GENERAL
     m = None
     reads = []
     nbytes = 0
@@ -170,7 +173,7 @@ def _flat_read(func, args):
             nbytes += o.nbytes
         elif tx is list or tx is tuple or tx is dict or isinstance(x, CachedArray):
             return _GENERAL
-    if m is None or len(reads) > 8:
+    if m is None:
         return _GENERAL
     res = _run_read(m, functools.partial(_call_wrap, func, m, args, _NO_KWARGS), args,
                     tuple(reads), nbytes <= SHORT_BYTES and func not in _CALLBACKS)
@@ -345,7 +348,7 @@ def _read_only_call(func, args, kwargs):
     if m is None or "like" in kwargs:
         return _GENERAL
     short = nbytes <= SHORT_BYTES and func not in _CALLBACKS
-    if flat and len(reads) <= 8:    # in C (run_read) unless the manager is busy
+    if flat and len(args) <= 8:     # in C (run_read, 8 inputs at most) unless the manager is busy
         res = _run_read(m, functools.partial(_call_wrap, func, m, args, kwargs), args,
                         tuple(reads), short)
         if res is not None:                        # None: not taken (the manager is busy)

@@ -13,7 +13,7 @@ from collections import OrderedDict
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import cachedarrays as ca
@@ -898,3 +898,139 @@ def test_a_traced_function_is_one_kernel_with_its_name(m):
         d = np.dot(x, y)
     assert d == 45.0
     assert [k[0] for k in t.kernels] == ["dot"]
+
+
+@pytest.mark.parametrize("keywords", [{}, {"optimize": False}])
+def test_calls_with_more_arguments_than_run_read_takes_match_numpy(m, keywords):
+    a = [np.arange(3.0) + k for k in range(8)]
+    xs = [_arr(m, v) for v in a]
+    spec = ",".join("i" * 8) + "->"
+    assert np.einsum(spec, *xs, **keywords) == np.einsum(spec, *a, **keywords)
+    got = np.broadcast_arrays(*xs, np.ones(3))
+    assert len(got) == 9 and all(isinstance(g, ca.CachedArray) for g in got)
+    for g, w in zip(got, np.broadcast_arrays(*a, np.ones(3))):
+        np.testing.assert_array_equal(np.asarray(g), w)
+    assert all(x.object._pins == 0 for x in xs)
+    m.check()
+
+
+# NumPy functions called with positional arguments only (the shortest path) or with keywords;
+# f(np_, x, y): x and y are arrays of one shape, each a CachedArray or an ndarray.
+_FUNCTIONS = {
+    "sum": lambda np_, x, y: np_.sum(x), "sum0": lambda np_, x, y: np_.sum(x, 0),
+    "mean_kw": lambda np_, x, y: np_.mean(x, axis=-1), "ravel": lambda np_, x, y: np_.ravel(x),
+    "transpose": lambda np_, x, y: np_.transpose(x), "flip": lambda np_, x, y: np_.flip(x),
+    "squeeze": lambda np_, x, y: np_.squeeze(x), "atleast_3d": lambda np_, x, y: np_.atleast_3d(x),
+    "diagonal": lambda np_, x, y: np_.diagonal(x),
+    "moveaxis": lambda np_, x, y: np_.moveaxis(x, 0, -1),
+    "real": lambda np_, x, y: np_.real(x), "imag": lambda np_, x, y: np_.imag(x),
+    "split": lambda np_, x, y: np_.split(x, 1),
+    "array_split": lambda np_, x, y: np_.array_split(x, 2),
+    "broadcast_arrays": lambda np_, x, y: np_.broadcast_arrays(x, y),
+    "where": lambda np_, x, y: np_.where(x, x, y), "nonzero": lambda np_, x, y: np_.nonzero(x),
+    "dot": lambda np_, x, y: np_.dot(x, y), "inner": lambda np_, x, y: np_.inner(x, y),
+    "clip": lambda np_, x, y: np_.clip(x, 1, y), "cumsum": lambda np_, x, y: np_.cumsum(x),
+    "diff": lambda np_, x, y: np_.diff(x), "sort": lambda np_, x, y: np_.sort(x),
+    "argmax": lambda np_, x, y: np_.argmax(x), "unique": lambda np_, x, y: np_.unique(x),
+    "unique_counts": lambda np_, x, y: np_.unique_counts(x),
+    "allclose": lambda np_, x, y: np_.allclose(x, y),
+    "isclose": lambda np_, x, y: np_.isclose(x, y),
+    "array_equal": lambda np_, x, y: np_.array_equal(x, y),
+    "take": lambda np_, x, y: np_.take(x, 0),
+    "reshape": lambda np_, x, y: np_.reshape(x, -1), "tile": lambda np_, x, y: np_.tile(x, 2),
+    "concatenate": lambda np_, x, y: np_.concatenate([x, y]),
+    "concatenate_axis": lambda np_, x, y: np_.concatenate((x, y), np_.int64(-1)),
+    "concatenate_one": lambda np_, x, y: np_.concatenate([x]),
+    "stack": lambda np_, x, y: np_.stack([x, y]), "outer": lambda np_, x, y: np_.outer(x, y),
+    "count_nonzero": lambda np_, x, y: np_.count_nonzero(x), "ndim": lambda np_, x, y: np_.ndim(x),
+    "copy": lambda np_, x, y: np_.copy(x), "around": lambda np_, x, y: np_.around(x, 1),
+    "histogram": lambda np_, x, y: np_.histogram(x, 3), "median": lambda np_, x, y: np_.median(x),
+    "linalg_norm": lambda np_, x, y: np_.linalg.norm(x), "trace": lambda np_, x, y: np_.trace(x),
+    # calls that write x: the writes must reach it
+    "nan_to_num_in_place": lambda np_, x, y: np_.nan_to_num(x, False),
+    "median_overwrite": lambda np_, x, y: np_.median(x, None, None, True),
+    "put": lambda np_, x, y: np_.put(x, 0, 9), "copyto": lambda np_, x, y: np_.copyto(x, y),
+    "fill_diagonal": lambda np_, x, y: np_.fill_diagonal(x, 5),
+}
+# the functions that take y too
+_BOTH = {"broadcast_arrays", "where", "dot", "inner", "clip", "allclose", "isclose", "array_equal",
+         "concatenate", "concatenate_axis", "stack", "outer", "copyto"}
+_DTYPES = ["f8", "f4", "i4", "?", "c16", ">f8", "<i2", "u1"]
+_SHAPES = [(), (0,), (5,), (3, 4), (2, 1, 3), (1, 1)]
+
+
+def _leaves(r):
+    return list(r) if isinstance(r, (tuple, list)) else [r]
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@settings(max_examples=200, deadline=None)
+@given(name=st.sampled_from(sorted(_FUNCTIONS)), dtype=st.sampled_from(_DTYPES),
+       shape=st.sampled_from(_SHAPES), kinds=st.sampled_from(["cc", "cn", "nc", "c2"]),
+       seed=st.integers(0, 2**16))
+def test_numpy_functions_on_cached_arrays_match_numpy_and_views_stay_views(name, dtype, shape,
+                                                                          kinds, seed):
+    assume(kinds[0] == "c" or name in _BOTH)           # a CachedArray among the arguments
+    call = _FUNCTIONS[name]
+    rng = np.random.default_rng(seed)
+    a = np.asarray(rng.integers(0, 4, shape) + (1j if dtype == "c16" else 0)).astype(dtype)
+    b = np.asarray(rng.integers(0, 4, shape)).astype(dtype)
+    with ca.Manager(fast="1MiB", slow="8MiB") as m, ca.Manager(fast="1MiB", slow="8MiB") as m2:
+        x = ca.asarray(a, manager=m) if kinds[0] == "c" else a.copy()
+        y = b.copy() if kinds[1] == "n" else ca.asarray(b, manager=m2 if kinds[1] == "2" else m)
+        try:
+            want = call(np, a, b)
+        except Exception as e:                     # the same error as NumPy's
+            with pytest.raises(type(e)):
+                call(np, x, y)
+            return
+        got = call(np, x, y)
+        if want is a and a.size:                   # NumPy returned the input itself
+            assert got.object is x.object
+        assert type(got) is type(want) or isinstance(want, np.ndarray) or np.isscalar(want)
+        for g, w in zip(_leaves(got), _leaves(want)):
+            if isinstance(w, np.ndarray):          # an array (0-d too): a CachedArray
+                assert isinstance(g, ca.CachedArray), (name, type(g))
+                assert g.shape == w.shape and g.dtype == w.dtype
+                np.testing.assert_array_equal(np.asarray(g), w)
+            else:                                  # a scalar stays one
+                assert type(g) is type(w) and (g == w or (g != g and w != w))
+        # a result that is a view of an input stays one: a write through it reaches the input,
+        # which keeps it across a move
+        for g, w in zip(_leaves(got), _leaves(want)):
+            if isinstance(w, np.ndarray) and w.size and w.flags.writeable and \
+                    np.shares_memory(w, a):
+                w[(0,) * w.ndim] = 7
+                g[(0,) * g.ndim] = 7
+                break
+        for arr, want_arr in ((x, a), (y, b)):
+            if isinstance(arr, ca.CachedArray):
+                assert arr.object._pins == 0
+                ca.evict(arr)
+                np.testing.assert_array_equal(np.asarray(arr), want_arr)
+        m.check()
+        m2.check()
+
+
+_LAYOUTS = {
+    "F": np.asfortranarray(np.arange(12.0).reshape(3, 4)),
+    "strided": np.arange(24.0).reshape(4, 6)[::2, 1::2], "reversed": np.arange(5)[::-1],
+    "0-d": np.array(2.5), "empty": np.empty((0, 3)), "big-endian": np.arange(6, dtype=">i4"),
+    "structured": np.array([(1, 2.0), (3, 4.0)], dtype="i4,f8"),
+    "readonly": np.broadcast_to(np.arange(3.0), (2, 3)), "strings": np.array(["ab", "c"]),
+    "unaligned": np.frombuffer(bytes(17), dtype="f8", count=2, offset=1),
+}
+
+
+@pytest.mark.parametrize("placement", [None, "slow"])
+@pytest.mark.parametrize("a", list(_LAYOUTS.values()), ids=list(_LAYOUTS))
+def test_asarray_copies_any_layout_into_a_writable_array(m, a, placement):
+    x = ca.asarray(a, manager=m, placement=placement)
+    assert x.shape == a.shape and x.dtype == a.dtype and x.flags.writeable
+    np.testing.assert_array_equal(np.asarray(x), a)
+    if x.size:
+        x[(0,) * x.ndim] = a[(-1,) * a.ndim]
+        ca.evict(x)
+        assert np.asarray(x)[(0,) * x.ndim] == a[(-1,) * a.ndim]
+    assert x.object._pins == 0
+    m.check()
