@@ -277,6 +277,22 @@ def where_dtype(nvectors):
     return np.dtype(np.int32) if 2 * nvectors < 2**31 else np.dtype(np.int64)
 
 
+def finite_values(values, shape, dtype, what):
+    """``values`` as a ``shape`` array of finite ``dtype`` numbers (a table's rows or a model's
+    weights being loaded), else TypeError or ValueError naming ``what``."""
+    v = np.asarray(values)
+    if v.dtype.kind != "f":
+        raise TypeError(f"{what} must be a float array, got dtype {v.dtype}")
+    if v.shape != shape:
+        raise ValueError(f"{what}: shape {v.shape}, expected {shape}")
+    with np.errstate(over="ignore"):
+        v = v.astype(dtype, copy=False)
+    if not np.isfinite(v).all():
+        raise ValueError(f"{what}: NaN or infinity (or numbers too large for {np.dtype(dtype)}); "
+                         "pass finite numbers")
+    return v
+
+
 def _kernel(name, reads=(), writes=(), touched=None):
     """``ca.kernel(name, reads, writes)`` over the CachedArrays among reads and writes; other
     entries (ndarrays, None) pass through as themselves. Yields the list of views (reads first).
@@ -483,19 +499,7 @@ class EmbeddingTable:
 
     def _check_values(self, values):
         """``values`` as a (nvectors, featuresize) array of finite floats, else a clear error."""
-        v = np.asarray(values)
-        if v.dtype.kind != "f":
-            raise TypeError(f"table {self.name!r}: values must be a float array, got dtype "
-                            f"{v.dtype}")
-        if v.shape != self.shape:
-            raise ValueError(f"table {self.name!r}: values have shape {v.shape}, expected "
-                             f"{self.shape}")
-        with np.errstate(over="ignore"):
-            v = v.astype(self.dtype, copy=False)
-        if not np.isfinite(v).all():
-            raise ValueError(f"table {self.name!r}: values hold NaN or infinity (or numbers too "
-                             f"large for {self.dtype}); pass finite numbers")
-        return v
+        return finite_values(values, self.shape, self.dtype, f"table {self.name!r}: values")
 
     def stats(self):
         """Telemetry: accesses served from fast/slow memory, rows updated, and the bytes each

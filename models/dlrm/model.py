@@ -525,19 +525,8 @@ class DLRM:
                            f"state_dict(); missing {missing}, unexpected {extra}")
         values = {}
         for k, a in layers.items():
-            v = np.asarray(state[k])
-            if v.dtype.kind != "f":
-                raise TypeError(f"DLRM {self.config.name!r}: {k} must be a float array, got "
-                                f"dtype {v.dtype}")
-            if v.shape != a.shape:
-                raise ValueError(f"DLRM {self.config.name!r}: {k} has shape {v.shape}, "
-                                 f"expected {a.shape}")
-            with np.errstate(over="ignore"):
-                v = v.astype(np.float32, copy=False)
-            if not np.isfinite(v).all():
-                raise ValueError(f"DLRM {self.config.name!r}: {k} holds NaN or infinity (or "
-                                 f"numbers too large for float32); pass finite numbers")
-            values[k] = v
+            values[k] = emb.finite_values(state[k], a.shape, np.float32,
+                                          f"DLRM {self.config.name!r}: {k}")
         for k, t in tables.items():
             values[k] = t._check_values(state[k])
         for k, a in layers.items():
