@@ -125,8 +125,8 @@ def _array_function(self, func, types, args, kwargs):
         limit = _FLAT.get(func)
         if limit is None:
             limit = _flat_limit(func)
-        if len(args) < limit:
-            res = _flat_read(func, args)
+        if len(args) < limit:                   # writes nothing: skip the general preamble
+            res = _read_only_call(func, args, _NO_KWARGS)
             if res is not _GENERAL:
                 return res
     return _call_on_views(func, args, kwargs)
@@ -137,8 +137,8 @@ _FLAT = {}        # NumPy function -> 1 + the number of positional arguments bef
 
 def _flat_limit(func):
     """One more than the positional arguments a call of func may have and still write nothing
-    (0 for a function whose writes are not known or that writes an input): ``_flat_read``
-    serves such calls without keywords."""
+    (0 for a function whose writes are not known or that writes an input): such calls without
+    keywords go to ``_read_only_call`` directly."""
     out_at, target_at = (_WRITES.get(func) or _writes_of(func))[:2]
     if func not in _WRITES_KNOWN or target_at is not None:
         limit = 0
@@ -149,37 +149,6 @@ def _flat_limit(func):
     if len(_FLAT) < 4096:
         _FLAT[func] = limit
     return limit
-
-
-def _flat_read(func, args):
-    """The commonest call, in few steps: no keywords, no out, every CachedArray a positional
-    argument of one manager, at most 8 arguments in all (``run_read`` takes no more), the rest
-    no list, tuple or dict. As ``_read_only_call``; _GENERAL when the call is not of that kind or
-    the manager is busy."""
-    if len(args) > 8:
-        return _GENERAL
-    m = None
-    reads = []
-    nbytes = 0
-    for x in args:
-        tx = type(x)
-        if tx is CachedArray:
-            if m is None:
-                m = x._m
-            elif x._m is not m:
-                return _GENERAL
-            o = x._obj
-            reads.append(o)
-            nbytes += o.nbytes
-        elif tx is list or tx is tuple or tx is dict or isinstance(x, CachedArray):
-            return _GENERAL
-    if m is None:
-        return _GENERAL
-    res = _run_read(m, functools.partial(_call_wrap, func, m, args, _NO_KWARGS), args,
-                    tuple(reads), nbytes <= SHORT_BYTES and func not in _CALLBACKS)
-    if res is None:                                # not taken: the manager is busy
-        return _GENERAL
-    return None if res is _NONE else res
 
 
 _NO_KWARGS = {}
@@ -318,19 +287,17 @@ def _read_only_call(func, args, kwargs):
     m = None
     reads = []
     nbytes = 0
-    flat = True                 # every CachedArray a positional argument
-    npos = len(args)
-    for i, x in enumerate((*args, *kwargs.values()) if kwargs else args):
+    flat = True                 # every CachedArray a top-level argument (keywords: see below)
+    for x in (*args, *kwargs.values()) if kwargs else args:
         tx = type(x)
         if tx is CachedArray:
-            if i >= npos:
-                flat = False
             if m is None:
                 m = x._m
             elif x._m is not m:
                 return _GENERAL
-            reads.append(x._obj)
-            nbytes += x._obj.nbytes
+            o = x._obj
+            reads.append(o)
+            nbytes += o.nbytes
         elif tx is list or tx is tuple:
             for y in x:
                 if type(y) is CachedArray:
@@ -345,6 +312,8 @@ def _read_only_call(func, args, kwargs):
                     return _GENERAL
         elif isinstance(x, CachedArray) or tx is dict:
             return _GENERAL
+    if kwargs and flat:         # a CachedArray given by keyword goes through Manager.run
+        flat = not any(type(v) is CachedArray for v in kwargs.values())
     if m is None or "like" in kwargs:
         return _GENERAL
     short = nbytes <= SHORT_BYTES and func not in _CALLBACKS
