@@ -156,10 +156,12 @@ def clock_of(name):
 
 
 def samples_of(fns, repeats, number, clock):
-    """Per fn, seconds-per-call samples, timing the fns in turn in every repetition."""
+    """Per fn, seconds-per-call samples, timing the fns in turn in every repetition (in
+    ``_common.turn_order``)."""
     samples = [[] for _ in fns]
-    for _ in range(repeats):
-        for i, fn in enumerate(fns):
+    for rep in range(repeats):
+        for i in _common.turn_order(len(fns), rep):
+            fn = fns[i]
             t = clock()
             for _ in range(number):
                 fn()

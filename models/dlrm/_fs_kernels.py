@@ -86,6 +86,18 @@ def bag_bounds(offsets, b, nidx):
 
 
 @njit(**SERIAL)
+def offsets_flagged(offsets, nbags, nidx, bad):
+    """True (and ``bad[0] = 2``) unless the bag offsets start at 0 and, given ``nbags + 1``
+    of them, end at ``nidx``; ``bag_sums`` checks each bag's own range as it sums it."""
+    n = offsets.shape[0]
+    if (n > 0 and offsets[0] != 0) or (n > nbags and offsets[nbags] != nidx) or \
+            n < nbags or n > nbags + 1:
+        bad[0] = 2
+        return True
+    return False
+
+
+@njit(**SERIAL)
 def mark_refs(where, indices, refs):
     """refs[r] = 1 for every cached row r among indices (see ``translate``)."""
     for j in range(indices.shape[0]):
@@ -533,12 +545,16 @@ def bag_sums(bflat, cflat, where, indices, offsets, lo, hi, out, ostride, ocol, 
     """out rows lo..hi (at column ocol of a row-strided flat buffer) = those bags' sums.
     Returns how many indices were served from the cache (0 for a plain table).  A plain
     table's indices are held to ``nrows`` (see ``sum_bag``); an indirect table's must be
-    valid."""
+    valid.  A bag whose offsets are out of order or past the indices is left empty and
+    ``bad[0]`` set to 2, so offsets nobody checked never lead a read astray."""
     nidx = indices.shape[0]
     hits = 0
     for b in range(lo, hi):
         start, end = bag_bounds(offsets, b, nidx)
-        if where is None:
+        if start < 0 or start > end or end > nidx:
+            bad[0] = 2
+            zero(acc, fs)
+        elif where is None:
             sum_bag(bflat, indices, start, end, acc, fs, specialised, nrows, bad)
         else:
             hits += sum_bag_indirect(bflat, cflat, where, indices, start, end, acc, missed, fs,
@@ -786,11 +802,14 @@ def make_kernels(FS):
         """Bag sums into a row-strided flat ``out``; ``(table, table, None)`` for a plain table.
         Returns how many indices were served from the cache; ``missed`` (empty, or one uint8
         per index) gets 1 for every index whose row is not cached.  A plain table's indices
-        are held to ``nrows`` as they are read (``bad[0] = 1`` if one is out of range)."""
+        are held to ``nrows`` as they are read (``bad[0] = 1`` if one is out of range), and
+        the offsets to their rules (``bad[0] = 2``: see ``offsets_flagged``)."""
         fs = FS or base.shape[1]
         bflat = base.reshape(-1)
         cflat = cache.reshape(-1)
         served = 0
+        if offsets_flagged(offsets, nbags, indices.shape[0], bad):
+            return 0
         for it in prange((nbags + BPI - 1) // BPI):
             acc = np.empty(fs, dtype=base.dtype)
             lo, hi = span(it, BPI, nbags)

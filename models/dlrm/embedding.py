@@ -538,6 +538,8 @@ class SimpleTable(EmbeddingTable):
         self._stats = dict(lookups=0, hits=0, misses=0, updates=0, rows_updated=0,
                            fast_write_bytes=0, slow_write_bytes=0, fast_update_read_bytes=0,
                            slow_update_read_bytes=0)
+        self._rowbytes = self.rowbytes
+        self._row_strides = (self._rowbytes, self.dtype.itemsize)   # an out with contiguous rows
 
     @property
     def device(self):
@@ -561,8 +563,21 @@ class SimpleTable(EmbeddingTable):
         self._stats[f"{tier}_write_bytes"] += nrows * self.rowbytes
         self._stats[f"{tier}_update_read_bytes"] += nrows * self.rowbytes  # read-modify-write
 
-    @_locked
     def lookup(self, indices, offsets=None, out=None, context=FORWARD):
+        with self._lock:
+            if (context is FORWARD and type(out) is ca.CachedArray and out.dtype == self.dtype
+                    and out.strides == self._row_strides and out.shape[1] == self.featuresize
+                    and kernels.plain_bags(indices, offsets, out.shape[0])):
+                # the common call, checked by the kernel itself (see lookup_sum_plain)
+                with ca.kernel("embedding_lookup", (self.data,), (out,),
+                               [(self.data, indices.shape[0] * self._rowbytes)]) as (t, o):
+                    _check_apart(o, (t,), self.name, "out")
+                    kernels.lookup_sum_plain(t, indices, offsets, o, self.name)
+                self._account_lookup(indices.shape[0])
+                return out
+            return self._lookup(indices, offsets, out, context)
+
+    def _lookup(self, indices, offsets, out, context):
         _check_context(context, self.name)
         nbags = _batch_size(offsets, out, indices, self.name, self.featuresize)
         if out is self.data:

@@ -528,8 +528,7 @@ def _lookup_bags(base, cache, where, indices, offsets, out, name, check, missed=
             hits = _indirect_bags(b, _readonly(cache), where, idx, off, nbags, flat, stride,
                                   missed, refs, bound, bad, name)
         if bad[0]:
-            check_indices(idx, base.shape[0], name)     # raises, naming the first bad index
-            raise AssertionError("the lookup kernel flagged an index that is in range")
+            _raise_flagged(idx, off, base.shape[0], nbags, name)
     elif where is not None:
         served = where[idx] >= 0
         hits = int(np.count_nonzero(served))
@@ -541,6 +540,42 @@ def _lookup_bags(base, cache, where, indices, offsets, out, name, check, missed=
     if scratch is not None:
         out[...] = scratch
     return out, int(hits)
+
+
+def _raise_flagged(indices, offsets, nrows, nbags, name):
+    """Raise the error a bag kernel flagged: the offsets' (as ``check_offsets`` names it),
+    else the first index out of range."""
+    check_offsets(offsets, indices.shape[0], nbags, name)
+    check_indices(indices, nrows, name)
+    raise AssertionError("the lookup kernel flagged indices and offsets that are valid")
+
+
+def plain_bags(indices, offsets, nbags):
+    """True when a lookup of ``nbags >= 1`` bags may go to ``lookup_sum_plain``: int64 1-D
+    contiguous ``indices`` and ``offsets``, ``nbags`` or ``nbags + 1`` of the latter."""
+    return (type(indices) is np.ndarray and type(offsets) is np.ndarray and nbags > 0
+            and indices.dtype is _INT64 and offsets.dtype is _INT64
+            and indices.ndim == 1 and offsets.ndim == 1
+            and nbags <= offsets.shape[0] <= nbags + 1
+            and indices.flags.c_contiguous and offsets.flags.c_contiguous)
+
+
+def lookup_sum_plain(table, indices, offsets, out, name="table"):
+    """``lookup_sum`` in one kernel call, for inputs ``plain_bags`` accepts, a read-only
+    ``table`` (a ``ca.kernel`` read view) and an ``out`` of its dtype with contiguous rows:
+    the kernel checks the offsets and the indices as it reads them (nothing before it), and
+    a bad one raises the error the checks would have, after it (``out`` partly written).
+
+    A lookup's Python runs with cold caches, the last lookup having streamed its rows
+    through them: each layer of the general path costs several microseconds there."""
+    nbags = out.shape[0]
+    bad = np.zeros(1, dtype=np.uint8)
+    _pick("bag_sum", table.shape[1])(table, table, None, indices, offsets, nbags,
+                                     out.reshape(-1), table.shape[1], 0, _NO_MARKS,
+                                     np.uint64(table.shape[0]), bad)
+    if bad[0]:
+        _raise_flagged(indices, offsets, table.shape[0], nbags, name)
+    return out
 
 
 def _indirect_bags(b, c, where, idx, off, nbags, flat, stride, missed, refs, bound, bad, name):
@@ -761,6 +796,7 @@ def scratch(key, n, dtype):
 
 
 _NO_MARKS = np.empty(0, dtype=np.uint8)
+_INT64 = np.dtype(np.int64)
 _NO_ROWS = np.empty(0, dtype=np.int64)
 #: The kernel of indirect (cached-table) lookups: "bag_sum_cached" (two passes, the pool read
 #: through the base's buffer) or "bag_sum" (one pass; also used when the pool's distance from
