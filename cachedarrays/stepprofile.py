@@ -13,6 +13,9 @@ object its allocation and free positions, its uses and its bytes:
 - ``layer_of[k]``: the layer of kernel k (layer marks begun before it), ``layers`` of them.
 - ``allocs``: (sid, nbytes, placement) of each allocation of the step, in order; the i-th
   ``new_pinned`` call of any later step makes the object of ``allocs[i]``.
+
+Each object has one lifetime in the step: an id allocated twice in it (or freed and allocated
+again) is a TraceError.
 """
 
 from bisect import bisect_right
@@ -30,6 +33,14 @@ def _step_index(step):
         raise TypeError(f"StepProfile: the step must be a whole number (a step index, negative "
                         f"from the end), not {step!r}")
     return step.__index__()
+
+
+def _allocated_again(sid, step, begun, made):
+    """The error for an id allocated twice in the profiled step (one lifetime per id)."""
+    return TraceError(f"object {sid!r} is allocated again in step {step} (after {begun} of its "
+                      f"kernels), having been {'made' if made else 'alive'} earlier in the "
+                      f"step: a step profile gives each object one lifetime per step, so give "
+                      f"each allocation of the step its own id")
 
 
 class StepProfile:
@@ -81,6 +92,8 @@ class StepProfile:
                 cur += 1
             elif kind == "alloc":
                 sid, nbytes = e[1], int(e[2])  # a NumPy unsigned size would wrap in sums
+                if sid in self.alloc_at or sid in self.free_at:
+                    raise _allocated_again(sid, self.step, begun, sid in self.alloc_at)
                 self.objects[sid] = nbytes
                 self.alloc_at[sid] = begun
                 self.allocs.append((sid, nbytes, e[3]))

@@ -5,7 +5,8 @@ CPU under a ``TorchDispatchMode`` and records every aten op as one kernel of the
 
 * objects are tensor *storages* (views share their storage, so a view is the same object);
   an object is allocated when first seen (before the kernel that first uses it) and freed when
-  its storage dies;
+  its storage dies. A sparse tensor is the storages of its index and value tensors (a sparse
+  gradient ``grad:<param name>`` is ``grad:<param name>.indices`` and ``.values``);
 * a kernel reads the storages of its tensor arguments and writes the storages of its new outputs
   and of the arguments it mutates (in-place and ``out=`` ops: schema ``alias_info.is_write``),
   which it also reads. An op that only makes views (``t``, ``view``, ``detach``, ``expand`` ...)
@@ -21,10 +22,13 @@ CPU under a ``TorchDispatchMode`` and records every aten op as one kernel of the
   ``state:<param name>.<key>`` (optimizer state), ``act:<op>#<n>`` (the n-th output storage
   made by that op in the step) and ``ext:<op>#<n>`` (storages from outside the step, such as a
   target captured by ``loss_fn``, named after the op that first read them). A name still taken
-  by a live object (or used before with another size) gets a suffix ``~2``, ``~3``...;
+  by a live object (one made in an earlier step and kept, such as a hidden state carried
+  into the next step) is given the step's number, ``@<step>`` (steps counted from 0), as
+  ``StableIds`` does, so that the planning policies know it for the same object of another
+  step; a name used before with another size gets a suffix ``~2``, ``~3``...;
 * each step ends with a ``("step",)`` mark; forward hooks on the model's direct children add
   ``("layer",)`` marks at their boundaries (forward only: backward hooks would add ops and break
-  in-place modules).
+  in-place modules; TorchScript children take no hooks, so they make no marks).
 
 Storages are identified by their Python object (torch keeps one per storage, weakref-able, and
 its death callback emits the ``free``). Were they not weakref-able, objects would be keyed by
@@ -35,6 +39,7 @@ Only the standard library and torch (imported lazily) are used; install torch wi
 ``pip install "cachedarrays[peer]"``.
 """
 
+import inspect
 import operator
 import statistics
 import time
@@ -49,6 +54,15 @@ _INSTALL = 'from_torch needs PyTorch: pip install "cachedarrays[peer]"'
 # aten ops that write an argument their schema does not mark as written: op -> argument positions.
 # native_batch_norm updates running_mean and running_var in training mode (schema says read-only).
 _UNANNOTATED_WRITES = {"aten::native_batch_norm": (3, 4)}
+
+# The tensors holding a sparse tensor's data, by layout name: (role, method) pairs.
+_COMPRESSED_ROWS = (("crow_indices", "crow_indices"), ("col_indices", "col_indices"),
+                    ("values", "values"))
+_COMPRESSED_COLUMNS = (("ccol_indices", "ccol_indices"), ("row_indices", "row_indices"),
+                       ("values", "values"))
+_SPARSE_PARTS = {"sparse_coo": (("indices", "_indices"), ("values", "_values")),
+                 "sparse_csr": _COMPRESSED_ROWS, "sparse_bsr": _COMPRESSED_ROWS,
+                 "sparse_csc": _COMPRESSED_COLUMNS, "sparse_bsc": _COMPRESSED_COLUMNS}
 
 
 def _import_torch():
@@ -81,6 +95,7 @@ class _Recorder:
 
     def __init__(self, torch, prenamed, weak):
         self.Tensor = torch.Tensor
+        self.strided = torch.strided
         self.prenamed = prenamed      # storage key -> sid (parameters, buffers, inputs)
         self.weak = weak              # storages weakref-able (else keyed by data_ptr+nbytes)
         self.events = []              # as Trace events, with internal ids for sids
@@ -96,6 +111,7 @@ class _Recorder:
         self.step_start = 0
         self.marked = 0               # kernels recorded at the last layer or step mark
         self.closed = False
+        self.paused = False           # ops of from_torch's own bookkeeping are not kernels
 
     # -- objects ------------------------------------------------------------------------------
     def _new(self, key, s, prefix, base=None):
@@ -161,6 +177,20 @@ class _Recorder:
                              f"uses to the CPU first (model.to('cpu'))")
         return s.data_ptr() != 0 or s.nbytes() == 0
 
+    def parts(self, t):
+        """(role, tensor) of the tensors holding a sparse tensor's data; [] for a strided one."""
+        if t.layout is self.strided:
+            return []
+        names = _SPARSE_PARTS.get(str(t.layout).rpartition(".")[2], ())
+        return [(role, getattr(t, method)()) for role, method in names]
+
+    def _read_parts(self, t, ext, into):
+        """Add the internal ids of a sparse tensor's storages to into."""
+        for _, part in self.parts(t):
+            iid = self.lookup(part, ext)
+            if iid is not None:
+                into[iid] = None
+
     def lookup(self, t, ext):
         """Internal id of an operand's storage; allocates it at first sight."""
         key, s = self._key(t)
@@ -208,17 +238,22 @@ class _Recorder:
         name, act, ext, written = info
         Tensor = self.Tensor
         reads = {}
+        strided = self.strided
         for a in (*args, *kwargs.values()) if kwargs else args:
             if isinstance(a, Tensor):
                 iid = self.lookup(a, ext)
                 if iid is not None:
                     reads[iid] = None
+                elif a.layout is not strided:
+                    self._read_parts(a, ext, reads)
             elif isinstance(a, (list, tuple)):
                 for b in a:
                     if isinstance(b, Tensor):
                         iid = self.lookup(b, ext)
                         if iid is not None:
                             reads[iid] = None
+                        elif b.layout is not strided:
+                            self._read_parts(b, ext, reads)
         writes = {}
         for i, argname in written:
             a = args[i] if i < len(args) else kwargs.get(argname)
@@ -227,15 +262,20 @@ class _Recorder:
             ts = []
             self._tensors(a, ts)
             for t in ts:
-                iid = self.lookup(t, ext)
-                if iid is not None:
-                    writes[iid] = None
-                    reads[iid] = None
+                ids = {}
+                if t.layout is strided:
+                    ids[self.lookup(t, ext)] = None
+                else:
+                    self._read_parts(t, ext, ids)
+                ids.pop(None, None)
+                writes.update(ids)
+                reads.update(ids)
         outs = []
         self._tensors(result, outs)
-        for t in outs:
+        for t in outs:              # a sparse output: its parts, appended to the list
             key, s = self._key(t)
             if key is None:
+                outs += [part for _, part in self.parts(t)]
                 continue
             iid = self.live.get(key)
             if iid is not None and self.weak:
@@ -276,6 +316,15 @@ class _Recorder:
         key, _ = self._key(t)
         return None if key is None else self.live.get(key)
 
+    def named_parts(self, t, sid):
+        """(tensor, sid) of t's storages: t itself, or a sparse tensor's parts (sid.role)."""
+        self.paused = True
+        try:
+            parts = self.parts(t)
+        finally:
+            self.paused = False
+        return [(part, f"{sid}.{role}") for role, part in parts] if parts else [(t, sid)]
+
     # -- result -------------------------------------------------------------------------------
     def median_times(self):
         """Kernel times, and how they were made (meta["times"], the steps used)."""
@@ -292,16 +341,20 @@ class _Recorder:
 
     def build(self, overrides):
         """(objects, events, kernels) with stable sids: an id's base name, or its override;
-        a suffix ~2, ~3... when that name is alive already or was used with another size."""
+        ``@<step>`` when that name is alive already (made in an earlier step), and a suffix
+        ~2, ~3... when the name is still taken or was used with another size."""
         sid_of = {}
         objects = {}
         alive = set()
         events = []
+        step = 0
         for ev in self.events:
             tag = ev[0]
             if tag == "alloc":
                 iid, nbytes = ev[1], ev[2]
                 base = overrides.get(iid) or self.base[iid]
+                if base in alive:
+                    base = f"{base}@{step}"
                 sid, j = base, 1
                 while sid in alive or objects.get(sid, nbytes) != nbytes:
                     j += 1
@@ -315,10 +368,45 @@ class _Recorder:
                 alive.discard(sid)
                 events.append(("free", sid))
             else:
+                step += tag == "step"
                 events.append(ev)
         kernels = [(name, tuple(sid_of[i] for i in r), tuple(sid_of[i] for i in w))
                    for name, r, w in self.kernels]
         return objects, events, kernels
+
+
+def _is_fake(t):
+    """True for a FakeTensor (shapes and dtypes only, no data)."""
+    try:
+        from torch._subclasses.fake_tensor import is_fake
+    except ImportError:  # pragma: no cover - depends on the torch version
+        return False
+    return is_fake(t)
+
+
+def _required_args(optimizer):
+    """The arguments the step of an optimizer's class cannot do without (LBFGS's closure), by
+    name. The class's: an lr scheduler wraps the instance's step in one taking anything."""
+    try:
+        params = list(inspect.signature(type(optimizer).step).parameters.values())[1:]
+    except (AttributeError, TypeError, ValueError):
+        return []
+    return [p.name for p in params if p.default is p.empty and p.kind not in
+            (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+
+
+def _grads(params):
+    """Each parameter's gradient and its version now (to see which ones a backward writes)."""
+    return [None if p.grad is None else (p.grad, p.grad._version) for p in params]
+
+
+def _wrote_a_grad(params, before):
+    """True if one of params has a gradient it had not before, or one written since."""
+    for p, was in zip(params, before):
+        g = p.grad
+        if g is not None and (was is None or g is not was[0] or g._version != was[1]):
+            return True
+    return False
 
 
 def _mode_class(TorchDispatchMode):
@@ -329,6 +417,8 @@ def _mode_class(TorchDispatchMode):
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
+            if self.recorder.paused:
+                return func(*args, **kwargs)
             t0 = time.perf_counter()
             result = func(*args, **kwargs)
             seconds = time.perf_counter() - t0
@@ -341,16 +431,19 @@ def _mode_class(TorchDispatchMode):
 def from_torch(model, inputs, loss_fn, *, steps=3, optimizer=None, name=None):
     """Run ``steps`` training steps of ``model`` on the CPU and return them as a Trace.
 
-    model: a ``torch.nn.Module`` whose parameters and buffers are on the CPU.
+    model: a ``torch.nn.Module`` whose parameters and buffers are real tensors on the CPU (not
+        meta, fake or uninitialized lazy ones).
     inputs: a tensor, or a tuple/list of positional arguments: the step calls ``model(*inputs)``.
-    loss_fn: ``loss_fn(output) -> scalar tensor`` (capture targets in a closure).
+    loss_fn: ``loss_fn(output) -> real scalar tensor`` (capture targets in a closure); its
+        backward must give a parameter the optimizer trains a gradient (checked in step 1).
     steps: training steps to record (>= 1); each is forward, loss, backward, ``optimizer.step()``
         and ``zero_grad``, followed by a ("step",) mark. The consumer uses the last as steady state.
-    optimizer: a ``torch.optim.Optimizer`` over the model's parameters; default
+    optimizer: a ``torch.optim.Optimizer`` over the model's parameters whose ``step()`` needs
+        no argument (not LBFGS, which needs a closure); default
         ``torch.optim.SGD(model.parameters(), lr=0.01)``. The model *is trained*: its parameters
-        (and the optimizer's state) change as in a real run; pass ``copy.deepcopy(model)`` to keep
-        the original.
-    name: meta["model"]; default the model's class name.
+        (and the optimizer's state) change as in a real run; pass ``copy.deepcopy(model)`` to
+        keep the original.
+    name: meta["model"], a str; default the model's class name.
 
     The model runs in training mode with gradients enabled; both flags are restored afterwards,
     also when a step raises (the exception propagates once recording has stopped).
@@ -382,20 +475,37 @@ def from_torch(model, inputs, loss_fn, *, steps=3, optimizer=None, name=None):
     tensors += [(f"input:{i}", f"input {i}", a) for i, a in enumerate(args)
                 if isinstance(a, torch.Tensor)]
     for _, what, t in tensors:
+        if torch.nn.parameter.is_lazy(t):
+            raise ValueError(f"{what} is not initialized yet (a lazy module): call the model "
+                             f"once on a batch before from_torch")
         if t.device.type != "cpu":
             raise ValueError(f"from_torch records CPU runs only, but {what} is on {t.device}: "
                              f"move the model and the inputs to the CPU first (model.to('cpu'))")
+        if _is_fake(t):
+            raise ValueError(f"from_torch records real runs, but {what} is a fake tensor "
+                             f"(FakeTensorMode), which holds no data: make the model and the "
+                             f"inputs outside FakeTensorMode")
 
+    if name is not None and not isinstance(name, str):
+        raise TypeError(f"name must be a str (meta['model'] of the trace) or None for the "
+                        f"model's class name, not {type(name).__name__}")
     if optimizer is not None and not (isinstance(getattr(optimizer, "param_groups", None), list)
                                       and callable(getattr(optimizer, "step", None))
                                       and callable(getattr(optimizer, "zero_grad", None))):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer over the model's parameters "
                         f"(or None for SGD), not {type(optimizer).__name__}")
+    needed = [] if optimizer is None else _required_args(optimizer)
+    if needed:
+        raise TypeError(f"{type(optimizer).__name__}.step needs an argument "
+                        f"({', '.join(needed)}), and from_torch calls optimizer.step() with none "
+                        f"after each forward and backward: use an optimizer whose step() takes "
+                        f"no arguments (SGD, Adam...; not LBFGS, which needs a closure)")
     if optimizer is None:
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
             raise ValueError("the model has no trainable parameters (none requires grad)")
         optimizer = torch.optim.SGD(params, lr=0.01)
+    trained = [p for group in optimizer.param_groups for p in group["params"]]
     param_names = {}
     for n, p in model.named_parameters():
         param_names.setdefault(p, n)
@@ -407,17 +517,19 @@ def from_torch(model, inputs, loss_fn, *, steps=3, optimizer=None, name=None):
     rec = _Recorder(torch, {}, weak)
     held = []                         # keeps pre-named storages alive (their keys stay valid)
     for sid, _, t in tensors:
-        key, s = rec._key(t)
-        if key is not None and key not in rec.prenamed:
-            rec.prenamed[key] = sid
-            held.append(s)
+        for part, part_sid in rec.named_parts(t, sid):
+            key, s = rec._key(part)
+            if key is not None and key not in rec.prenamed:
+                rec.prenamed[key] = part_sid
+                held.append(s)
 
     overrides = {}                    # internal id -> "grad:..." / "state:..."
 
     def name_tensor(t, sid):
-        iid = rec.iid_of(t)
-        if iid is not None and not rec.base[iid].startswith(("param:", "input:")):
-            overrides.setdefault(iid, sid)
+        for part, part_sid in rec.named_parts(t, sid):
+            iid = rec.iid_of(part)
+            if iid is not None and not rec.base[iid].startswith(("param:", "input:")):
+                overrides.setdefault(iid, part_sid)
 
     training = [(m, m.training) for m in model.modules()]
     grad_enabled = torch.is_grad_enabled()
@@ -425,6 +537,8 @@ def from_torch(model, inputs, loss_fn, *, steps=3, optimizer=None, name=None):
     mode = _mode_class(TorchDispatchMode)(rec)
     try:
         for child in model.children():
+            if isinstance(child, torch.jit.ScriptModule):
+                continue                 # no hooks on TorchScript modules: no layer marks
             hooks.append(child.register_forward_pre_hook(rec.layer))
             hooks.append(child.register_forward_hook(rec.layer))
         model.train()
@@ -433,15 +547,21 @@ def from_torch(model, inputs, loss_fn, *, steps=3, optimizer=None, name=None):
                 rec.begin_step()
                 out = model(*args)
                 loss = loss_fn(out)
-                if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                    raise TypeError(f"loss_fn must return a scalar tensor, got "
+                if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or \
+                        loss.is_complex():
+                    raise TypeError(f"loss_fn must return a real scalar tensor, got "
                                     f"{type(loss).__name__}"
-                                    + (f" of shape {tuple(loss.shape)}"
+                                    + (f" of shape {tuple(loss.shape)} and dtype {loss.dtype}"
                                        if isinstance(loss, torch.Tensor) else ""))
                 if not loss.requires_grad:
                     raise ValueError("the loss does not require grad: it must depend on the "
                                      "model's trainable parameters")
+                before = _grads(trained) if not rec.step_ranges else None
                 loss.backward()
+                if before is not None and not _wrote_a_grad(trained, before):
+                    raise ValueError("the loss does not depend on any parameter the optimizer "
+                                     "trains: give loss_fn a loss computed from the model's "
+                                     "output, and an optimizer over the model's parameters")
                 for p, n in param_names.items():
                     if p.grad is not None:
                         name_tensor(p.grad, f"grad:{n}")
