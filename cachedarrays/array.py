@@ -28,8 +28,9 @@ from ._records import getitem as _c_getitem
 from ._records import operator as _c_operator
 from ._records import run_ufunc as _c_run_ufunc
 from .defaults import default_manager
-from .layout import (basic_index, c_strides, cast_dtype, check_dtype, contiguous_strides,
-                     creation_dtype, is_fortran, shape_tuple)
+from .layout import (basic_index, c_strides, cast_dtype, check_dtype, contiguity,
+                     contiguous_strides, creation_dtype, like_order, order_code,
+                     shape_tuple)
 from .heap import HEADER
 from .pinning import (OPEN_SCOPES, SHORT_BYTES, ObjectView, acquire_grouped, new_object,
                       objects_in, plain_key, pop_scope, push_scope, readable, record_new,
@@ -93,8 +94,11 @@ def from_ndarray(manager, a, placement=None):
     dt = check_dtype(a.dtype)
     shape = a.shape
     flags = a.flags
-    strides = contiguous_strides(shape, dt.itemsize, "F") if \
-        flags.f_contiguous and not flags.c_contiguous else c_strides(shape, dt.itemsize)
+    if flags.f_contiguous and not flags.c_contiguous or not flags.forc and \
+            like_order(shape, a.strides, dt.itemsize) == "F":       # NumPy's order="K" copy
+        strides = contiguous_strides(shape, dt.itemsize, "F")
+    else:
+        strides = c_strides(shape, dt.itemsize)
     n = a.nbytes
     if placement is None:           # in C (run_ufunc) unless the manager is busy
         res = _c_run_ufunc(manager, _copy_of, (a,), (), shape, dt, strides, n, n <= SHORT_BYTES)
@@ -522,17 +526,24 @@ class CachedArray(ObjectView, NDArrayOperatorsMixin):
     # ---- copies and in-place methods -----------------------------------------------------
 
     def copy(self, order="C"):
-        return self.astype(self._dtype, order=order)
+        return self.astype(self._dtype, order=order_code(order, "C"))
 
     def astype(self, dtype, order="K", casting="unsafe", subok=True, copy=True):
-        dt = check_dtype(dtype)
+        order = order_code(order)
+        try:
+            dt = check_dtype(dtype)
+        except TypeError:
+            if not np.dtype(dtype).hasobject:
+                raise
+            # no CachedArray holds objects: NumPy's ndarray, as NumPy functions give them
+            with readable(self) as v:
+                return v.astype(dtype, order, casting, subok)
         if not dt.itemsize:                  # 'U', 'S', 'V': sized as NumPy's cast sizes them
             dt = cast_dtype(self._dtype, dt)
         if not copy and dt == self._dtype and (order == "K" or self._in_order(order)):
             return self
         if order in ("K", "A"):
-            order = "F" if self.ndim > 1 and is_fortran(self._shape, self._strides,
-                                                    self.itemsize) else "C"
+            order = like_order(self._shape, self._strides, self.itemsize, order)
         out = new_pinned(self._m, self._shape, dt, order)
         try:
             with readable(self) as v:
@@ -544,11 +555,13 @@ class CachedArray(ObjectView, NDArrayOperatorsMixin):
         return out
 
     def _in_order(self, order):
-        """True when the array is contiguous in order "C", "F" or "A" (either)."""
-        if order != "F" and self._strides == c_strides(self._shape, self.itemsize):
+        """True when the array is contiguous in order "C", "F" or "A" (either), as NumPy's
+        flags tell it (an axis of length 1 may have any stride); always for "K"."""
+        if order == "K" or order != "F" and self._strides == c_strides(self._shape,
+                                                                       self.itemsize):
             return True
-        return order != "C" and \
-            self._strides == contiguous_strides(self._shape, self.itemsize, "F")
+        c, f = contiguity(self._shape, self._strides, self.itemsize)
+        return c if order == "C" else f if order == "F" else c or f
 
     def _write(self, fn, *args):
         """fn(view, *args) with self pinned as written (marked dirty, so no eviction drops the
@@ -623,7 +636,9 @@ class CachedArray(ObjectView, NDArrayOperatorsMixin):
 
     def setflags(self, write=None, align=None, uic=None):
         """Accepted when it changes nothing; a CachedArray's flags cannot be set."""
-        if write in (None, True) and align in (None, True) and not uic:
+        if uic:
+            raise ValueError("cannot set WRITEBACKIFCOPY flag to True")     # as NumPy
+        if write in (None, True) and align in (None, True):
             return
         raise TypeError(FLAGS_FIXED)
 
@@ -665,6 +680,11 @@ class CachedArray(ObjectView, NDArrayOperatorsMixin):
         """A flat iterator over the array in C order; indexing it reads, assigning writes."""
         return FlatIter(self)
 
+    @flat.setter
+    def flat(self, value):
+        """x.flat = value: every element, from value repeated in C order (as NumPy)."""
+        FlatIter(self)[:] = value
+
     @property
     def ctypes(self):
         raise TypeError(_RAW_POINTER.format(name="ctypes"))
@@ -698,7 +718,9 @@ class ReadOnlyCachedArray(CachedArray):
 
     def setflags(self, write=None, align=None, uic=None):
         """Accepted when it changes nothing; a CachedArray's flags cannot be set."""
-        if write in (None, False) and align in (None, True) and not uic:
+        if uic:
+            raise ValueError("cannot set WRITEBACKIFCOPY flag to True")     # as NumPy
+        if write in (None, False) and align in (None, True):
             return
         raise TypeError(FLAGS_FIXED)
 

@@ -9,7 +9,7 @@ import numpy as np
 from ._records import new_array as _new_array
 from .array import CachedArray, check_dtype, from_ndarray, new_layout, new_pinned, unpin
 from .defaults import default_manager
-from .layout import c_strides, is_fortran
+from .layout import like_order, order_code, shape_tuple
 from .manager import Manager
 from .scopes import readable
 from .sizes import MAX_SIZE
@@ -48,9 +48,12 @@ def _manager(manager, like=None):
 
 
 def asarray(a, dtype=None, order=None, *, manager=None, placement=None):
-    """a as a CachedArray: returned as is when it already is one (same dtype and manager)."""
+    """a as a CachedArray: returned as is when it already is one (same dtype and manager, and
+    contiguous in the order asked for, if "C" or "F")."""
+    code = None if order is None else order_code(order)
     if isinstance(a, CachedArray) and (dtype is None or np.dtype(dtype) == a.dtype) and \
-            (manager is None or manager is a.manager):
+            (manager is None or manager is a.manager) and \
+            (code in (None, "K", "A") or a._in_order(code)):   # "A" asks no order, as NumPy
         return a
     return array(a, dtype=dtype, order=order, manager=manager, placement=placement)
 
@@ -61,6 +64,8 @@ def array(a, dtype=None, order=None, *, manager=None, placement=None):
     placement: None lets the policy choose; "fast" or "slow" is a hint (see ``empty``).
     """
     m = _manager(manager, a)
+    if order is not None:
+        order = order_code(order)
     if isinstance(a, CachedArray):
         if m is a.manager and placement is None:
             return a.astype(dtype if dtype is not None else a.dtype,
@@ -71,6 +76,8 @@ def array(a, dtype=None, order=None, *, manager=None, placement=None):
 
 
 def _copy_in(m, a, dtype, order, placement=None):
+    if order == "A" and isinstance(a, np.ndarray):      # NumPy's "A": F only for F order
+        order = "F" if a.flags.fnc else "C"
     src = np.asarray(a, dtype=dtype, order=order if order in ("C", "F") else None)
     check_dtype(src.dtype)
     return from_ndarray(m, src, placement)
@@ -151,18 +158,19 @@ def ones(shape, dtype=float, order="C", *, manager=None, placement=None):
 
 
 def _like_args(a, dtype, order, shape):
+    """(dtype, order, shape) of a new array made like a, as NumPy's *_like functions make it."""
     dtype = a.dtype if dtype is None else dtype
-    if shape is None:       # a CachedArray's own shape: np.shape would dispatch once more
-        shape = a.shape if isinstance(a, CachedArray) else np.shape(a)
-    if order in ("K", "A", None):
-        if isinstance(a, CachedArray):
-            f = a._strides != c_strides(a._shape, a.itemsize) and \
-                is_fortran(a._shape, a._strides, a.itemsize)
-            return dtype, "F" if f else "C", shape
-        flags = a.flags if isinstance(a, np.ndarray) else None
-        order = "F" if flags is not None and flags.f_contiguous and not flags.c_contiguous \
-            else "C"
-    return dtype, order, shape
+    if isinstance(a, CachedArray):   # its own layout: np.shape would dispatch once more
+        ashape, strides, itemsize = a._shape, a._strides, a.itemsize
+    elif isinstance(a, np.ndarray):
+        ashape, strides, itemsize = a.shape, a.strides, a.itemsize
+    else:
+        ashape, strides, itemsize = np.shape(a), None, 1
+    if order is None or order in ("K", "A", "k", "a"):
+        order = "C" if strides is None else \
+            like_order(ashape, strides, itemsize, order or "K",
+                       None if shape is None else shape_tuple(shape))
+    return dtype, order, ashape if shape is None else shape
 
 
 def empty_like(a, dtype=None, order="K", subok=True, shape=None, *, device=None,

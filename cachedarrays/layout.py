@@ -108,12 +108,6 @@ def c_strides(shape, itemsize):
     return st
 
 
-def is_fortran(shape, strides, itemsize):
-    """True for F-contiguous strides that are not also C-contiguous."""
-    return tuple(strides) == contiguous_strides(shape, itemsize, "F") and \
-        tuple(strides) != contiguous_strides(shape, itemsize, "C")
-
-
 def basic_index(shape, strides, key):
     """(shape, strides, byte offset) of the view ``a[key]`` selects, for a key of ints and slices
     (one per leading dimension) that leaves at least one dimension; None for any other key
@@ -153,3 +147,65 @@ def basic_index(shape, strides, key):
     if nk == nd and not new_shape:
         return None                          # a scalar: not a view
     return (tuple(new_shape) + shape[nk:], tuple(new_strides) + strides[nk:], off)
+
+
+def contiguity(shape, strides, itemsize):
+    """(C-contiguous, F-contiguous) as NumPy's flags tell them: an axis of length 1 may have
+    any stride, and an empty array is both."""
+    if 0 in shape:
+        return True, True
+    flags = []
+    for dims in (range(len(shape) - 1, -1, -1), range(len(shape))):
+        step, ok = itemsize, True
+        for i in dims:
+            if shape[i] != 1:
+                if strides[i] != step:
+                    ok = False
+                    break
+                step *= shape[i]
+        flags.append(ok)
+    return flags[0], flags[1]
+
+
+def like_order(shape, strides, itemsize, order="K", new_shape=None):
+    """The memory order, "C" or "F", NumPy gives a new array made like one of this layout
+    (np.empty_like and the other *_like functions, x.copy(order)) for order "K" (or None),
+    "A", "C" or "F"; new_shape is the shape= of the *_like functions.
+
+    "A" is F when the array is F- and not C-contiguous. "K" keeps the order of the axes by
+    falling |stride| (ties in axis order); a shape= of another rank gives C. An order of the
+    axes that is neither C nor F gives C, the nearer layout a CachedArray can have.
+    """
+    if order in ("C", "c", "F", "f"):
+        return order.upper()
+    c, f = contiguity(shape, strides, itemsize)
+    if order in ("A", "a"):
+        return "F" if f and not c and len(shape) > 1 else "C"
+    dims = shape if new_shape is None else new_shape
+    if len(dims) != len(shape) or len(shape) <= 1 or c:
+        return "C"
+    if f:
+        return "F"
+    perm = sorted(range(len(shape)), key=lambda i: (-abs(strides[i]), i))
+    new = [0] * len(dims)
+    step = itemsize
+    for i in reversed(perm):
+        new[i] = step
+        step *= dims[i]
+    c, f = contiguity(dims, new, itemsize)
+    return "F" if f and not c else "C"
+
+
+def order_code(order, none="K"):
+    """An order argument as NumPy reads it: "K", "A", "C" or "F" (either case, str or bytes;
+    None is `none`); ValueError for other strings and TypeError for other types, as NumPy."""
+    if order is None:
+        return none
+    if isinstance(order, bytes):
+        order = order.decode("latin-1")
+    if not isinstance(order, str):
+        raise TypeError(f"order must be str, not {type(order).__name__}")
+    code = order.upper()
+    if code not in ("K", "A", "C", "F"):
+        raise ValueError(f"order must be one of 'C', 'F', 'A', or 'K' (got {order!r})")
+    return code

@@ -15,7 +15,7 @@ from ._records import array_ufunc as _c_array_ufunc
 from ._records import run_ufunc as _run_ufunc
 from .array import _PY_SCALARS, _SLOW, CachedArray, new_pinned, set_ufunc_handlers
 from .heap import HEADER
-from .layout import c_strides, is_fortran
+from .layout import c_strides, like_order
 from .pinning import (OPEN_SCOPES, SHORT_BYTES, acquire_grouped, first_manager, record_new,
                       release_grouped)
 from .wrapping import wrap
@@ -122,8 +122,10 @@ def _new_result(ufunc, inputs, m, shape, plan, objs):
 
 
 def _f_ordered(inputs):
-    """True when every CachedArray among inputs is in F order only (see _result_order)."""
-    return all(is_fortran(x._shape, x._strides, x._dtype.itemsize)
+    """True when NumPy's order="K" layout of every CachedArray among inputs is F order only
+    (see _result_order)."""
+    return all(x._strides != c_strides(x._shape, x._dtype.itemsize) and
+               like_order(x._shape, x._strides, x._dtype.itemsize) == "F"
                for x in inputs if type(x) is CachedArray)
 
 
@@ -271,12 +273,13 @@ def _array_ufunc(self, ufunc, method, *inputs, **kwargs):
 
 
 def _result_order(order, args):
-    """The memory order of a ufunc's result given order=: "F" for "F", and for "A" or "K" when
-    every input of two or more dimensions is in F order only, as NumPy lays it out."""
+    """The memory order of a ufunc's result given order=: "F" for "F"; for "A" when every input
+    of two or more dimensions is F- and not C-contiguous, for "K" when the order="K" layout of
+    every one is F order only (a strided F-ordered view too), as NumPy lays it out."""
     order = order.upper() if isinstance(order, str) else order
     if order in ("A", "K"):
         arrays = [a for a in args if isinstance(a, np.ndarray) and a.ndim > 1]
-        return "F" if arrays and all(a.flags.f_contiguous and not a.flags.c_contiguous
+        return "F" if arrays and all(like_order(a.shape, a.strides, a.itemsize, order) == "F"
                                      for a in arrays) else "C"
     return order
 

@@ -11,13 +11,17 @@ FLAGS_FIXED = (
 
 
 class FlatIter:
-    """x.flat for a CachedArray: reads and writes go through x, so they survive migration."""
+    """x.flat for a CachedArray: reads and writes go through x, so they survive migration.
+    An iterator as NumPy's flatiter (``next``, ``index``, ``coords``), reading a chunk of
+    elements at a time (a copy: nothing stays pinned between steps)."""
 
-    __slots__ = ("base", "_chunk")
+    __slots__ = ("base", "_chunk", "_index", "_rest")
 
     def __init__(self, base):
         self.base = base
         self._chunk = 1 << 14
+        self._index = 0                 # the next element's flat index
+        self._rest = iter(())           # an iterator over a copy of the elements from there on
 
     def __len__(self):
         return self.base.size
@@ -43,11 +47,38 @@ class FlatIter:
         self.base._write(put, value)
 
     def __iter__(self):
-        n = self.base.size
-        for start in range(0, n, self._chunk):
+        return self
+
+    def __next__(self):
+        try:
+            item = next(self._rest)
+        except StopIteration:
+            i = self._index
+            if i >= self.base.size:
+                raise
             with readable(self.base) as v:
-                chunk = v.flat[start:start + self._chunk]      # a copy: nothing stays pinned
-            yield from chunk
+                self._rest = iter(v.flat[i:i + self._chunk])   # a copy: nothing stays pinned
+            item = next(self._rest)
+        self._index += 1
+        return item
+
+    @property
+    def index(self):
+        """The flat index of the next element."""
+        return self._index
+
+    @property
+    def coords(self):
+        """The N-dimensional index of the next element (past the end: the first axis counts
+        on, as NumPy's)."""
+        shape = self.base.shape
+        if 0 in shape:
+            return (0,) * len(shape)
+        i, coords = self._index, []
+        for d in reversed(shape[1:]):
+            i, c = divmod(i, d)
+            coords.append(c)
+        return (i,) + tuple(reversed(coords)) if shape else ()
 
     def __array__(self, dtype=None, copy=None):
         return self.base.ravel().__array__(dtype, copy)
@@ -87,19 +118,29 @@ class Flags:
     carray = property(lambda self: self.behaved and self.c_contiguous)
     farray = property(lambda self: self.behaved and self.fnc)
 
+    _SETTABLE = {"W": "writeable", "WRITEABLE": "writeable", "A": "aligned", "ALIGNED": "aligned",
+                 "X": "writebackifcopy", "WRITEBACKIFCOPY": "writebackifcopy"}
+
     def __getitem__(self, key):
-        name = self._KEYS.get(key.upper() if isinstance(key, str) else key)
+        name = self._KEYS.get(key) if isinstance(key, str) else None   # NumPy's spellings only
         if name is None:
             raise KeyError(f"unknown flag {key!r}")
         return getattr(self, name)
 
     def __setattr__(self, name, value):
+        if name not in self._SETTABLE.values():        # as NumPy's: the layout is read-only
+            getattr(self, name)                         # AttributeError for an unknown name
+            raise AttributeError(f"attribute {name!r} of 'Flags' objects is not writable")
+        if name == "writebackifcopy" and value:
+            raise ValueError("cannot set WRITEBACKIFCOPY flag to True")
         if getattr(self, name) != value:
             raise TypeError(FLAGS_FIXED)
 
     def __setitem__(self, key, value):
-        if self[key] != value:
-            raise TypeError(FLAGS_FIXED)
+        name = self._SETTABLE.get(key) if isinstance(key, str) else None
+        if name is None:
+            raise KeyError(f"unknown flag {key!r}, or one that cannot be set")
+        setattr(self, name, value)
 
     def __eq__(self, other):
         names = ("c_contiguous", "f_contiguous", "owndata", "writeable", "aligned",

@@ -2209,9 +2209,11 @@ find_plan(PyObject *ufunc, PyObject *ka, PyObject *kb, PyObject *shape, PyObject
     return 1;
 }
 
-/* 1 when x (one of our arrays, of two or more dimensions) is laid out in F order and not in C
- * order, as NumPy's flags say it (dimensions of length 1 ignored): NumPy gives a ufunc on such
- * inputs an F-ordered result, which the plans' C-ordered layouts are not. */
+/* 1 when NumPy's order="K" layout of x (one of our arrays, of two or more dimensions) is F order
+ * and not C order: x is F- and not C-contiguous, as NumPy's flags say it (dimensions of length 1
+ * ignored), or not contiguous with the |strides| of its dimensions longer than 1 growing strictly
+ * (a strided or reversed view of an F-ordered array): NumPy gives a ufunc on such inputs an
+ * F-ordered result, which the plans' C-ordered layouts are not. */
 static int
 f_order_only(PyObject *x)
 {
@@ -2244,7 +2246,21 @@ f_order_only(PyObject *x)
             c *= nc;
         }
     }
-    return is_f && !is_c;
+    if (is_c || is_f)
+        return is_f && !is_c;
+    Py_ssize_t prev = -1, longer = 0;
+    for (Py_ssize_t i = 0; i < nd; i++) {
+        Py_ssize_t n = PyLong_AsSsize_t(PyTuple_GET_ITEM(shape, i)),
+                   s = PyLong_AsSsize_t(PyTuple_GET_ITEM(strides, i));
+        if (n == 1)
+            continue;
+        s = s < 0 ? -s : s;
+        if (s <= prev)
+            return 0;
+        prev = s;
+        longer++;
+    }
+    return longer >= 2;
 }
 
 /* fast_ufunc(ufunc, inputs): ufunc(*inputs) into a new array, all in C, for the commonest

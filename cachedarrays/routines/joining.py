@@ -8,12 +8,16 @@ import numpy as np
 
 from ..array import CachedArray, new_pinned, unpin
 from ..dispatch import _call_on_views, implements
+from ..layout import c_strides
 from ._placed import into_new
 
 
 @implements(np.concatenate)
-def concatenate(arrays, axis=0, out=None, *, dtype=None, casting="same_kind"):
+def concatenate(arrays, /, axis=0, out=None, *, dtype=None, casting="same_kind"):
     """np.concatenate writing straight into a policy-placed result (no extra copy)."""
+    if type(arrays) is not list and type(arrays) is not tuple and \
+            (not hasattr(type(arrays), "__getitem__") or isinstance(arrays, dict)):
+        raise TypeError("The first input argument needs to be a sequence")   # as NumPy
     arrays = list(arrays)
     if out is None and dtype is None and arrays:
         res = _joined(arrays, axis, casting)
@@ -36,7 +40,10 @@ def concatenate(arrays, axis=0, out=None, *, dtype=None, casting="same_kind"):
     shape[ax] = sum(s[ax] for s in shapes)
     dt = np.dtype(dtype) if dtype is not None else np.result_type(
         *[a.dtype if hasattr(a, "dtype") else np.asarray(a).dtype for a in arrays])
-    if not dt.itemsize:                  # 'U', 'S': NumPy sizes the result from the inputs
+    if not dt.itemsize or dt.hasobject or not all(_c_ordered(a) for a in arrays):
+        # 'U', 'S': NumPy sizes the result from the inputs; objects (StringDType too): no
+        # CachedArray holds them, NumPy's ndarray is the result; inputs in other orders: NumPy
+        # chooses the result's order from theirs (F order for F order)
         return _call_on_views(np.concatenate, (arrays,), dict(axis=axis, dtype=dtype,
                                                                casting=casting))
     m = first._m
@@ -54,6 +61,16 @@ def concatenate(arrays, axis=0, out=None, *, dtype=None, casting="same_kind"):
                                                                casting=casting))
     finally:
         unpin(res)
+
+
+def _c_ordered(a):
+    """True when NumPy's np.concatenate lays its result out in C order as far as a goes: a has
+    at most one axis or is C-contiguous (a list or a scalar becomes a C-ordered array)."""
+    if isinstance(a, CachedArray):
+        return len(a._shape) <= 1 or a._strides == c_strides(a._shape, a._dtype.itemsize)
+    if isinstance(a, np.ndarray):
+        return a.ndim <= 1 or a.flags.c_contiguous
+    return True
 
 
 def _joined(arrays, axis, casting):
@@ -74,6 +91,8 @@ def _joined(arrays, axis, casting):
         if type(a) is not CachedArray or a._m is not m or a._dtype != dt or len(a._shape) != nd:
             return None
         total += a._shape[ax]
+    if nd > 1 and not all(_c_ordered(a) for a in arrays):
+        return None                     # NumPy chooses the order from the inputs' orders
     objs = tuple([a._obj for a in arrays])
 
     def fill(*views, out):

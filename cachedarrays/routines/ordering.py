@@ -40,13 +40,16 @@ def _accumulated(func, ufunc, a, axis, dtype, out):
     if type(a) is not CachedArray or out is not None or not a._shape or a._dtype.hasobject:
         return _call_on_views(func, (a,), dict(axis=axis, dtype=dtype, out=out))
     key = (ufunc, a._dtype, dtype)
-    dt = _ACC_DTYPES.get(key)
+    try:
+        dt = _ACC_DTYPES.get(key)
+    except TypeError:                   # an unhashable spelling of a dtype (a list of fields)
+        key = dt = None
     if dt is None:
         try:
             dt = func(np.zeros(1, a._dtype), dtype=dtype).dtype
         except (TypeError, ValueError):
             return _call_on_views(func, (a,), dict(axis=axis, dtype=dtype, out=out))
-        if len(_ACC_DTYPES) < 1024:
+        if key is not None and len(_ACC_DTYPES) < 1024:
             _ACC_DTYPES[key] = dt
     if dt.hasobject:
         return _call_on_views(func, (a,), dict(axis=axis, dtype=dtype, out=out))
@@ -60,6 +63,9 @@ def _accumulated(func, ufunc, a, axis, dtype, out):
         try:
             _check_axis(axis, len(shape))
         except ValueError:
+            return _call_on_views(func, (a,), dict(axis=axis, dtype=dtype, out=out))
+        if len(shape) > 1 and a._strides != c_strides(shape, a._dtype.itemsize):
+            # NumPy lays the result out as the input (F order for F order): its own call
             return _call_on_views(func, (a,), dict(axis=axis, dtype=dtype, out=out))
     # the ndarray method np.cumsum itself ends in, without its Python frames
     method = np.ndarray.cumsum if func is np.cumsum else np.ndarray.cumprod
