@@ -327,6 +327,11 @@ class Observer:
     def on_move(self, region, old_offset):
         """Defragmentation moved region from old_offset to region.offset (same device)."""
 
+    def on_compact(self, region, old_offset):
+        """A policy's compaction (``Manager.compact``) moved region from old_offset to
+        region.offset: a move, and a copy of its bytes within the device."""
+        self.on_move(region, old_offset)
+
     def on_cancel(self, obj_id, src, dst):
         """The background copy src -> dst of an object was cancelled (dst is being dropped)."""
 
@@ -2092,32 +2097,60 @@ class Manager(ManagerRecord):
                 o.on_defrag(dev.name)
             if dev.heap is None:
                 return 0
-            if self._copier is not None:          # nothing slides under a running copy
-                self._copier.drain()
-                self._reading = []
-                if self._unpoisoned:
-                    self._debug_poison_read()
-            table = self._by_offset[dev.name]
-            moves = []
-
-            def move(owner, old, new):
-                obj = self.object(owner)
-                if obj is not None and obj._pins:
-                    return False
-                r = table.pop(old)
-                r.offset = new
-                table[new] = r
-                moves.append((r, old))
-                return True
-
-            moved = dev.heap.defrag(move)
-            for r, old in moves:
-                for o in self._observers:
-                    o.on_move(r, old)
-            if self._debug is not None and moves:
-                self._debug.after_defrag(dev, moves, list(dev.heap.blocks()))
+            moved = len(self._slide(dev, "on_move"))
             self.telemetry.count("defrag_moves", 0, device=dev.name, moved=moved)
             return moved
+
+    def compact(self, device, nbytes):
+        """Make room for nbytes on device by sliding its regions down, when its free bytes would
+        hold them but no free block does; True if they fit in one block afterwards.
+
+        A policy's step to place a new array (not a program's ``defrag``: no such event);
+        observers see each move through ``on_compact``, a copy within the device. Pinned objects
+        stay put, so the room may still be split.
+        """
+        with self._lock:
+            self._check_open()
+            self._drain()
+            dev = self._device(device)
+            heap = dev.heap
+            if heap is None or heap.can_alloc(nbytes):
+                return heap is not None
+            if heap.stats().free < heap.block_size(nbytes):
+                return False
+            moves = self._slide(dev, "on_compact")
+            self.telemetry.count("compaction", sum(r.nbytes for r, _ in moves), device=dev.name,
+                                 moved=len(moves))
+            return heap.can_alloc(nbytes)
+
+    def _slide(self, dev, hook):
+        """Slide the unpinned regions of dev (which has a heap) down; each move reported to
+        observers' hook. Returns the moves as (region, old offset)."""
+        if self._copier is not None:          # nothing slides under a running copy
+            self._copier.drain()
+            self._reading = []
+            if self._unpoisoned:
+                self._debug_poison_read()
+        table = self._by_offset[dev.name]
+        moves = []
+
+        def move(owner, old, new):
+            obj = self.object(owner)
+            if obj is not None and obj._pins:
+                return False
+            r = table.pop(old)
+            r.offset = new
+            table[new] = r
+            moves.append((r, old))
+            return True
+
+        dev.heap.defrag(move)
+        for r, old in moves:
+            for o in self._observers:
+                getattr(o, hook)(r, old)
+        if self._debug is not None and moves:
+            self._debug.after_defrag(dev, moves, list(dev.heap.blocks()))
+        return moves
 
     def regions_on(self, device):
         """Every live region on device in address order (for policies and checks)."""

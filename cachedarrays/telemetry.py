@@ -20,6 +20,7 @@ log = logging.getLogger(__name__)
 EVENTS = (
     "asarray",                 # np.asarray(cached): a full copy into ordinary memory
     "cnn_iteration",           # one CNN training iteration (marks the event log)
+    "compaction",              # a policy slid a heap's regions down to place an array (bytes moved)
     "copy_async",              # a copy issued to run in the background (wait=False)
     "copy_cancelled",          # a background copy cancelled (its destination was dropped)
     "copy_stall",              # a use of an array waited for its background copy

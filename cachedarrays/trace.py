@@ -909,6 +909,13 @@ class Recorder(Observer):
         self.trace.decisions.append(("free", sid, dev, old_offset, region.nbytes))
         self.trace.decisions.append(("alloc", sid, dev, region.offset, region.nbytes))
 
+    def on_compact(self, region, old_offset):
+        # A policy's compaction: the move, and its bytes copied within the device (costed).
+        self.on_move(region, old_offset)
+        dev = region.device.name
+        self.trace.decisions.append(("copy", self.ids.get(region.owner), dev, old_offset, dev,
+                                     region.offset, region.nbytes, True))
+
     def on_region(self, region, live):
         self.trace.decisions.append(("alloc" if live else "free", self.ids.get(region.owner),
                                      region.device.name, _at(region), region.nbytes))

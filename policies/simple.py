@@ -32,7 +32,11 @@ class FastOnly(Policy):
         general form back)."""
 
     def allocate(self, nbytes):
+        """In fast memory; when its free bytes would hold nbytes but no free block does, compact
+        it once first (the moves are copies the cost model charges)."""
         obj = self.alloc_fast(nbytes)
+        if obj is None and self.manager.compact(self.manager.fast, nbytes):
+            obj = self.alloc_fast(nbytes)
         if obj is None:
             free = self.manager.fast.stats()["free"]
             raise OutOfMemoryError(
