@@ -174,3 +174,20 @@ def test_random_offsets_and_indices_agree_on_both_paths(table, m, data):
     fast, slow = _both(table, m, np.array(idx, dtype=np.int64), np.array(off, dtype=np.int64),
                        nbags)
     _same(fast, slow)
+
+
+@pytest.mark.parametrize("nbags_plus_one", [False, True])
+def test_a_lookup_without_out_takes_the_kernel_path_with_one_bag_per_offset(table, m,
+                                                                             monkeypatch,
+                                                                             nbags_plus_one):
+    calls = _plain_calls(monkeypatch)
+    idx = np.random.default_rng(4).integers(0, N, 12)
+    off = np.arange(0, 13 if nbags_plus_one else 12, 3)
+    got = table.lookup(idx, off)
+    assert calls == [1] and isinstance(got, ca.CachedArray) and got.shape == (len(off), F)
+    want = table.lookup(idx, off, np.zeros((len(off), F), np.float32))
+    with ca.readable(got) as g:
+        np.testing.assert_array_equal(g, want)
+    with ca.readable(table.lookup(idx, off.astype(np.int32))) as g:   # the general path
+        np.testing.assert_array_equal(g, want)
+    assert calls == [1]

@@ -565,6 +565,9 @@ class SimpleTable(EmbeddingTable):
 
     def lookup(self, indices, offsets=None, out=None, context=FORWARD):
         with self._lock:
+            if out is None and context is FORWARD and type(offsets) is np.ndarray and \
+                    offsets.ndim == 1 and offsets.shape[0]:
+                out = self._new_output(offsets.shape[0])     # one bag per offset, as below
             if (context is FORWARD and type(out) is ca.CachedArray and out.dtype == self.dtype
                     and out.strides == self._row_strides and out.shape[1] == self.featuresize
                     and kernels.plain_bags(indices, offsets, out.shape[0])):
