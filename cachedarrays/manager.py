@@ -32,7 +32,7 @@ from ._records import object as _new_object
 from ._records import region as _new_region
 from .devices import DRAM, Device, SlowDevice, VirtualDevice
 from .errors import (CachedArraysError, DeviceError, OutOfMemoryError, PinnedError,
-                     RecomputeError, UseAfterFreeError)
+                     RecomputeError, UseAfterFreeError, note_policy_error)
 from .heap import HEADER, Heap
 from .lineage import scratch as _scratch
 from .lineage import why_not as _lineage_why_not
@@ -880,22 +880,31 @@ class Manager(ManagerRecord):
         """Free every region of obj now (the policy's unsafe_free). Later use raises."""
         if _free_fast(self, obj):        # in C: one region on a heap, nothing else under way
             return
-        with self._lock:
-            if obj.freed:
-                raise UseAfterFreeError(f"object {obj.id} ({format_size(obj.nbytes)}) was "
-                                        "already freed")
-            self._check_open((obj,))
-            if obj._pins:
-                raise PinnedError(f"object {obj.id} is pinned by a running kernel or an open "
-                                  "access scope; free it after the scope ends")
-            if self._dependents and obj.id in self._dependents:
-                self._rescue_writes((obj,))
-            self._release(obj.id, list(obj.regions.values()), obj.primary)
-            obj.freed = True
-            obj.primary = None
-            obj.regions = {}
-            obj.chain = None
-            self._drain()
+        try:
+            with self._lock:
+                if obj.freed:
+                    raise UseAfterFreeError(f"object {obj.id} ({format_size(obj.nbytes)}) was "
+                                            "already freed")
+                self._check_open((obj,))
+                if obj._manager is not self._ref:
+                    raise self._foreign(obj)
+                if obj._pins:
+                    raise PinnedError(f"object {obj.id} is pinned by a running kernel or an open "
+                                      "access scope; free it after the scope ends")
+                if self._dependents and obj.id in self._dependents:
+                    self._rescue_writes((obj,))
+                try:
+                    self._release(obj.id, list(obj.regions.values()), obj.primary)
+                finally:
+                    if obj.id not in self._objects:     # its regions went, whatever a hook raised
+                        obj.freed = True
+                        obj.primary = None
+                        obj.regions = {}
+                        obj.chain = None
+                self._drain()
+        except Exception as e:
+            note_policy_error(e, self.policy)
+            raise
 
     def _release(self, obj_id, regions, primary):
         for r in regions:
@@ -911,10 +920,12 @@ class Manager(ManagerRecord):
             self._regenerable.clear()             # an input of a dropped object went
         self._regenerable.discard(obj_id)
         if not self.closed:
-            self.policy.forget(obj_id)
-            if self._observers:
-                for o in reversed(self._observers):     # last in, first out: ids go last
-                    o.on_free(obj_id)
+            try:
+                self.policy.forget(obj_id)
+            finally:
+                if self._observers:
+                    for o in reversed(self._observers):     # last in, first out: ids go last
+                        o.on_free(obj_id)
 
     def _drain(self):
         """Free the regions of objects whose finalizers ran since the last call.
@@ -936,6 +947,15 @@ class Manager(ManagerRecord):
                                     "it cannot be used any more")
         if self.closed:
             raise _closed_error((obj,), self)
+        if obj._manager is not self._ref:
+            raise self._foreign(obj)
+
+    def _foreign(self, obj):
+        """The error for an object of another manager given to this one (its ids, blocks and
+        offsets mean nothing here: acting on it would corrupt both managers)."""
+        return CachedArraysError(
+            f"object {obj.id} ({format_size(obj.nbytes)}) belongs to another manager, not "
+            f"{self!r}; use it through its own manager (obj.manager)")
 
     def _own(self, obj, region):
         if region.freed:
@@ -976,15 +996,53 @@ class Manager(ManagerRecord):
                 f"(at most {_MAX_TEXT}); check the array's shape and dtype")
         with self._lock:
             policy = self.policy
-            obj = policy.allocate(nbytes) if placement is None else \
-                policy.place(nbytes, placement)
+            last = self._last_id
+            try:
+                obj = policy.allocate(nbytes) if placement is None else \
+                    policy.place(nbytes, placement)
+                if type(obj) is not Object or obj._manager is not self._ref or obj.id <= last \
+                        or obj.nbytes != nbytes or obj._pins or obj.primary is None:
+                    self._check_new(obj, nbytes, last, placement)
+            except Exception as e:
+                note_policy_error(e, policy)
+                raise
             obj._pins += 1
             if self._observers:
                 self._fresh.add(obj.id)
-            for o in self._observers:
-                o.on_new(obj, placement)
-            policy.write_use(obj)
+            try:
+                for o in self._observers:
+                    o.on_new(obj, placement)
+                policy.write_use(obj)
+            except BaseException as e:
+                self.release((obj,))              # nobody gets obj: its pin goes with it
+                note_policy_error(e, policy)
+                raise
             return obj
+
+    def _check_new(self, obj, nbytes, last, placement=None):
+        """TypeError unless obj, from the policy's allocate (or place), is what it must be: an
+        object of this manager made by that call, unpinned, of nbytes, with a region."""
+        hook = "allocate" if placement is None else "place"
+        if not isinstance(obj, Object):
+            why = f"returned {type(obj).__name__}, not an Object"
+        elif obj._manager is not self._ref:
+            why = f"returned object {obj.id}, which belongs to another manager"
+        elif obj.freed:
+            why = f"returned object {obj.id}, which was freed"
+        elif obj.id <= last:
+            why = (f"returned object {obj.id}, made before this call (it may hold another "
+                   "array's data)")
+        elif obj.nbytes != nbytes:
+            why = f"returned an object of {obj.nbytes} bytes for a request of {nbytes}"
+        elif obj._pins:
+            why = f"returned object {obj.id}, which is pinned"
+        elif obj.primary is None:
+            why = f"returned object {obj.id}, which has no region"
+        else:
+            return
+        raise TypeError(f"{type(self.policy).__name__}.{hook}({nbytes}) {why}: a policy's "
+                        f"{hook} must return a new object of {nbytes} bytes made in that call "
+                        "(self.alloc_fast, self.alloc_slow or manager.create)")
 
     def pin(self, obj, detached=False):
         """Pin obj: nothing moves or frees it until the matching unpin. Re-entrant.
@@ -1075,8 +1133,12 @@ class Manager(ManagerRecord):
             if self._deferred:
                 self._drain()
             if self._observers and not self.recomputing:  # plans act before the kernel's
-                for ob in self._observers:                  # operands are staged (a rerun
-                    ob.on_begin(name, reads, writes)        # of regenerate is no kernel)
+                try:                                        # operands are staged (a rerun
+                    for ob in self._observers:              # of regenerate is no kernel)
+                        ob.on_begin(name, reads, writes)
+                except Exception as e:
+                    note_policy_error(e, self.policy)
+                    raise
             held = None                 # operands pinned while dropped ones are rebuilt
             try:
                 if self._dropped:
@@ -1084,11 +1146,12 @@ class Manager(ManagerRecord):
                 if getattr(self.policy, "kernels_in_fast", False):
                     # the operands are fetched before the kernel starts: its time excludes them
                     self.policy.stage(reads, writes, name)
-            except BaseException:
+            except BaseException as e:
                 if held:
                     self._unhold(held)
                 for ob in self._observers:      # the kernel never starts (plans close it)
                     ob.on_release((*reads, *writes))
+                note_policy_error(e, self.policy)
                 raise
             done = []
             try:
@@ -1106,7 +1169,7 @@ class Manager(ManagerRecord):
                     self._pin_all(reads, self.policy.read_use, done)
                 if writes:
                     self._pin_all(writes, self.policy.write_use, done)
-            except BaseException:
+            except BaseException as e:
                 for o in done:
                     o._pins -= 1
                 if held:
@@ -1115,6 +1178,7 @@ class Manager(ManagerRecord):
                     ob.on_release((*reads, *writes))
                 if self._closing:
                     self._cond.notify_all()
+                note_policy_error(e, self.policy)
                 raise
             if held:
                 self._unhold(held)
@@ -1246,20 +1310,32 @@ class Manager(ManagerRecord):
                         f"object {o.id} ({format_size(o.nbytes)}) is not pinned; release without "
                         "acquire (release exactly the objects that acquire or new_pinned pinned, "
                         "once)")
+            errors = []
             fresh = self._fresh
             if fresh:
                 new = [o for o in objs if o.id in fresh]
                 if new:
                     fresh.difference_update(o.id for o in new)
                     if len(new) < len(objs):
-                        self.release([o for o in objs if o not in new])
+                        self._unpin_reported([o for o in objs if o not in new], errors)
                         objs = new
-            for o in objs:
-                o._pins -= 1
-            for ob in self._observers:
-                ob.on_release(objs)
+            self._unpin_reported(objs, errors)
             if self._closing:
                 self._cond.notify_all()
+            if errors:                        # every pin went and every observer heard first
+                note_policy_error(errors[0], self.policy)
+                raise errors[0]
+
+    def _unpin_reported(self, objs, errors):
+        """Unpin objs and report it to every observer; errors collects what observers raise
+        (a policy's write-back, say), so that one failing observer leaves no pin behind."""
+        for o in objs:
+            o._pins -= 1
+        for ob in self._observers:
+            try:
+                ob.on_release(objs)
+            except BaseException as e:
+                errors.append(e)
 
     def run(self, fn, reads=(), writes=(), nbytes=None, name="use", short=False,
             placement=None):
@@ -1317,14 +1393,20 @@ class Manager(ManagerRecord):
                         held.append(new)
                         policy.new_in_fast(new)
                     else:
+                        last = self._last_id
                         new = policy.allocate(nbytes) if placement is None else \
                             policy.place(nbytes, placement)
+                        if type(new) is not Object or new._manager is not self._ref or \
+                                new.id <= last or new.nbytes != nbytes or new._pins or \
+                                new.primary is None:
+                            self._check_new(new, nbytes, last, placement)
                         new._pins += 1
                         held.append(new)
                         policy.write_use(new)
-            except BaseException:
+            except BaseException as e:
                 for o in held:
                     o._pins -= 1
+                note_policy_error(e, policy)
                 raise
             if short:
                 try:
@@ -1731,40 +1813,48 @@ class Manager(ManagerRecord):
             force = copyengine.check_switch(force, "Manager.prefetch: force")
         if wait is not True and wait is not False:
             wait = copyengine.check_switch(wait, "Manager.prefetch: wait")
-        with self._lock:
-            self._live(obj)
-            if self._deferred:      # frees queued before the request are recorded before it
-                self._drain()
-            for o in self._observers:
-                o.on_annotation("prefetch", obj, (bool(force), bool(wait)))
-            if obj.dropped:
-                self.regenerate(obj)
-            r = obj.primary
-            policy = self.policy
-            if r is not None and r.device is self.fast:
-                policy.read_use(obj)
-                return True
-            if wait:
-                return policy.prefetch(obj, force)
-            return policy.prefetch(obj, force, wait=False)
+        try:
+            with self._lock:
+                self._live(obj)
+                if self._deferred:      # frees queued before the request are recorded before it
+                    self._drain()
+                for o in self._observers:
+                    o.on_annotation("prefetch", obj, (bool(force), bool(wait)))
+                if obj.dropped:
+                    self.regenerate(obj)
+                r = obj.primary
+                policy = self.policy
+                if r is not None and r.device is self.fast:
+                    policy.read_use(obj)
+                    return True
+                if wait:
+                    return policy.prefetch(obj, force)
+                return policy.prefetch(obj, force, wait=False)
+        except Exception as e:
+            note_policy_error(e, self.policy)
+            raise
 
     def evict(self, obj, to=None, wait=True):
         """Ask the policy to move obj out of fast memory (to: a device name; default slow)."""
         if wait is not True and wait is not False:
             wait = copyengine.check_switch(wait, "Manager.evict: wait")
-        with self._lock:
-            self._live(obj)
-            if to is not None:
-                to = self._device(to).name
-            if self._deferred:
-                self._drain()
-            for o in self._observers:
-                o.on_annotation("evict", obj, (to, bool(wait)))
-            if obj.dropped:                       # no data to move
-                return True
-            if to is None and wait:
-                return self.policy.evict(obj)
-            return self.policy.evict(obj, to=to, wait=wait)
+        try:
+            with self._lock:
+                self._live(obj)
+                if to is not None:
+                    to = self._device(to).name
+                if self._deferred:
+                    self._drain()
+                for o in self._observers:
+                    o.on_annotation("evict", obj, (to, bool(wait)))
+                if obj.dropped:                       # no data to move
+                    return True
+                if to is None and wait:
+                    return self.policy.evict(obj)
+                return self.policy.evict(obj, to=to, wait=wait)
+        except Exception as e:
+            note_policy_error(e, self.policy)
+            raise
 
     def fault(self, obj):
         """Report that a kernel needed obj in fast memory and it had to be fetched on demand
@@ -1776,15 +1866,19 @@ class Manager(ManagerRecord):
 
     def softevict(self, obj):
         """Ask the policy to prefer obj for eviction (no movement now)."""
-        with self._lock:
-            self._live(obj)
-            if self._deferred:
-                self._drain()
-            for o in self._observers:
-                o.on_annotation("softevict", obj, ())
-            if obj.dropped:
-                return None
-            return self.policy.softevict(obj)
+        try:
+            with self._lock:
+                self._live(obj)
+                if self._deferred:
+                    self._drain()
+                for o in self._observers:
+                    o.on_annotation("softevict", obj, ())
+                if obj.dropped:
+                    return None
+                return self.policy.softevict(obj)
+        except Exception as e:
+            note_policy_error(e, self.policy)
+            raise
 
     def mark(self, kind):
         """A "layer" or "step" mark of the running program: for traces and the policy's plan."""
@@ -1798,7 +1892,11 @@ class Manager(ManagerRecord):
                 o.on_mark(kind)
             hook = getattr(self.policy, "on_layer" if kind == "layer" else "on_step", None)
             if hook is not None:
-                hook()
+                try:
+                    hook()
+                except Exception as e:
+                    note_policy_error(e, self.policy)
+                    raise
 
     def observe(self, observer):
         """Report this manager's operations to observer (an ``Observer``) from now on."""

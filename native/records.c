@@ -849,6 +849,26 @@ is_lru_hook(PyObject *policy, int which, PyObject *name)
     return resolves_to(policy, name, lru_hooks[which]);
 }
 
+/* The pending exception came from policy's hook name: add the note that names them
+ * (cachedarrays.errors.note_policy_error). Keeps the exception; a failure to note is dropped. */
+static void
+note_hook(PyObject *policy, PyObject *name)
+{
+    PyObject *et, *ev, *etb;
+    PyErr_Fetch(&et, &ev, &etb);
+    PyErr_NormalizeException(&et, &ev, &etb);
+    if (ev != NULL && etb != NULL)
+        PyException_SetTraceback(ev, etb);
+    PyObject *mod = ev == NULL ? NULL : PyImport_ImportModule("cachedarrays.errors"), *t = NULL;
+    if (mod != NULL)
+        t = PyObject_CallMethod(mod, "note_policy_error", "OOO", ev, policy, name);
+    Py_XDECREF(mod);
+    Py_XDECREF(t);
+    if (t == NULL)
+        PyErr_Clear();
+    PyErr_Restore(et, ev, etb);
+}
+
 /* policy.<name>(arg), the hook which of LRU's run in C (lru_hook) when the method is LRU's own.
  * Returns 0, or -1 with an exception set. */
 static int
@@ -863,8 +883,10 @@ policy_hook(PyObject *policy, int which, PyObject *name, PyObject *arg)
             return done < 0 ? -1 : 0;
     }
     PyObject *t = PyObject_CallMethodOneArg(policy, name, arg);
-    if (t == NULL)
+    if (t == NULL) {
+        note_hook(policy, name);
         return -1;
+    }
     Py_DECREF(t);
     return 0;
 }
@@ -910,6 +932,8 @@ write_use_hook(PyObject *policy, PyObject *m, PyObject *obj)
         return policy_hook(policy, HOOK_READ_USE, s_read_use, obj);
     }
     PyObject *t = PyObject_CallMethodOneArg(policy, s_write_use, obj);
+    if (t == NULL)
+        note_hook(policy, s_write_use);
     Py_XDECREF(t);
     return t == NULL ? -1 : 0;
 }
@@ -1426,7 +1450,12 @@ free_fast(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     int pinned = obj->pins == NULL ? 1 : PyObject_IsTrue(obj->pins);
     if (freed < 0 || pinned < 0)
         goto out;
-    if (freed || pinned || primary == NULL || obj->regions == NULL || obj->id == NULL) {
+    PyObject *ref = getf(m, K_MANAGER, M_REF, s_ref);
+    if (ref == NULL)
+        goto out;
+    Py_DECREF(ref);                                 /* the manager holds it */
+    if (freed || pinned || primary == NULL || obj->regions == NULL || obj->id == NULL ||
+            obj->manager != ref) {
         res = Py_NewRef(Py_False);                  /* the general path raises */
         goto out;
     }
@@ -1442,17 +1471,22 @@ free_fast(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     Py_DECREF(heap);
     Py_DECREF(name);
     Py_DECREF(oid);
-    if (rc == 0) {
+    if (rc == 0 || ((RegionRecord *)primary)->freed == Py_True) {
+        /* its region went: obj is freed even if the policy's forget then raised */
+        PyObject *et, *ev, *etb;
+        PyErr_Fetch(&et, &ev, &etb);
         PyObject *empty = PyDict_New();
-        if (empty == NULL)
+        if (empty == NULL) {
             rc = -1;
-        else {
+            Py_XDECREF(et); Py_XDECREF(ev); Py_XDECREF(etb);
+        } else {
             if (PyDict_Check(regions))
                 PyDict_Clear(regions);
             set_field(&obj->freed, Py_True);
             set_field(&obj->primary, Py_None);
             Py_XSETREF(obj->regions, empty);
             set_field(&obj->chain, Py_None);
+            PyErr_Restore(et, ev, etb);
         }
     }
     Py_DECREF(regions);
@@ -1887,6 +1921,53 @@ out_by_position(PyObject *ufunc, Py_ssize_t n_in)
     return u->nin == n_in && u->nout == 1 && !u->core_enabled;
 }
 
+/* 1 when new, from the policy's allocate, is what Manager._check_new accepts without a word:
+ * an Object of manager m (weak reference ref) made after id last, unpinned, of nbytes, with a
+ * region; 0 otherwise; -1 on error. */
+static int
+plain_new(PyObject *new, PyObject *ref, PyObject *last, PyObject *nbytes)
+{
+    if (Py_TYPE(new) != (PyTypeObject *)object_cls)
+        return 0;
+    ObjectRecord *r = (ObjectRecord *)new;
+    if (r->manager != ref || r->primary == NULL || r->primary == Py_None || r->id == NULL ||
+            r->nbytes == NULL || (r->pins != NULL && r->pins != zero && PyObject_IsTrue(r->pins)))
+        return PyErr_Occurred() ? -1 : 0;
+    int rc = PyObject_RichCompareBool(r->id, last, Py_GT);
+    return rc <= 0 ? rc : PyObject_RichCompareBool(r->nbytes, nbytes, Py_EQ);
+}
+
+/* policy.allocate(nbytes), checked as Manager.new_pinned does (Manager._check_new raises). */
+static PyObject *
+allocate_checked(PyObject *m, PyObject *policy, PyObject *nbytes)
+{
+    PyObject *last = getf(m, K_MANAGER, M_LAST_ID, s_last_id), *ref = NULL, *new = NULL, *t;
+    if (last == NULL)
+        return NULL;
+    if ((new = PyObject_CallMethodOneArg(policy, s_allocate, nbytes)) == NULL) {
+        note_hook(policy, s_allocate);
+        goto fail;
+    }
+    if ((ref = getf(m, K_MANAGER, M_REF, s_ref)) == NULL)
+        goto fail;
+    int plain = plain_new(new, ref, last, nbytes);
+    if (plain < 0)
+        goto fail;
+    if (!plain) {
+        if ((t = PyObject_CallMethod(m, "_check_new", "OOO", new, nbytes, last)) == NULL)
+            goto fail;
+        Py_DECREF(t);
+    }
+    Py_DECREF(last);
+    Py_DECREF(ref);
+    return new;
+fail:
+    Py_XDECREF(last);
+    Py_XDECREF(ref);
+    Py_XDECREF(new);
+    return NULL;
+}
+
 /* run_ufunc(m, ufunc, inputs, objs, shape, dtype, strides, nbytes, short): ufunc(*inputs) into a
  * new array of nbytes the policy places, as Manager.run(kernel, objs, (), nbytes, name, short)
  * with the kernel of cachedarrays.ufuncs._new_result: the operands pinned and reported read, the
@@ -1992,14 +2073,9 @@ run_core(PyObject *module, PyObject *m, PyObject *ufunc, PyObject *inputs, PyObj
     }
     PyObject *report = s_new_in_fast;
     if (new == NULL) {
-        if ((new = PyObject_CallMethodOneArg(policy, s_allocate, nbytes)) == NULL)
+        if ((new = allocate_checked(m, policy, nbytes)) == NULL)
             goto unpin;
         report = s_write_use;
-    }
-    if (!PyObject_TypeCheck(new, &ObjectRecordType)) {
-        PyErr_Format(PyExc_TypeError, "the policy's allocate returned %.100s, not an Object",
-                     Py_TYPE(new)->tp_name);
-        goto unpin;
     }
     if (add_pins(new, 1) < 0)
         goto unpin;

@@ -79,8 +79,10 @@ class Policy:
         self.plan = None              # cachedarrays.triggers.Plan, made by schedule()
 
     def bind(self, manager):
-        """Attach to a manager (called once by the manager)."""
-        if self.manager is not None and self.manager is not manager:
+        """Attach to a manager (called once by the manager; a subclass whose __init__ skips
+        super().__init__() still binds)."""
+        bound = getattr(self, "manager", None)
+        if bound is not None and bound is not manager:
             raise ValueError(f"policy {self!r} already belongs to another manager; create a new "
                              "policy object for each manager")
         self.manager = manager
@@ -349,6 +351,21 @@ class Policy:
         m = self.manager
         return [m.parent(r) for r in m.regions_on("fast") if m.parent(r) is not None]
 
+    def _victims(self, nbytes):
+        """select_victims(nbytes) without None entries; TypeError naming the policy when an
+        entry is not an object of this manager (make_room would fail on it obscurely)."""
+        ref = self.manager._ref
+        victims = [v for v in self.select_victims(nbytes) if v is not None]
+        for v in victims:
+            if getattr(v, "_manager", None) is not ref:
+                what = f"object {v.id} of another manager" if hasattr(v, "_manager") else \
+                    type(v).__name__
+                raise TypeError(f"{type(self).__name__}.select_victims({nbytes}) returned "
+                                f"{what}: it must return objects of this manager (e.g. "
+                                "self.manager.parent(r) for r in "
+                                "self.manager.regions_on('fast'))")
+        return victims
+
     def evictable(self, obj):
         """May make_room evict obj now? (LRU spares the operands of the kernel it makes room
         for.)"""
@@ -366,7 +383,7 @@ class Policy:
         if m.can_allocate(fast, nbytes):
             return True
         need = fast.block_size(nbytes)
-        victims = [v for v in self.select_victims(nbytes) if v is not None]
+        victims = self._victims(nbytes)
         evicted = 0
         for v in victims:
             if evicted >= need:

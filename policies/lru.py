@@ -352,7 +352,7 @@ class LRU(Policy, LRURecord):
         want = int(fast.size * self.writeback)
         if fast.stats()["free"] >= want:
             return
-        for v in self.select_victims(want):
+        for v in self._victims(want):
             if v.primary is not None and v.primary.device is fast and not m.pinned(v):
                 self.evict(v, wait=False)
                 if fast.stats()["free"] >= want:
