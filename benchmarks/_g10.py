@@ -8,10 +8,21 @@ of the SSD's bandwidth, and bytes written to the SSD per step. Each function ret
 (printable lines, dict of figures); the numbers are a pure function of the traces.
 """
 
+import importlib.util
 import os
 
 import cachedarrays as ca
 from cachedarrays import costmodel
+
+
+def _common():
+    """benchmarks/_common.py, wherever this file was loaded from."""
+    spec = importlib.util.spec_from_file_location(
+        "_g10_common", os.path.join(os.path.dirname(os.path.abspath(__file__)), "_common.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
 
 MODELS = ("resnet50", "vgg16", "densenet121")
 POLICIES = (("G10", "g10"), ("BaseUVM", "uvm"), ("FlashNeuron", "flashneuron"))
@@ -130,7 +141,7 @@ def plot(path, middle, ssd):
         ax.grid(alpha=0.3)
     axes[1].legend(fontsize=6)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    _common().save_plot(fig, path, dpi=120, tight=False, announce=False)
     plt.close(fig)
     return path
 

@@ -132,5 +132,14 @@ def main(argv=None):
     return 0
 
 
+def _main_or_one_line():
+    """main; a failure is one line on stderr (the parent says the peer stopped)."""
+    try:
+        return main()
+    except Exception as e:                  # noqa: BLE001  (the peer's own errors, e.g. torch's)
+        print(f"torch peer: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        return 1
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(_common.run(_main_or_one_line))

@@ -94,16 +94,20 @@ def _size(n):
 def parse_args(argv):
     p = _common.parser(__doc__)
     p.add_argument("--model", default="resnet", choices=tuple(cnn.MODELS), help="model family")
-    p.add_argument("--depth", type=int, default=18, help="model depth (e.g. resnet 18/34/50/101, "
+    p.add_argument("--depth", type=_common.whole(), default=18,
+                   help="model depth (e.g. resnet 18/34/50/101, "
                    "vgg 11/13/16/19, densenet 121/169/201/264)")
     p.add_argument("--models", default=None, metavar="LIST",
                    help="comma-separated models to run one after the other, each a family and a "
                    "depth, e.g. resnet50,vgg16,densenet121 (overrides --model and --depth)")
-    p.add_argument("--batch", type=int, default=16, help="batch size")
-    p.add_argument("--image", type=int, default=64, help="image height and width (pixels)")
-    p.add_argument("--channels", type=int, default=3, help="input channels")
-    p.add_argument("--classes", type=int, default=100, help="classes of the classifier")
-    p.add_argument("--width", type=float, default=1, help="divide every channel count by this")
+    p.add_argument("--batch", type=_common.whole(), default=16, help="batch size")
+    p.add_argument("--image", type=_common.whole(), default=64,
+                   help="image height and width (pixels)")
+    p.add_argument("--channels", type=_common.whole(), default=3, help="input channels")
+    p.add_argument("--classes", type=_common.whole(), default=100,
+                   help="classes of the classifier")
+    p.add_argument("--width", type=_common.positive, default=1,
+                   help="divide every channel count by this")
     p.add_argument("--backend", default="onednn", choices=("numpy", "onednn"),
                    help="kernel backend of ours")
     p.add_argument("--fast", default="25%", help="fast memory: bytes, a size like 256MiB, or a "
@@ -113,12 +117,13 @@ def parse_args(argv):
     p.add_argument("--slow", default=None, help="slow memory size (default: 3x the estimate)")
     p.add_argument("--setup", "--mode", dest="setup", default="2lm,LM,fast-only",
                    help=f"setups, comma-separated: {', '.join(cnn.SETUPS)}")
-    p.add_argument("--iterations", type=int, default=4,
+    p.add_argument("--iterations", type=_common.whole(), default=4,
                    help="iterations per setup; the first warms up, the rest give medians")
     p.add_argument("--profile", default="optane", choices=tuple(PROFILES),
                    help="slow-device profile of the cost model")
-    p.add_argument("--line-size", type=int, default=64, help="2LM simulator line size (bytes)")
-    p.add_argument("--plot", metavar="PATH", default=None,
+    p.add_argument("--line-size", type=_common.whole(), default=64,
+                   help="2LM simulator line size (bytes)")
+    p.add_argument("--plot", metavar="PATH", default=None, type=_common.figure_or_folder,
                    help="write the figures: PATH a folder, or a .png for the main figure (others "
                    "next to it); see the description below")
     p.add_argument("--sweep", action="store_true", help="fast-budget sweep 100%%..0%% in setup LM")
@@ -127,19 +132,19 @@ def parse_args(argv):
                    "step time / ours)")
     p.add_argument("--peer-only", action="store_true",
                    help="with --peer: skip the setups and run the comparison alone")
-    p.add_argument("--repeats", type=int, default=7,
+    p.add_argument("--repeats", type=_common.whole(), default=7,
                    help="alternating steps ours/peer for --peer (>= 3; medians)")
     p.add_argument("--unfused", action="store_true",
                    help="apply SGD after the backward pass instead of inside it")
-    p.add_argument("--outdir", default="cnn_figures",
+    p.add_argument("--outdir", default="cnn_figures", type=_common.out_folder,
                    help="folder of the saved kernel times (times/) and, without --plot, of the "
                    "--sweep figure")
-    p.add_argument("--times", default=None,
+    p.add_argument("--times", default=None, type=_common.data_file,
                    help="file of the fast-only kernel times (a saved trace); measured and saved "
                    "there when missing (default: <outdir>/times/<model and shapes>.trace.gz)")
     p.add_argument("--remeasure", action="store_true",
                    help="measure the fast-only kernel times again (and save them to --times)")
-    p.add_argument("--ref-iterations", type=int, default=cnn.REFERENCE_ITERATIONS,
+    p.add_argument("--ref-iterations", type=_common.whole(), default=cnn.REFERENCE_ITERATIONS,
                    help="fast-only iterations measured for the kernel times (the first warms up)")
     _common.add_standard(p, threads=2, plot=False)
     args = p.parse_args(argv)
@@ -147,6 +152,16 @@ def parse_args(argv):
         p.error("--repeats must be >= 3 (medians of at least 3 steps)")
     if args.peer_only and not args.peer:
         p.error("--peer-only needs --peer")
+    try:                                # read as the run reads them, before it starts
+        for flag, value in (("--fast", args.fast), ("--dram-cache", args.dram_cache)):
+            if value is not None:
+                cnn.parse_budget(value, 1, flag)
+        if args.slow is not None:
+            ca.parse_size(args.slow, "--slow")
+    except (ValueError, TypeError) as e:
+        p.error(str(e))
+    if args.peer:
+        _common.check_peer(p, args.peer)
     return args
 
 
@@ -172,8 +187,9 @@ def _model_list(args):
 def _figure(args, name, kind, main_kind):
     """Where figure `kind` of model `name` goes under --plot PATH (a folder or a .png)."""
     path = args.plot
-    if path.lower().endswith(".png"):
-        return path if kind == main_kind else f"{path[:-4]}_{name}_{kind}.png"
+    if not _common.is_folder_target(path):
+        base, ext = os.path.splitext(path)
+        return path if kind == main_kind else f"{base}_{name}_{kind}{ext}"
     os.makedirs(path, exist_ok=True)
     return os.path.join(path, f"{name}_{kind}.png")
 
@@ -389,7 +405,7 @@ def plot_occupancy(path, logs):
     ax.set_title("heap occupancy over one training iteration")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    _common.save_plot(fig, path, dpi=120, tight=False, announce=False)
     plt.close(fig)
 
 
@@ -407,7 +423,7 @@ def plot_traffic(path, rows):
     ax.set_title("slow-memory traffic per setup")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    _common.save_plot(fig, path, dpi=120, tight=False, announce=False)
     plt.close(fig)
 
 
@@ -427,7 +443,7 @@ def plot_sweep(path, rows, fast_only):
     ax.set_ylabel("ms per iteration")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    _common.save_plot(fig, path, dpi=120, tight=False, announce=False)
     plt.close(fig)
 
 
@@ -453,7 +469,8 @@ class TorchPeer:
     def _read(self):
         line = self.proc.stdout.readline()
         if not line:
-            raise RuntimeError(f"torch peer exited (code {self.proc.wait()}); see its stderr above")
+            raise PeerError(f"the torch peer stopped (exit {self.proc.wait()}); its error is "
+                            "above")
         return json.loads(line)
 
     def steps(self, n=1):
@@ -470,6 +487,10 @@ class TorchPeer:
             except OSError:
                 pass
             self.proc.wait(timeout=60)
+
+
+class PeerError(RuntimeError):
+    """The peer process stopped before it answered."""
 
 
 def peer_torch(args):
@@ -646,8 +667,9 @@ def main(argv=None):
             for x in args.setup.split(","):
                 if x.strip():
                     cnn.check_setup(x.strip())
-    except ValueError as e:
-        raise SystemExit(f"error: {e}") from None
+    except ValueError as e:                 # bad --models or --setup: a usage error
+        print(f"{_common.SCRIPT}: error: {e}", file=sys.stderr)
+        return 2
     _set_threads(args.backend, args.threads)
     print(machine())
     print(_common.thread_line())
@@ -662,16 +684,19 @@ def main(argv=None):
             print(cnn.FORMULA)
             run_setups(args, model)
         if args.peer == "torch":
-            results.append(peer_torch(args))
+            try:
+                results.append(peer_torch(args))
+            except PeerError as e:
+                print(f"{_common.SCRIPT}: error: {e}", file=sys.stderr)
+                return 1
     if len(results) > 1:
         print("\nspeedup (torch step time / ours), medians of per-step ratios:")
         for name, ours_t, theirs_t in results:
             print(f"  {name:>12} {_common.speedups(theirs_t, ours_t).fmt(1, 'x', 2)}")
     if results and args.plot:
-        plot_peer(_figure(args, "cnn", "vs_torch", "vs_torch") if not args.plot.lower().endswith(
-            ".png") else args.plot, results)
+        plot_peer(_figure(args, "cnn", "vs_torch", "vs_torch"), results)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(_common.run(main))

@@ -26,14 +26,8 @@ import numpy as np  # noqa: E402
 
 from cachedarrays import copyengine as ce  # noqa: E402
 
-UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
-
-def parse_size(text: str) -> int:
-    text = text.strip().upper().removesuffix("IB").removesuffix("B")
-    if text and text[-1] in UNITS:
-        return int(float(text[:-1]) * UNITS[text[-1]])
-    return int(text)
+DIRECTIONS = ("fast->fast", "fast->slow", "slow->fast")
 
 
 def fmt_size(n: int) -> str:
@@ -90,13 +84,18 @@ def plot(path, curves):
 
 def main(argv=None) -> int:
     ap = _common.parser(__doc__)
-    ap.add_argument("--sizes", help="comma-separated sizes (e.g. 4K,1M,64M); default 4 KiB..1 GiB by 4x")
-    ap.add_argument("--repeats", type=int, default=7, help="interleaved repetitions per cell (median, >= 3)")
+    ap.add_argument("--sizes", type=_common.listed(_common.size(1)),
+                    help="comma-separated sizes (e.g. 4K,1M,64M); default 4 KiB..1 GiB by 4x")
+    ap.add_argument("--repeats", type=_common.whole(), default=7,
+                    help="interleaved repetitions per cell (median, >= 3)")
     ap.add_argument("--quick", action="store_true", help="stop at 64 MiB")
-    ap.add_argument("--threads", default="1,2", help="thread counts to measure, comma-separated "
+    ap.add_argument("--threads", default="1,2", type=_common.listed(_common.thread_count),
+                    help="thread counts to measure, comma-separated "
                     "(ours: copy-engine threads; the peers: that many Python threads)")
-    ap.add_argument("--nt-threshold", help="override the non-temporal store threshold (0 disables)")
+    ap.add_argument("--nt-threshold", type=_common.size(0),
+                    help="override the non-temporal store threshold (0 disables)")
     ap.add_argument("--directions", default="fast->fast,fast->slow,slow->fast",
+                    type=_common.listed(_common.one_of(DIRECTIONS)),
                     help="comma-separated, from fast->fast, fast->slow, slow->fast")
     _common.add_standard(ap, with_threads=False)
     args = ap.parse_args(argv)
@@ -104,7 +103,7 @@ def main(argv=None) -> int:
         ap.error("--repeats must be >= 3 (medians are of at least 3 samples)")
 
     if args.sizes:
-        sizes = [parse_size(s) for s in args.sizes.split(",")]
+        sizes = args.sizes
     else:
         top = 64 << 20 if args.quick else 1 << 30
         sizes = []
@@ -113,9 +112,9 @@ def main(argv=None) -> int:
             sizes.append(n)
             n *= 4
     if args.nt_threshold is not None:
-        ce.set_nt_threshold(parse_size(args.nt_threshold))
-    threads = [int(t) for t in args.threads.split(",")]
-    directions = args.directions.split(",")
+        ce.set_nt_threshold(args.nt_threshold)
+    threads = args.threads
+    directions = args.directions
     biggest = max(sizes)
 
     t0 = time.perf_counter()
@@ -219,4 +218,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(_common.run(main))

@@ -228,20 +228,23 @@ def _dense(r):
 
 def main(argv=None):
     p = _common.parser(__doc__)
-    p.add_argument("--workers", type=int, default=2, help="worker processes per cluster")
-    p.add_argument("--threads-per-worker", type=int, default=1,
+    p.add_argument("--workers", type=_common.whole(), default=2,
+                   help="worker processes per cluster")
+    p.add_argument("--threads-per-worker", type=_common.whole(), default=1,
                    help="task threads per worker (BLAS and OpenMP run 1 thread per worker, "
                         "distributed's default)")
     p.add_argument("--limit", default="32MiB",
                    help="per worker: distributed's memory limit (peer) = fast memory (ours)")
-    p.add_argument("--ratio", type=int, default=4,
+    p.add_argument("--ratio", type=_common.whole(), default=4,
                    help="the data set is RATIO x the limit per worker")
-    p.add_argument("--cols", type=int, default=256, help="columns of the float64 matrix x")
+    p.add_argument("--cols", type=_common.whole(), default=256,
+                   help="columns of the float64 matrix x")
     p.add_argument("--chunk", default="4MiB", help="bytes per chunk (whole rows)")
-    p.add_argument("--repeats", type=int, default=5, help="interleaved repetitions (>= 3)")
+    p.add_argument("--repeats", type=_common.whole(), default=5,
+                   help="interleaved repetitions (>= 3)")
     p.add_argument("--policy", default="lru", choices=ca.policy_names(), metavar="NAME",
                    help="the workers' placement policy (ours)")
-    p.add_argument("--slow-path", default=None,
+    p.add_argument("--slow-path", default=None, type=_common.slow_path,
                    help="folder for the workers' slow devices, a file each (default: the "
                         "temporary folder)")
     _common.add_standard(p, with_threads=False)
@@ -253,6 +256,8 @@ def main(argv=None):
         p.error(str(e))
     if args.repeats < 3:
         p.error("--repeats must be >= 3 (medians are of at least 3 samples)")
+    # each worker: a Python process (about 200 MiB with dask) and its --limit of memory
+    _common.check_memory(p, args.workers * (args.limit + (200 << 20)), "--workers and --limit")
     if min(args.workers, args.threads_per_worker, args.ratio, args.cols) < 1:
         p.error("--workers, --threads-per-worker, --ratio and --cols must be >= 1")
     if args.chunk < 8 * args.cols or args.chunk * 2 > args.limit:
@@ -346,4 +351,4 @@ def report(args, sides, final):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(_common.run(main))

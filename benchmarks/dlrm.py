@@ -350,22 +350,24 @@ def main(argv=None):
     p = _common.parser(__doc__)
     p.add_argument("--config", default="small", choices=sorted(configs.CONFIGS),
                    help="model shapes (dissertation Table 5.5/5.6, or tiny)")
-    p.add_argument("--scale", type=float, default=None,
+    p.add_argument("--scale", type=_common.positive, default=None,
                    help="table rows multiplier (default per config: "
                         + ", ".join(f"{k} {v['scale']}" for k, v in DEFAULTS.items()) + ")")
-    p.add_argument("--width-scale", type=float, default=None,
+    p.add_argument("--width-scale", type=_common.positive, default=None,
                    help="hidden MLP width multiplier (default per config: "
                         + ", ".join(f"{k} {v['width_scale']}" for k, v in DEFAULTS.items()) + ")")
-    p.add_argument("--batch-size", type=int, default=None,
+    p.add_argument("--batch-size", type=_common.whole(), default=None,
                    help="samples per step (default per config: "
                         + ", ".join(f"{k} {v['batch_size']}" for k, v in DEFAULTS.items()) + ")")
-    p.add_argument("--iterations", type=int, default=20,
+    p.add_argument("--iterations", type=_common.whole(), default=20,
                    help="timed training steps per kind and distribution (after one untimed warm-up step)")
-    p.add_argument("--table-kinds", nargs="+", default=["simple", "static", "dynamic"],
+    p.add_argument("--table-kinds", nargs="+",
+                   action=_common.Unique, default=["simple", "static", "dynamic"],
                    choices=list(TABLE_KINDS), help="embedding table kinds to train")
-    p.add_argument("--distributions", nargs="+", default=["uniform", "zipf"],
+    p.add_argument("--distributions", nargs="+",
+                   action=_common.Unique, default=["uniform", "zipf"],
                    choices=["uniform", "zipf"], help="index distributions")
-    p.add_argument("--cache", type=float, default=0.25,
+    p.add_argument("--cache", type=_common.fraction(), default=0.25,
                    help="cached tables' cachelower as a fraction of each table")
     p.add_argument("--flush-policy", default="oldest", choices=list(FLUSH_POLICIES),
                    help="what the dynamic tables' flush keeps: the newest pages (oldest "
@@ -373,8 +375,9 @@ def main(argv=None):
                         "they were cached")
     p.add_argument("--backend", default="onednn", choices=["onednn", "numpy"],
                    help="dense-layer backend of our MLPs")
-    p.add_argument("--lr", type=float, default=None, help="learning rate (default: the config's)")
-    p.add_argument("--seed", type=int, default=0, help="weights and data seed")
+    p.add_argument("--lr", type=_common.positive, default=None,
+                   help="learning rate (default: the config's)")
+    p.add_argument("--seed", type=_common.whole(0), default=0, help="weights and data seed")
     p.add_argument("--peer", choices=["torch"], default=None,
                    help="also train the same model in this framework, interleaved")
     p.add_argument("--slow-profile", default="optane", choices=sorted(costmodel.PROFILES),
@@ -383,6 +386,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.iterations < 3:
         p.error("--iterations must be at least 3 (medians of >= 3 samples)")
+    if args.peer:
+        _common.check_peer(p, args.peer)
     if args.peer == "torch":
         import torch  # noqa: F401  (loaded before the thread limit so it applies to its pool)
     _common.apply_threads(args.threads)
@@ -416,4 +421,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(_common.run(main))

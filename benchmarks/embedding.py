@@ -299,29 +299,34 @@ def plot(results, path):
 
 def main(argv=None):
     p = _common.parser(__doc__)
-    p.add_argument("--rows", type=int, default=1_000_000, help="rows of the table")
-    p.add_argument("--fs", type=int, default=64, help="feature size (floats per row)")
-    p.add_argument("--batch", type=int, default=8192, help="bags per lookup")
-    p.add_argument("--bag", type=int, default=40, help="lookups per bag (1: non-reducing)")
-    p.add_argument("--cache", type=float, nargs="+", default=[0.25, 0.5, 1.0],
+    p.add_argument("--rows", type=_common.whole(), default=1_000_000, help="rows of the table")
+    p.add_argument("--fs", type=_common.whole(), default=64, help="feature size (floats per row)")
+    p.add_argument("--batch", type=_common.whole(), default=8192, help="bags per lookup")
+    p.add_argument("--bag", type=_common.whole(), default=40,
+                   help="lookups per bag (1: non-reducing)")
+    p.add_argument("--cache", type=_common.fraction(), nargs="+",
+                   action=_common.Unique, default=[0.25, 0.5, 1.0],
                    help="cachelower of each cached table, as a fraction of the table")
-    p.add_argument("--slack", type=float, default=0.05,
+    p.add_argument("--slack", type=_common.fraction(), default=0.05,
                    help="cacheslack of the cached tables, as a fraction of the table")
     p.add_argument("--flush-policy", default="oldest", choices=list(E.FLUSH_POLICIES),
                    help="what the cached tables' flush keeps: the newest pages (oldest dropped "
                         "first) or, with second-chance, also the rows looked up since they were "
                         "cached")
-    p.add_argument("--distributions", nargs="+", default=["uniform", "zipf"],
+    p.add_argument("--distributions", nargs="+",
+                   action=_common.Unique, default=["uniform", "zipf"],
                    choices=["uniform", "zipf"], help="index distributions to run")
-    p.add_argument("--repeats", type=int, default=7,
+    p.add_argument("--repeats", type=_common.whole(), default=7,
                    help="timed repetitions (each a fresh batch) per distribution")
-    p.add_argument("--warmup", type=int, default=8,
+    p.add_argument("--warmup", type=_common.whole(0), default=8,
                    help="untimed lookups that fill the cached tables before timing")
-    p.add_argument("--lr", type=float, default=1e-3, help="SGD learning rate")
+    p.add_argument("--lr", type=_common.positive, default=1e-3, help="SGD learning rate")
     _common.add_standard(p)
     args = p.parse_args(argv)
     if args.repeats < 3:
         p.error("--repeats must be >= 3 (medians of at least 3 samples)")
+    # the initial weights in float64 and float32, and a few tables of them
+    _common.check_memory(p, 16 * args.rows * args.fs, "--rows and --fs")
 
     _common.apply_threads(args.threads)
     print(_common.machine())
@@ -344,4 +349,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(_common.run(main))

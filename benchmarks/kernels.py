@@ -22,8 +22,9 @@ OPS = ("conv3x3_fwd", "conv3x3_bwd_data", "conv3x3_bwd_weights", "batchnorm_fwd"
 
 def parse_args(argv=None):
     p = _common.parser(__doc__)
-    p.add_argument("--reps", type=int, default=7, help="interleaved repetitions per op (>= 3)")
-    p.add_argument("--batch", type=int, default=16, help="batch size of every tensor")
+    p.add_argument("--reps", type=_common.whole(), default=7,
+                   help="interleaved repetitions per op (>= 3)")
+    p.add_argument("--batch", type=_common.whole(), default=16, help="batch size of every tensor")
     p.add_argument("--ops", default="", help="comma-separated subset of op names "
                    f"({', '.join(OPS)}); empty: all")
     p.add_argument("--no-numpy", action="store_true", help="skip the (slow) NumPy reference")
@@ -31,6 +32,7 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.reps < 3:
         p.error("--reps must be >= 3 (medians of at least 3 samples)")
+    args.ops = ",".join(dict.fromkeys(o.strip() for o in args.ops.split(",") if o.strip()))
     unknown = [o for o in args.ops.split(",") if o and o not in OPS]
     if unknown:
         p.error(f"unknown op(s) {', '.join(unknown)}; valid ops: {', '.join(OPS)}")
@@ -191,4 +193,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(_common.run(main))

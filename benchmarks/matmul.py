@@ -23,16 +23,19 @@ import cachedarrays as ca  # noqa: E402
 
 def main(argv=None):
     p = _common.parser(__doc__)
-    p.add_argument("--size", type=int, default=2000, help="matrix side n (n x n float32)")
-    p.add_argument("--repeats", type=int, default=5, help="interleaved repetitions (>= 3)")
-    p.add_argument("--slow-path", default=None,
+    p.add_argument("--size", type=_common.whole(), default=2000,
+                   help="matrix side n (n x n float32)")
+    p.add_argument("--repeats", type=_common.whole(), default=5,
+                   help="interleaved repetitions (>= 3)")
+    p.add_argument("--slow-path", default=None, type=_common.slow_path,
                    help="file or folder for the slow device (default: a temporary file)")
-    _common.add_standard(p, progress=False)
+    _common.add_standard(p)                     # --no-progress too: it shows no bar
     args = p.parse_args(argv)
     if args.repeats < 3:
         p.error("--repeats must be >= 3 (medians are of at least 3 samples)")
     n = args.size
     nbytes = n * n * 4
+    _common.check_memory(p, 6 * nbytes, "--size")      # 3 ndarrays, 3 in fast memory
     _common.apply_threads(args.threads)
     print(machine())
     print(_common.thread_line())
@@ -41,7 +44,8 @@ def main(argv=None):
     a_np = rng.standard_normal((n, n), dtype=np.float32)
     b_np = rng.standard_normal((n, n), dtype=np.float32)
     c_np = np.empty_like(a_np)
-    with ca.Manager(fast=4 * nbytes, slow=4 * nbytes, slow_path=args.slow_path) as m, \
+    room = 4 * (-(-(nbytes + 64) // 4096) * 4096)      # 3 matrices, each with its header
+    with ca.Manager(fast=room, slow=room, slow_path=args.slow_path) as m, \
             tempfile.TemporaryDirectory() as tmp:
         A = ca.asarray(a_np, manager=m)
         B = ca.asarray(b_np, manager=m)
@@ -101,4 +105,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(_common.run(main))

@@ -191,11 +191,12 @@ def plot(rows, sizes, path):
 
 def main(argv=None):
     p = _common.parser(__doc__)
-    p.add_argument("--sizes", type=int, nargs="+", default=[10, 1000, 100_000],
+    p.add_argument("--sizes", type=_common.whole(), nargs="+",
+                   action=_common.Unique, default=[10, 1000, 100_000],
                    help="array lengths to measure")
-    p.add_argument("--repeats", type=int, default=7,
+    p.add_argument("--repeats", type=_common.whole(), default=7,
                    help="interleaved repetitions per operation (medians of these)")
-    p.add_argument("--budget", type=float, default=0.02,
+    p.add_argument("--budget", type=_common.positive, default=0.02,
                    help="seconds per timed sample (the call count is chosen to fill it)")
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                    help="wall: elapsed time; cpu: time this thread ran (steadier on a busy "
@@ -204,6 +205,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.repeats < 3:
         p.error("--repeats must be at least 3 (medians of >= 3 samples)")
+    # fast memory of 8 arrays of the largest size, and a few NumPy arrays and results
+    _common.check_memory(p, 16 * 8 * max(args.sizes), "--sizes")
     _common.apply_threads(args.threads)
     print(_common.machine())
     print(_common.thread_line())
@@ -284,4 +287,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(_common.run(main))

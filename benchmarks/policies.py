@@ -315,11 +315,17 @@ def load_or_record(name, spec, folder, reuse, backend, steps, log=print):
     with the same model settings, else recorded (backend picked lazily) and saved there."""
     path = _trace_path(folder, name)
     if reuse and os.path.exists(path):
-        t = ca.Trace.load(path)
-        if t.meta.get("spec") == dict(spec) and t.meta.get("recorded_steps") == steps:
-            log(f"{name}: trace {path} (reused; recorded with the {t.meta.get('backend')} backend)")
-            return t
-        log(f"{name}: {path} was recorded with other settings; recording again")
+        from cachedarrays.trace import TraceError
+        try:
+            t = ca.Trace.load(path)
+        except TraceError as e:
+            log(f"{name}: {path} is unreadable ({e}); recording again")
+        else:
+            if t.meta.get("spec") == dict(spec) and t.meta.get("recorded_steps") == steps:
+                log(f"{name}: trace {path} (reused; recorded with the {t.meta.get('backend')} "
+                    "backend)")
+                return t
+            log(f"{name}: {path} was recorded with other settings; recording again")
     b = backend(spec) if callable(backend) else backend
     log(f"{name}: recording {steps} steps ({b} backend) ...")
     t = record(spec, b, steps, log=log)
@@ -803,7 +809,7 @@ def plot(path, results, profile=None):
         fig.suptitle(f"modelled step time vs fast budget (slow tier {profile}; memory mode "
                      f"{_cache_profile(profile)})", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    _common.save_plot(fig, path, dpi=120, tight=False, announce=False)
     plt.close(fig)
 
 
@@ -815,51 +821,46 @@ SECTIONS = ("sweep", "capuchin", "g10")
 def parse_args(argv):
     p = _common.parser(__doc__)
     p.add_argument("--models", default=",".join(DEFAULT_MODELS),
+                   type=_common.listed(_common.one_of(tuple(MODELS))),
                    help=f"comma-separated, from {', '.join(MODELS)}")
     p.add_argument("--budgets", default=",".join(map(str, BUDGETS)),
+                   type=_common.listed(_common.whole()),
                    help="fast budgets, percent of the footprint")
-    p.add_argument("--profile", default="optane", help=f"slow-tier profile: "
-                   f"{', '.join(sorted(costmodel.PROFILES))}")
-    p.add_argument("--traces", default=DEFAULT_TRACES, help="folder for the traces (default: "
-                   "benchmarks/.traces); traces found there, recorded with the same settings, "
-                   "are replayed instead of recorded again")
+    p.add_argument("--profile", default="optane",
+                   type=_common.one_of(tuple(sorted(costmodel.PROFILES))),
+                   help=f"slow-tier profile: {', '.join(sorted(costmodel.PROFILES))}")
+    p.add_argument("--traces", default=DEFAULT_TRACES, type=_common.out_folder,
+                   help="folder for the traces (default: benchmarks/.traces); traces found "
+                   "there, recorded with the same settings, are replayed instead of recorded "
+                   "again")
     p.add_argument("--record", action="store_true", help="record the traces again even if "
                    "--traces holds them")
-    p.add_argument("--steps", type=int, default=4, help="steps recorded per model (kernel times: "
-                   "median of all but the first)")
+    p.add_argument("--steps", type=_common.whole(2), default=4, help="steps recorded per model "
+                   "(kernel times: median of all but the first)")
     p.add_argument("--backend", default="onednn", choices=("auto", "numpy", "onednn"),
                    help="kernels of the recorded run (default onednn, the faster on full-size "
                    "models; auto: probe both on this machine, which is noisy when it is loaded)")
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="oneDNN threads")
-    p.add_argument("--plot", default=None, metavar="PNG", help="write the Fig. 4.10 sweep (and "
-                   "the G10 sweeps next to it, as <name>-g10.png)")
+    p.add_argument("--threads", type=_common.thread_count, default=os.cpu_count() or 1,
+                   help="oneDNN threads")
+    p.add_argument("--plot", default=None, metavar="PNG", type=_common.figure_path,
+                   help="write the Fig. 4.10 sweep (and the G10 sweeps next to it, as "
+                   "<name>-g10.png)")
     p.add_argument("--sections", default=",".join(SECTIONS),
+                   type=_common.listed(_common.one_of(tuple(SECTIONS))),
                    help=f"comma-separated, from {', '.join(SECTIONS)}: the policy sweep, the "
                    "Capuchin max-batch table (batch families of the three CNNs) and the G10 "
                    "three-tier figures")
     _common.add_standard(p, plot=False, with_threads=False)      # --no-progress
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.plot and not {"sweep", "g10"} & set(args.sections):
+        p.error("--plot draws the sweep and g10 sections: add one of them to --sections, or "
+                "drop --plot")
+    return args
 
 
 def main(argv=None, out=print):
     args = parse_args(argv)
-    try:
-        names = [x.strip() for x in args.models.split(",") if x.strip()]
-        for n in names:
-            if n not in MODELS:
-                raise ValueError(f"unknown model {n!r}; choose from {', '.join(MODELS)}")
-        budgets = tuple(int(x) for x in args.budgets.split(",") if x.strip())
-        if not budgets or min(budgets) <= 0:
-            raise ValueError(f"--budgets {args.budgets!r}: give positive percentages")
-        costmodel.get_profile(args.profile)
-        if args.steps < 2:
-            raise ValueError("--steps must be >= 2 (the first step warms up)")
-        sections = [x.strip() for x in args.sections.split(",") if x.strip()]
-        for x in sections:
-            if x not in SECTIONS:
-                raise ValueError(f"unknown section {x!r}; choose from {', '.join(SECTIONS)}")
-    except ValueError as e:
-        raise SystemExit(f"error: {e}") from None
+    names, budgets, sections = args.models, tuple(args.budgets), args.sections
     out(_common.machine())
     folder = args.traces
     os.makedirs(folder, exist_ok=True)
@@ -917,4 +918,4 @@ def main(argv=None, out=print):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(_common.run(main))

@@ -41,10 +41,17 @@ def run(name, script, args, out, env, progress):
     cmd = [sys.executable, os.path.join(HERE, script), *args]
     shown = " ".join(["python", f"benchmarks/{script}", *args])
     t = time.perf_counter()
-    with open(os.path.join(out, f"{name}.txt"), "w") as log:
+    path = os.path.join(out, f"{name}.txt")
+    if os.path.islink(path):
+        os.unlink(path)                  # replaced, not written through
+    with open(path, "w") as log:
         log.write(f"$ {shown}\n")
         log.flush()
-        rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        try:
+            rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        except BaseException:               # Ctrl-C or SIGTERM: the log says it is partial
+            log.write("\n[interrupted: this log is incomplete]\n")
+            raise
     secs = time.perf_counter() - t
     msg = f"{name}: {'ok' if rc == 0 else f'exit {rc}'} in {secs:.0f} s"
     if progress.disable:
@@ -80,29 +87,33 @@ def summary(out, jobs, runs, results, machine, threads):
     for (name, _, _), (secs, rc, shown) in zip(jobs, runs):
         lines.append(f"| {name} | `{shown}` | {secs:.0f} | {rc} |")
     path = os.path.join(out, "SUMMARY.md")
-    with open(path, "w") as f:
-        f.write("\n".join(lines) + "\n")
+    _common.write_atomically(path, "\n".join(lines) + "\n")
     return path
 
 
 def main(argv=None):
     p = _common.parser(__doc__)
-    p.add_argument("--out", default="bench_results", help="folder for the logs and SUMMARY.md")
+    p.add_argument("--out", default="bench_results", type=_common.out_folder,
+                   help="folder for the logs and SUMMARY.md (made if missing; the files of an "
+                   "earlier run there are replaced)")
     p.add_argument("--only", default="", help="comma-separated subset of: "
                    + ", ".join(j[0] for j in JOBS))
     _common.add_standard(p, plot=False)
     args = p.parse_args(argv)
     jobs = JOBS
-    if args.only:
-        want = [x.strip() for x in args.only.split(",") if x.strip()]
+    if args.only.strip():
+        want = [x.strip().lower() for x in args.only.split(",") if x.strip()]
         unknown = sorted(set(want) - {j[0] for j in JOBS})
-        if unknown:
-            p.error(f"--only: unknown {', '.join(unknown)}; choose from "
-                    f"{', '.join(j[0] for j in JOBS)}")
+        if unknown or not want:
+            p.error(f"--only: {'unknown ' + ', '.join(unknown) if unknown else 'no name given'}"
+                    f"; choose from {', '.join(j[0] for j in JOBS)}")
         jobs = [j for j in JOBS if j[0] in want]
     os.makedirs(args.out, exist_ok=True)
+    stale = os.path.join(args.out, "SUMMARY.md")
+    if os.path.lexists(stale):
+        os.unlink(stale)           # an earlier run's: it must not pass for this run's
     results_path = os.path.abspath(os.path.join(args.out, "results.jsonl"))
-    open(results_path, "w").close()
+    _common.write_atomically(results_path, "")
     env = dict(os.environ, CA_BENCH_RESULTS=results_path, OMP_NUM_THREADS=str(args.threads),
                OMP_WAIT_POLICY=os.environ["OMP_WAIT_POLICY"])
     machine = _common.machine()
@@ -123,4 +134,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(_common.run(main))

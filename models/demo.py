@@ -3,6 +3,7 @@
 Uses the embedded default slow device (a temporary file) and small sizes so it finishes fast.
 """
 
+import argparse
 import sys
 import time
 
@@ -102,12 +103,28 @@ def dlrm_example():
     print(format_stats(r["manager"]))
 
 
-def main():
+def parse_args(argv=None):
+    """The demo takes no options but --help; anything else is refused before it starts."""
+    first, _, rest = __doc__.strip().partition("\n")
+    p = argparse.ArgumentParser(
+        prog="python -m cachedarrays.models.demo", description=first,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=rest.strip() + "\n\nexit status: 0 when it finished, 1 when it failed, 2 for "
+        "bad arguments,\n130 when interrupted (Ctrl-C).")
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    parse_args(argv)
     t = time.perf_counter()
-    matmul_example()
-    lru_example()
-    cnn_example()
-    dlrm_example()
+    try:
+        matmul_example()
+        lru_example()
+        cnn_example()
+        dlrm_example()
+    except KeyboardInterrupt:
+        print("\ndemo: interrupted", file=sys.stderr, flush=True)
+        return 130
     print(f"\ndemo finished in {time.perf_counter() - t:.1f} s")
     return 0
 
