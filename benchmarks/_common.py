@@ -563,9 +563,11 @@ def record(kind, **fields):
         f.write(json.dumps(fields, default=float) + "\n")
 
 
-def goal(name, value, target, *, higher=True, unit="x", detail=""):
-    """Print 'goal <name>: <value> (target >= <target>): met|not met' and record it."""
-    met = value >= target if higher else value <= target
+def goal(name, value, target, *, higher=True, unit="x", detail="", counts=True):
+    """Print 'goal <name>: <value> (target >= <target>): met|not met' and record it.
+    counts=False: the value is shown but cannot meet the goal (a condition of the goal failed;
+    say which in detail)."""
+    met = counts and (value >= target if higher else value <= target)
     cmp = ">=" if higher else "<="
     extra = f"  ({detail})" if detail else ""
     print(f"goal {name}: {value:.2f}{unit} (target {cmp} {target:g}{unit}): "
