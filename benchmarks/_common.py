@@ -559,8 +559,14 @@ def record(kind, **fields):
     if not path:
         return
     fields = {"script": SCRIPT, "kind": kind, **fields}
-    with open(path, "a") as f:
-        f.write(json.dumps(fields, default=float) + "\n")
+    try:
+        with open(path, "a") as f:
+            f.write(json.dumps(fields, default=float) + "\n")
+    except OSError as e:             # the run's figures still print; say once, then stop trying
+        os.environ.pop("CA_BENCH_RESULTS", None)
+        print(f"{SCRIPT}: cannot append to CA_BENCH_RESULTS={path} ({e.strerror or e}); the "
+              "figures are printed only; point it at a writable file", file=sys.stderr,
+              flush=True)
 
 
 def goal(name, value, target, *, higher=True, unit="x", detail="", counts=True):

@@ -481,3 +481,16 @@ def test_demo_interrupted_exits_130(monkeypatch, capsys):
     monkeypatch.setattr(demo, "matmul_example", stop)
     assert demo.main([]) == 130
     assert "interrupted" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("where", ["missing-folder/results.jsonl", "a-folder"])
+def test_an_unwritable_results_file_is_named_once_and_the_figures_still_print(
+        tmp_path, monkeypatch, capsys, where):
+    (tmp_path / "a-folder").mkdir()
+    monkeypatch.setenv("CA_BENCH_RESULTS", str(tmp_path / where))
+    assert common.goal("g", 1.5, 1.0) is True
+    common.headline("h", 2.0)
+    out, err = capsys.readouterr()
+    assert "goal g: 1.50x" in out and "h: 2.00x" in out
+    assert err.count("cannot append to CA_BENCH_RESULTS") == 1
+    assert "CA_BENCH_RESULTS" not in os.environ
