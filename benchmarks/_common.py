@@ -406,6 +406,9 @@ def slow_path(text):
     name or a devdax device), checked by opening a small device there and closing it."""
     from cachedarrays.devices import SlowDevice
     from cachedarrays.errors import DeviceError
+    if not text.strip():
+        raise argparse.ArgumentTypeError("empty path; name a folder or a new file for the slow "
+                                         "device, or leave --slow-path out for a temporary file")
     try:
         SlowDevice(1 << 16, os.path.expanduser(text), name="slow-path check").close()
     except (DeviceError, OSError) as e:

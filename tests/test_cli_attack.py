@@ -284,7 +284,8 @@ def test_plot_to_a_device_or_through_a_link_from_the_command_line(tmp_path, vict
 
 def test_slow_path_is_checked_by_the_device_before_the_run(tmp_path, victim):
     for bad, why in ((victim, "existing file"), ("/dev/null", "not a DAX device"),
-                     (tmp_path / "no" / "x", "does not exist")):
+                     (tmp_path / "no" / "x", "does not exist"), ("", "empty path"),
+                     ("  ", "empty path")):
         with pytest.raises(argparse.ArgumentTypeError, match=why):
             common.slow_path(str(bad))
     assert common.slow_path(str(tmp_path)) == str(tmp_path)
