@@ -49,6 +49,11 @@ def limit(threads: int) -> dict:
     threads: an int from 1 to MAX_THREADS; anything else is refused before any pool changes."""
     n = _count(threads)
     from threadpoolctl import threadpool_limits
+    # numba first: the first use of its OpenMP pool sets the OpenMP thread count to the pool's
+    # size, which would undo a limit set before it (oneDNN then ran on every core).
+    import numba
+    was = numba.get_num_threads()
+    numba.set_num_threads(max(1, min(n, numba.config.NUMBA_NUM_THREADS)))
     before = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = str(n)
     try:
@@ -58,10 +63,8 @@ def limit(threads: int) -> dict:
             os.environ.pop("OMP_NUM_THREADS", None)
         else:
             os.environ["OMP_NUM_THREADS"] = before
+        numba.set_num_threads(was)
         raise
-    numba = sys.modules.get("numba")
-    if numba is not None:
-        numba.set_num_threads(max(1, min(n, numba.config.NUMBA_NUM_THREADS)))
     torch = sys.modules.get("torch")
     if torch is not None:
         torch.set_num_threads(n)

@@ -164,3 +164,34 @@ def test_run_all_writes_a_summary_of_goals(tmp_path, monkeypatch):
     assert "| a | g1 | 1.30x | >= 1.2x | met |" in text
     assert "| a | g2 (LM 1.1x) | - | - | **not met** |" in text
     assert "`python benchmarks/a.py --x 1`" in text
+
+
+def test_a_limit_set_before_numba_starts_its_pool_holds_for_openmp(tmp_path):
+    # numba's pool, started, sets the OpenMP thread count to its own size: a fresh process,
+    # where limit() is the first to touch numba's threads, oneDNN's OpenMP then the next
+    import subprocess
+    code = (
+        "import numpy as np, numba\n"
+        "from cachedarrays import threads\n"
+        "threads.limit(1)\n"
+        "@numba.njit(parallel=True)\n"
+        "def f(a):\n"
+        "    s = 0.0\n"
+        "    for i in numba.prange(a.shape[0]):\n"
+        "        s += a[i]\n"
+        "    return s\n"
+        "f(np.ones(1000))\n"
+        "print(sorted({n for _, _, _, n in threads.settings()['pools']}))\n"
+        "from cachedarrays.models.backend import onednn\n"
+        "onednn.set_threads(1)\n"
+        "print(onednn.get_threads())\n")
+    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
+    env.pop("OMP_NUM_THREADS", None)
+    env.pop("NUMBA_NUM_THREADS", None)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                       timeout=300, cwd=tmp_path)
+    lines = r.stdout.split()
+    assert r.returncode == 0 or "OneDNN" in r.stderr, r.stderr
+    assert lines[0] == "[1]", r.stdout             # every pool, OpenMP's too, on one thread
+    if r.returncode == 0:
+        assert lines[-1] == "1"                    # and oneDNN's calls from this thread

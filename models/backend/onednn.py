@@ -122,8 +122,8 @@ def set_threads(n: int) -> None:
     """Set the OpenMP thread count oneDNN uses for calls from this thread (default OMP_NUM_THREADS)."""
     if int(n) < 1:
         raise ValueError(f"set_threads: need n >= 1, got {n}")
+    _sgd.set_threads(n)     # first: numba's pool, started, sets the OpenMP count to its size
     _openmp().omp_set_num_threads(int(n))
-    _sgd.set_threads(n)
 
 
 def get_threads() -> int:
