@@ -7,6 +7,7 @@ memory or a file-backed mapping); a pluggable policy decides where, and moves wh
 from . import threads
 
 threads.prefer_passive_wait()  # before numba or oneDNN start an OpenMP runtime (threads.py: why)
+threads.numba_follows_openmp()  # before numba loads: its pool sets the OpenMP count at start
 
 from . import errors  # noqa: E402
 from .array import CachedArray, check_dtype

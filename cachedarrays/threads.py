@@ -23,6 +23,17 @@ def prefer_passive_wait() -> str:
     return os.environ.setdefault("OMP_WAIT_POLICY", WAIT_POLICY)
 
 
+def numba_follows_openmp() -> None:
+    """Size numba's pool by ``OMP_NUM_THREADS`` (its first level) when only that is set and
+    numba is not loaded yet: numba's OpenMP pool, when it starts, sets the OpenMP thread count
+    to its own size (every core by default), which overrode the user's ``OMP_NUM_THREADS`` for
+    oneDNN after the first numba kernel."""
+    first = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
+    if first.isdigit() and int(first) >= 1 and "NUMBA_NUM_THREADS" not in os.environ \
+            and "numba" not in sys.modules:
+        os.environ["NUMBA_NUM_THREADS"] = str(int(first))
+
+
 #: The most threads a pool may be given: an OpenMP runtime started with far more threads than
 #: it can create aborts the process.
 MAX_THREADS = 1024

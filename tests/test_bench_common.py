@@ -195,3 +195,34 @@ def test_a_limit_set_before_numba_starts_its_pool_holds_for_openmp(tmp_path):
     assert lines[0] == "[1]", r.stdout             # every pool, OpenMP's too, on one thread
     if r.returncode == 0:
         assert lines[-1] == "1"                    # and oneDNN's calls from this thread
+
+
+@pytest.mark.parametrize("omp, numba_env, want", [("1", None, "1 1"), ("1,1", None, "1 1"),
+                                                  ("1", "2", "2 2"), ("junk", None, None)])
+def test_omp_num_threads_sizes_numba_so_its_pool_keeps_openmp_to_it(tmp_path, omp, numba_env,
+                                                                   want):
+    import subprocess
+    code = (
+        "import cachedarrays, numpy as np, numba, os\n"
+        "@numba.njit(parallel=True)\n"
+        "def f(a):\n"
+        "    s = 0.0\n"
+        "    for i in numba.prange(a.shape[0]):\n"
+        "        s += a[i]\n"
+        "    return s\n"
+        "f(np.ones(1000))\n"
+        "from threadpoolctl import threadpool_info\n"
+        "omp = [p['num_threads'] for p in threadpool_info() if p['user_api'] == 'openmp']\n"
+        "print(numba.get_num_threads(), max(omp) if omp else numba.get_num_threads(),\n"
+        "      os.environ.get('NUMBA_NUM_THREADS'))\n")
+    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", OMP_NUM_THREADS=omp)
+    env.pop("NUMBA_NUM_THREADS", None)
+    if numba_env:
+        env["NUMBA_NUM_THREADS"] = numba_env
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                       timeout=300, cwd=tmp_path)
+    if omp == "junk":            # not a count: nothing is derived from it
+        assert r.stdout.split()[-1] == "None", r.stdout + r.stderr
+    else:
+        assert r.returncode == 0, r.stderr
+        assert " ".join(r.stdout.split()[:2]) == want   # numba's pool and OpenMP's count
