@@ -38,6 +38,7 @@ from .lineage import scratch as _scratch
 from .lineage import why_not as _lineage_why_not
 from .poison import Poison
 from .poison import enabled as debug_enabled
+from .profiles import PROFILES, get_profile
 from .registry import resolve as resolve_policy
 from .sizes import _MAX_TEXT, MAX_SIZE, format_size, parse_size
 from .telemetry import MAX_DEVICES, Telemetry, check_event, check_event_log
@@ -199,6 +200,20 @@ def _close_made(dev, given):
         dev.close()
 
 
+def _check_profiles(devs, given):
+    """Every tier names a preset profile or gives a Profile; else close the devices made."""
+    for i, d in enumerate(devs):
+        try:
+            get_profile(d.profile)
+        except ValueError:
+            for x in devs:
+                _close_made(x, given)
+            raise ValueError(f"tier {i} ({d.name!r}): unknown profile {d.profile!r}; name one of "
+                             f"{sorted(PROFILES)} or give a ca.costmodel.Profile(name, read_gbps, "
+                             "write_gbps, latency), e.g. tiers=[..., (\"ssd\", \"64GiB\", None, "
+                             "\"nvme-ssd\")]") from None
+
+
 def _tier_error(i, spec, why):
     return ValueError(f"tiers[{i}] = {spec!r}: {why}; write each tier as (name, size) or "
                       "(name, size, path) or (name, size, path, profile), fastest first, e.g. "
@@ -208,7 +223,11 @@ def _tier_error(i, spec, why):
 
 def _build_tiers(tiers, virtual, **kw):
     """Devices for Manager(tiers=...): the first is fast (DRAM), the others file mappings."""
-    if isinstance(tiers, (str, bytes)) or not hasattr(tiers, "__len__") or len(tiers) < 2:
+    if not isinstance(tiers, (list, tuple)):
+        raise ValueError(f"tiers must be a list of at least two tiers, fastest first, not "
+                         f"{type(tiers).__name__} {tiers!r}; e.g. "
+                         'tiers=[("dram", "4GiB"), ("pmem", "32GiB", "/mnt/pmem")]')
+    if len(tiers) < 2:
         raise ValueError(f"tiers must list at least two tiers, fastest first, got {tiers!r}; "
                          'e.g. tiers=[("dram", "4GiB"), ("pmem", "32GiB", "/mnt/pmem")]')
     if len(tiers) > MAX_DEVICES:
@@ -248,6 +267,9 @@ def _build_tiers(tiers, virtual, **kw):
                     except DeviceError as e:      # its message speaks of the slow device
                         raise DeviceError(f"tiers[{i}] ({name!r}): {e}") from None
                 dev.profile = profile or TIER_PROFILES.get(name)
+            if any(dev is d for d in devs):
+                raise _tier_error(i, spec, "this device is listed twice; give each tier its own "
+                                  "device")
             if dev.name in names:
                 raise _tier_error(i, spec, f"two tiers are named {dev.name!r}")
             names.add(dev.name)
@@ -465,6 +487,13 @@ class Manager(ManagerRecord):
         for i, d in enumerate(devs):
             if d.profile is None:
                 d.profile = TIER_PROFILES.get(d.name, "dram" if i == 0 else "optane")
+        _check_profiles(devs, given)
+        for d in devs:
+            if "->" in d.name:
+                for x in devs:
+                    _close_made(x, given)
+                raise ValueError(f"device name {d.name!r} holds '->', which joins two device "
+                                 "names in m.stats()['moved']; choose another name")
         if len({d.name for d in devs}) != len(devs):
             for d in devs:
                 _close_made(d, given)
@@ -1732,8 +1761,9 @@ class Manager(ManagerRecord):
             kept.append(self._kept.pop(obj.id, None))
 
     def _place(self, obj, held):
-        """A region for a dropped obj: fast if it fits (the policy makes room), else slow.
-        Returns True when it went to fast memory without evicting anything. obj is pinned."""
+        """A region for a dropped obj: fast if it fits (the policy makes room), else slow, else
+        the first slower tier with room. Returns True when it went to fast memory without
+        evicting anything. obj is pinned."""
         n = obj.nbytes
         fast = self.fast
         free_room = True
@@ -1742,8 +1772,11 @@ class Manager(ManagerRecord):
             free_room = False
             if self.fits(fast, n) and self.policy.make_room(n):
                 r = self.try_allocate(fast, n, obj)
+            for dev in self.tiers[1:]:            # slow, else a slower tier with room
+                if r is None:
+                    r = self.try_allocate(dev, n, obj)
             if r is None:
-                r = self.allocate(self.slow, n, obj)
+                r = self.allocate(self.tiers[-1], n, obj)     # OutOfMemoryError naming it
         obj.regions[r.device.name] = r
         obj.primary = r
         r._dirty = True                           # no other copy: an eviction must copy it

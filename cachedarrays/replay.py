@@ -90,6 +90,10 @@ def replay(trace, policy="lru", fast=None, slow=None, *, tiers=None, policy_opti
     trace.validate()
     foot = trace.footprint()
     blocks = trace.footprint(granularity)
+    if tiers is not None:
+        tiers, budget = _tiers(tiers, foot, granularity, blocks)
+    _check_targets(trace, ["fast", "slow"] if tiers is None else
+                   [t.name if hasattr(t, "name") else t[0] for t in tiers])
     if tiers is None:
         budget, fast = _size(fast if fast is not None else 1.0, foot, "fast", granularity, blocks)
         slow = _size(slow, foot, "slow", granularity, blocks)[1] if slow is not None else \
@@ -103,7 +107,6 @@ def replay(trace, policy="lru", fast=None, slow=None, *, tiers=None, policy_opti
             m = Manager(fast=fast, slow=slow, policy=policy, virtual=True,
                         policy_options=policy_options, granularity=granularity)
     else:
-        tiers, budget = _tiers(tiers, foot, granularity, blocks)
         m = Manager(tiers=tiers, policy=policy, virtual=True, policy_options=policy_options,
                     granularity=granularity)
     with m:
@@ -146,6 +149,21 @@ def _size(spec, footprint, what, granularity=0, blocks=None):
         return n, max(n, -(-int(share * blocks) // smallest) * smallest)
     n = parse_size(spec, f"{what} memory size of the replay")
     return n, n
+
+
+def _check_targets(trace, names):
+    """Every tier the trace's ``ca.evict(x, to=...)`` calls name is one of the replay's."""
+    aliases = {"fast", "slow", *names[:2]}
+    missing = sorted({e[2] for e in trace.events if e[0] == "evict" and e[2] is not None} -
+                     set(names) - aliases)
+    if missing:
+        recorded = list(trace.meta.get("profiles") or ())
+        hint = f" (recorded on {', '.join(recorded)})" if recorded else ""
+        raise ValueError(f"the trace moves arrays to tier {', '.join(map(repr, missing))} "
+                         f"(ca.evict(x, to=...)), which this replay does not have (its tiers: "
+                         f"{', '.join(names)}); replay it with tiers= listing every tier the "
+                         f"trace names{hint}, e.g. tiers=[('dram', 0.5), ('pmem', 1.0), "
+                         f"('ssd', 4.0)]")
 
 
 def _tiers(tiers, footprint, granularity, blocks=None):

@@ -15,6 +15,21 @@ _CAPABILITIES = (("honours_prefetch", "prefetch"), ("honours_softevict", "softev
                  ("tracks_reads", "read_use"))
 
 
+def _label(dev):
+    return f"{dev.name} memory" if dev.name in ("fast", "slow") else f"tier {dev.name!r}"
+
+
+def _full(m, nbytes):
+    """Why nbytes fits on no tier below fast memory, and what to do."""
+    free = " and ".join(f"{_label(d)} has {format_size(d.stats()['free'])} free of "
+                        f"{format_size(d.size)} (largest free block "
+                        f"{format_size(d.stats()['largest_free'])})" for d in m.tiers)
+    fix = ("give a slower tier a larger size in Manager(tiers=...)" if len(m.tiers) > 2 else
+           "create the Manager with a larger slow= size")
+    return (f"cannot allocate {format_size(nbytes)}: {free}. Free arrays "
+            f"(ca.unsafe_free / cleanup) or {fix}")
+
+
 class Policy:
     """Base policy: allocate fast when there is room, otherwise slow; move only when asked.
 
@@ -120,18 +135,14 @@ class Policy:
             return obj
 
     def alloc_slow(self, nbytes):
-        """A new object in slow memory; OutOfMemoryError when even slow memory is full."""
+        """A new object in slow memory, else on the first slower tier with room;
+        OutOfMemoryError when every tier is full."""
         m = self.manager
-        obj = m.create(m.slow, nbytes)
-        if obj is None:
-            fast, slow = m.fast.stats(), m.slow.stats()
-            raise OutOfMemoryError(
-                f"cannot allocate {format_size(nbytes)}: fast memory has "
-                f"{format_size(fast['free'])} free of {format_size(m.fast.size)} and slow memory "
-                f"has {format_size(slow['free'])} free of {format_size(m.slow.size)} (largest "
-                f"free block {format_size(slow['largest_free'])}). Free arrays "
-                "(ca.unsafe_free / cleanup) or create the Manager with a larger slow= size")
-        return obj
+        for dev in m.tiers[1:]:
+            obj = m.create(dev, nbytes)
+            if obj is not None:
+                return obj
+        raise OutOfMemoryError(_full(m, nbytes))
 
     # ---- queries and usage -----------------------------------------------------------------
 
@@ -216,7 +227,9 @@ class Policy:
                 return False
             y = m.getlinked(x, dst)
             allocated = y is None
-            if allocated:
+            if allocated and to is None and len(m.tiers) > 2:
+                y, allocated = self._below(obj, x)
+            elif allocated:
                 y = m.allocate(dst, x.nbytes, obj)
             if m.isdirty(x) or allocated:
                 m.copyto(y, x, wait=wait)
@@ -232,6 +245,20 @@ class Policy:
             if x.device is m.fast:
                 self.forget(obj.id)
             return True
+
+    def _below(self, obj, x):
+        """A region for obj leaving fast memory: slow memory's, else the first slower tier's
+        with room (a copy already there is reused); and whether it is new."""
+        m = self.manager
+        for dev in m.tiers[1:]:
+            y = m.getlinked(x, dev)
+            if y is None:
+                y = m.try_allocate(dev, x.nbytes, obj)
+                if y is not None:
+                    return y, True
+            else:
+                return y, False
+        raise OutOfMemoryError(_full(m, x.nbytes))
 
     def _drop_stale(self, obj, x, keep=None):
         """x (obj's primary) is about to be copied elsewhere: if it is dirty, copies of obj on
