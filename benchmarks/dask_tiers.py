@@ -256,6 +256,11 @@ def main(argv=None):
         p.error(str(e))
     if args.repeats < 3:
         p.error("--repeats must be >= 3 (medians are of at least 3 samples)")
+    if args.slow_path is not None:
+        args.slow_path = os.path.expanduser(args.slow_path)    # the workers see no shell
+        if not os.path.isdir(args.slow_path):
+            p.error(f"--slow-path {args.slow_path!r} is not a folder: each worker makes its own "
+                    "file in a folder; a file or device would be shared by every worker")
     # each worker: a Python process (about 200 MiB with dask) and its --limit of memory
     _common.check_memory(p, args.workers * (args.limit + (200 << 20)), "--workers and --limit")
     if min(args.workers, args.threads_per_worker, args.ratio, args.cols) < 1:
