@@ -13,6 +13,11 @@ _UNITS = {
     "M": 1 << 20, "MI": 1 << 20, "MIB": 1 << 20, "MB": 10**6,
     "G": 1 << 30, "GI": 1 << 30, "GIB": 1 << 30, "GB": 10**9,
     "T": 1 << 40, "TI": 1 << 40, "TIB": 1 << 40, "TB": 10**12,
+    # beyond any machine today, but sizes all the same: "too large", not "not a size"
+    "P": 1 << 50, "PI": 1 << 50, "PIB": 1 << 50, "PB": 10**15,
+    "E": 1 << 60, "EI": 1 << 60, "EIB": 1 << 60, "EB": 10**18,
+    "Z": 1 << 70, "ZI": 1 << 70, "ZIB": 1 << 70, "ZB": 10**21,
+    "Y": 1 << 80, "YI": 1 << 80, "YIB": 1 << 80, "YB": 10**24,
 }
 _PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
 
@@ -25,7 +30,8 @@ _MAX_TEXT = "2**62 bytes" if MAX_SIZE == 1 << 62 else f"{MAX_SIZE} bytes"
 def parse_size(value, what="size"):
     """Return a byte count from an int or a string such as "256MiB", "4GiB", "1.5G" or "100MB".
 
-    K/M/G/T and KiB/MiB/GiB/TiB are powers of 1024; KB/MB/GB/TB are powers of 1000. The result
+    K/M/G/T/P/E (and KiB...EiB) are powers of 1024; KB/MB/GB/TB/PB/EB are powers of 1000 (Z
+    and Y too, though they are always too large). The result
     is a whole number of bytes between 0 and MAX_SIZE; anything else is a ValueError naming
     `what`.
     """

@@ -48,3 +48,15 @@ def test_manager_names_the_parameter_with_the_bad_size(param, bad):
     sizes = {"fast": "1MiB", "slow": "4MiB", param: bad}
     with pytest.raises(ValueError, match=f"^{param} memory size"):
         ca.Manager(**sizes)
+
+
+@pytest.mark.parametrize("text, want", [("1PiB", 1 << 50), ("1.5P", 3 << 49), ("2PB", 2 * 10**15),
+                                        ("1EiB", 1 << 60), ("4EiB", 1 << 62)])
+def test_peta_and_exa_sizes_parse(text, want):
+    assert ca.parse_size(text) == want
+
+
+@pytest.mark.parametrize("text", ["5EiB", "16EiB", "1ZB", "1YiB", "1e3Zi"])
+def test_sizes_past_the_limit_are_too_large_not_unknown(text):
+    with pytest.raises(ValueError, match="absurdly large"):
+        ca.parse_size(text)
