@@ -166,30 +166,40 @@ def test_run_all_writes_a_summary_of_goals(tmp_path, monkeypatch):
     assert "`python benchmarks/a.py --x 1`" in text
 
 
+# A numba kernel with a parallel loop, run once: it starts numba's pool (for the tests below,
+# each in a fresh process, where nothing started it before).
+_PARALLEL_KERNEL = (
+    "import numpy as np, numba\n"
+    "@numba.njit(parallel=True)\n"
+    "def f(a):\n"
+    "    s = 0.0\n"
+    "    for i in numba.prange(a.shape[0]):\n"
+    "        s += a[i]\n"
+    "    return s\n"
+    "f(np.ones(1000))\n")
+
+
+def _fresh_process(cwd, before, after, **env_vars):
+    """Run before, the parallel kernel and after in a fresh interpreter, with the thread
+    variables of this one dropped and env_vars set (None: unset)."""
+    import subprocess
+    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
+    env.pop("OMP_NUM_THREADS", None)
+    env.pop("NUMBA_NUM_THREADS", None)
+    env.update({k: v for k, v in env_vars.items() if v is not None})
+    return subprocess.run([sys.executable, "-c", before + _PARALLEL_KERNEL + after],
+                          capture_output=True, text=True, env=env, timeout=300, cwd=cwd)
+
+
 def test_a_limit_set_before_numba_starts_its_pool_holds_for_openmp(tmp_path):
     # numba's pool, started, sets the OpenMP thread count to its own size: a fresh process,
     # where limit() is the first to touch numba's threads, oneDNN's OpenMP then the next
-    import subprocess
-    code = (
-        "import numpy as np, numba\n"
-        "from cachedarrays import threads\n"
-        "threads.limit(1)\n"
-        "@numba.njit(parallel=True)\n"
-        "def f(a):\n"
-        "    s = 0.0\n"
-        "    for i in numba.prange(a.shape[0]):\n"
-        "        s += a[i]\n"
-        "    return s\n"
-        "f(np.ones(1000))\n"
+    r = _fresh_process(
+        tmp_path, "from cachedarrays import threads\nthreads.limit(1)\n",
         "print(sorted({n for _, _, _, n in threads.settings()['pools']}))\n"
         "from cachedarrays.models.backend import onednn\n"
         "onednn.set_threads(1)\n"
         "print(onednn.get_threads())\n")
-    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
-    env.pop("OMP_NUM_THREADS", None)
-    env.pop("NUMBA_NUM_THREADS", None)
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                       timeout=300, cwd=tmp_path)
     lines = r.stdout.split()
     assert r.returncode == 0 or "OneDNN" in r.stderr, r.stderr
     assert lines[0] == "[1]", r.stdout             # every pool, OpenMP's too, on one thread
@@ -201,26 +211,13 @@ def test_a_limit_set_before_numba_starts_its_pool_holds_for_openmp(tmp_path):
                                                   ("1", "2", "2 2"), ("junk", None, None)])
 def test_omp_num_threads_sizes_numba_so_its_pool_keeps_openmp_to_it(tmp_path, omp, numba_env,
                                                                    want):
-    import subprocess
-    code = (
-        "import cachedarrays, numpy as np, numba, os\n"
-        "@numba.njit(parallel=True)\n"
-        "def f(a):\n"
-        "    s = 0.0\n"
-        "    for i in numba.prange(a.shape[0]):\n"
-        "        s += a[i]\n"
-        "    return s\n"
-        "f(np.ones(1000))\n"
+    r = _fresh_process(
+        tmp_path, "import cachedarrays, os\n",
         "from threadpoolctl import threadpool_info\n"
         "omp = [p['num_threads'] for p in threadpool_info() if p['user_api'] == 'openmp']\n"
         "print(numba.get_num_threads(), max(omp) if omp else numba.get_num_threads(),\n"
-        "      os.environ.get('NUMBA_NUM_THREADS'))\n")
-    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", OMP_NUM_THREADS=omp)
-    env.pop("NUMBA_NUM_THREADS", None)
-    if numba_env:
-        env["NUMBA_NUM_THREADS"] = numba_env
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                       timeout=300, cwd=tmp_path)
+        "      os.environ.get('NUMBA_NUM_THREADS'))\n",
+        OMP_NUM_THREADS=omp, NUMBA_NUM_THREADS=numba_env)
     if omp == "junk":            # not a count: nothing is derived from it
         assert r.stdout.split()[-1] == "None", r.stdout + r.stderr
     else:
