@@ -30,6 +30,10 @@ def _thread_env_ok(name, value):
     OMP_WAIT_POLICY ACTIVE or PASSIVE."""
     if name == "OMP_WAIT_POLICY":
         return value.strip().upper() in ("ACTIVE", "PASSIVE")
+    if name == "GOMP_SPINCOUNT":   # libgomp: a count, with an optional k/M/G/T, or infinite
+        v = value.strip().lower()
+        return v in ("infinite", "infinity") or (
+            v[:-1].strip().isdigit() if v[-1:] in ("k", "m", "g", "t") else v.isdigit())
     parts = value.split(",") if name == "OMP_NUM_THREADS" else [value]
     return all(x.strip().isdigit() and int(x) >= 1 for x in parts)
 
@@ -39,13 +43,15 @@ def check_environment(env=os.environ, warn=None):
     with NUMBA_NUM_THREADS=0), saying so on stderr; then OMP_WAIT_POLICY=PASSIVE unless set."""
     warn = warn or (lambda msg: print(msg, file=sys.stderr, flush=True))
     for name in ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS", "MKL_NUM_THREADS",
-                 "OPENBLAS_NUM_THREADS", "OMP_WAIT_POLICY"):
+                 "OPENBLAS_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
         value = env.get(name)
         if value is not None and not _thread_env_ok(name, value):
             del env[name]
             if value.strip():
-                fix = ("PASSIVE is used; set ACTIVE or PASSIVE" if name == "OMP_WAIT_POLICY"
-                       else "--threads sets the thread counts")
+                fix = {"OMP_WAIT_POLICY": "PASSIVE is used; set ACTIVE or PASSIVE",
+                       "GOMP_SPINCOUNT": "libgomp's default is used; set a count such as 1000, "
+                                         "10k or infinite"}.get(
+                    name, "--threads sets the thread counts")
                 warn(f"{SCRIPT}: ignoring {name}={value!r} (not a valid setting); {fix}")
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
@@ -463,8 +469,16 @@ def machine():
         load = "load average unknown"
     return (f"machine: {model}, {os.cpu_count()} cpus, python {platform.python_version()}, "
             f"{load}, empty Python call {python_call_ns():.0f} ns, "
-            f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}, "
+            f"{wait_settings()}, "
             f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}")
+
+
+def wait_settings():
+    """``OMP_WAIT_POLICY=...`` and, when set, ``GOMP_SPINCOUNT=...``: how idle OpenMP threads
+    wait, for ours and the peer alike (both runtimes read them when they start)."""
+    spin = os.environ.get("GOMP_SPINCOUNT")
+    return (f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}"
+            + (f", GOMP_SPINCOUNT={spin}" if spin is not None else ""))
 
 
 def python_call_ns(calls=200_000):

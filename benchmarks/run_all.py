@@ -117,8 +117,8 @@ def main(argv=None):
     env = dict(os.environ, CA_BENCH_RESULTS=results_path, OMP_NUM_THREADS=str(args.threads),
                OMP_WAIT_POLICY=os.environ["OMP_WAIT_POLICY"])
     machine = _common.machine()
-    threads = (f"threads: {args.threads} for ours and every peer, OMP_WAIT_POLICY="
-               f"{env['OMP_WAIT_POLICY']} (each script prints its pools)")
+    threads = (f"threads: {args.threads} for ours and every peer, "
+               f"{_common.wait_settings()} (each script prints its pools)")
     print(machine)
     print(threads)
     runs = []

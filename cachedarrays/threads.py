@@ -7,6 +7,12 @@ the cores the busy one needs, which on a two-core machine under load made a VGG-
 slower. The variable is read once, when a runtime starts, so importing cachedarrays sets it
 unless the user already chose a value; a runtime loaded before that import keeps its own.
 
+The price is a wake-up per parallel region (tens of microseconds on a virtual machine), which
+libgomp's ``GOMP_SPINCOUNT`` (a spin before the passive wait, read when the runtime starts)
+trades against cores burnt while idle: faster on a quiet machine, slower on a loaded one
+(the README's "Threads" section gives the figures). The library leaves it to the user and
+reports it with the other settings.
+
 Thread counts go through threadpoolctl (BLAS and OpenMP pools), numba and PyTorch's own calls.
 """
 
@@ -85,7 +91,8 @@ def limit(threads: int) -> dict:
 def settings() -> dict:
     """The thread settings in force: environment, every threadpoolctl pool, numba and PyTorch."""
     out = {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "unset"),
-           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "unset"), "pools": []}
+           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "unset"),
+           "GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT", "unset"), "pools": []}
     try:
         from threadpoolctl import threadpool_info
         for info in threadpool_info():
@@ -107,5 +114,14 @@ def describe(s: dict | None = None) -> str:
     s = settings() if s is None else s
     pools = ", ".join(f"{lib} {n}" for _, _, lib, n in s["pools"])
     extra = "".join(f", {k} {s[k]}" for k in ("numba", "torch") if k in s)
-    return (f"OMP_WAIT_POLICY={s['OMP_WAIT_POLICY']}, OMP_NUM_THREADS={s['OMP_NUM_THREADS']}; "
+    return (f"{wait_settings(s)}, OMP_NUM_THREADS={s['OMP_NUM_THREADS']}; "
             f"threads per pool: {pools or 'none loaded'}{extra}")
+
+
+def wait_settings(s: dict | None = None) -> str:
+    """How idle OpenMP threads wait: ``OMP_WAIT_POLICY`` and, when set, ``GOMP_SPINCOUNT``
+    (libgomp's spin before a passive wait; see the module's docstring)."""
+    s = settings() if s is None else s
+    spin = s.get("GOMP_SPINCOUNT", "unset")
+    return (f"OMP_WAIT_POLICY={s['OMP_WAIT_POLICY']}"
+            + (f", GOMP_SPINCOUNT={spin}" if spin != "unset" else ""))

@@ -344,6 +344,33 @@ def test_bad_thread_settings_in_the_environment_are_dropped_and_named():
     assert env == {"OMP_NUM_THREADS": "2,1", "OMP_WAIT_POLICY": "active"}
 
 
+@pytest.mark.parametrize("spin, kept", [
+    ("1000", True), ("10k", True), (" 3 M ", True), ("infinite", True), ("Infinity", True),
+    ("0", True), ("-5", False), ("fast", False), ("1.5k", False), ("k", False), ("10x", False)])
+def test_gomp_spincount_is_kept_when_libgomp_reads_it_and_named_when_not(spin, kept):
+    env = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": spin}
+    said = []
+    common.check_environment(env, warn=said.append)
+    assert ("GOMP_SPINCOUNT" in env) == kept
+    assert not said if kept else ("GOMP_SPINCOUNT" in said[0] and "1000" in said[0])
+
+
+def test_the_spin_count_is_printed_with_the_wait_policy_when_set(monkeypatch):
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    assert common.wait_settings() == "OMP_WAIT_POLICY=PASSIVE"
+    assert "GOMP_SPINCOUNT" not in common.machine()
+    monkeypatch.setenv("GOMP_SPINCOUNT", "1000")
+    assert common.wait_settings() == "OMP_WAIT_POLICY=PASSIVE, GOMP_SPINCOUNT=1000"
+    assert "OMP_WAIT_POLICY=PASSIVE, GOMP_SPINCOUNT=1000" in common.machine()
+    from cachedarrays import threads
+    s = threads.settings()
+    assert s["GOMP_SPINCOUNT"] == "1000"
+    assert threads.describe(s).startswith("OMP_WAIT_POLICY=PASSIVE, GOMP_SPINCOUNT=1000, ")
+    monkeypatch.delenv("GOMP_SPINCOUNT")
+    assert "GOMP_SPINCOUNT" not in threads.describe()
+
+
 def test_a_missing_peer_is_a_usage_error_before_the_run():
     p = common.parser("t")
     with pytest.raises(SystemExit) as e:
