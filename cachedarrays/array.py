@@ -150,6 +150,16 @@ def set_function_handler(handler):
     CachedArray.__array_function__ = handler
 
 
+def _writeable(view):
+    """view.flags.writeable, without the warning NumPy attaches to the results of
+    np.broadcast_arrays (writable ones NumPy warns about when written)."""
+    flags = view.flags
+    try:
+        return flags._writeable_no_warn
+    except AttributeError:              # a NumPy without it: the public flag
+        return flags.writeable
+
+
 # ---- the array type --------------------------------------------------------------------------
 
 class CachedArray(ObjectView, NDArrayOperatorsMixin):
@@ -174,7 +184,9 @@ class CachedArray(ObjectView, NDArrayOperatorsMixin):
         read-only when NumPy made `view` so (np.broadcast_to, x.diagonal(), ...)."""
         start = base.__array_interface__["data"][0] - self._offset
         off = view.__array_interface__["data"][0] - start
-        cls = CachedArray if view.flags.writeable else ReadOnlyCachedArray
+        # (read without the FutureWarning NumPy gives when np.broadcast_arrays' results are
+        # asked whether they are writeable: that is the caller's question, not ours)
+        cls = CachedArray if _writeable(view) else ReadOnlyCachedArray
         return cls._make(self._obj, self._m, view.shape, view.dtype, view.strides, off)
 
     # ---- properties ----------------------------------------------------------------------
@@ -514,6 +526,7 @@ class CachedArray(ObjectView, NDArrayOperatorsMixin):
                 "pointer that an evict or prefetch can leave stale; use `with ca.readable(x) as "
                 "a:` for an ndarray view inside a pinned scope, or np.asarray(x) for a copy")
         if dtype is None:               # a read-only view stays read-only
+            self._check_live()
             cls = builtins.type(self) if type is None or not self._writeable else type
             return cls._make(self._obj, self._m, self._shape, self._dtype, self._strides,
                              self._offset)
@@ -678,6 +691,7 @@ class CachedArray(ObjectView, NDArrayOperatorsMixin):
     @property
     def flat(self):
         """A flat iterator over the array in C order; indexing it reads, assigning writes."""
+        self._check_live()
         return FlatIter(self)
 
     @flat.setter

@@ -11,7 +11,8 @@ Rules (t = compute clock, starts at 0; each record updates the current interval 
 * ("alloc", sid, dev, off, n): adds the region (occupancy, peak). dep[sid, dev] = the in-flight copies
   (end > t) whose *source* range on dev overlaps [off, off+n): freed space reused while still being read.
 * ("free", sid, dev, off, n): removes the region (a region the log never allocated is ignored).
-* ("copy", sid, src, so, dst, do, n, wait); src == dst: a compaction moved sid within the device:
+* ("copy", sid, src, so, dst, do, n, wait); src == dst: a defragmentation or compaction moved sid
+  within the device:
       start = max(t, free[link], ready[sid, src], ends of in-flight copies whose source range
                   on dst overlaps [do, do+n))
       end = start + lat + n / bw;  free[link] = end;  ready[sid, dst] = end

@@ -43,6 +43,7 @@ def _manager(manager, like=None):
                             f"not {type(manager).__name__}")
         return manager
     if isinstance(like, CachedArray):
+        like._check_live()          # a freed array is no model for a new one
         return like.manager
     return default_manager()
 
@@ -161,6 +162,7 @@ def _like_args(a, dtype, order, shape):
     """(dtype, order, shape) of a new array made like a, as NumPy's *_like functions make it."""
     dtype = a.dtype if dtype is None else dtype
     if isinstance(a, CachedArray):   # its own layout: np.shape would dispatch once more
+        a._check_live()
         ashape, strides, itemsize = a._shape, a._strides, a.itemsize
     elif isinstance(a, np.ndarray):
         ashape, strides, itemsize = a.shape, a.strides, a.itemsize

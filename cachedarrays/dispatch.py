@@ -16,7 +16,7 @@ import numpy as np
 from ._records import run_read as _run_read
 from .array import CachedArray, set_function_handler
 from .pinning import SHORT_BYTES, acquire_grouped, first_manager, objects_in, release_grouped
-from .wrapping import wrap
+from .wrapping import plain_arrays, wrap
 
 # NumPy functions that call back into Python code: never run under the manager's lock.
 _CALLBACKS = {np.apply_along_axis, np.apply_over_axes, np.piecewise}
@@ -117,6 +117,7 @@ def _array_function(self, func, types, args, kwargs):
         if t is not CachedArray and not (issubclass(t, CachedArray) or issubclass(t, np.ndarray)):
             return NotImplemented
     if func in _LIKE_ONLY:
+        self._check_live()              # a freed array is no model for a new one
         kwargs = {**kwargs, "like": self}
     impl = HANDLED_FUNCTIONS.get(func)
     if impl is not None:
@@ -271,7 +272,11 @@ def _call_on_views(func, args, kwargs):
                     return arr                     # NumPy returned the written array itself
         if func in _INPLACE_FIRST:
             return res
-        return wrap(m, res, views) if m is not None else res
+        if m is None:
+            return res
+        plain = [] if like is not None else \
+            plain_arrays(list(args) + list(kwargs.values()), [])    # like=: a new CachedArray
+        return wrap(m, res, views, plain)
     finally:
         release_grouped(done)
 
@@ -328,7 +333,8 @@ def _read_only_call(func, args, kwargs):
         nargs = [_to_views_recording(a, views) for a in args]
         nkwargs = {k: _to_views_recording(v, views) for k, v in kwargs.items()} \
             if kwargs else kwargs
-        return wrap(m, func(*nargs, **nkwargs), views)
+        return wrap(m, func(*nargs, **nkwargs), views,
+                    plain_arrays(list(args) + list(kwargs.values()), []))
     return m.run(kernel, reads, (), None, getattr(func, "__name__", "function"), short)
 
 
@@ -343,7 +349,8 @@ def _call_wrap(func, m, args, kwargs, *kviews):
         return _NONE
     if not isinstance(res, (np.ndarray, list, tuple)):
         return res                                 # a scalar: nothing to wrap
-    return wrap(m, res, [(a, v) for a, v in zip(args, views) if type(a) is CachedArray])
+    return wrap(m, res, [(a, v) for a, v in zip(args, views) if type(a) is CachedArray],
+                plain_arrays(args, []) + plain_arrays(list(kwargs.values()), []))
 
 
 set_function_handler(_array_function)

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from . import copyengine
+from . import copyengine, threadkeys
 from ._records import ManagerLock, ManagerRecord, ObjectRecord, RegionRecord
 from ._records import bind as _bind_records
 from ._records import create_fast as _create_fast
@@ -283,6 +283,7 @@ def _build_tiers(tiers, virtual, **kw):
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _NOT_PINNING = ("annotations.py",)          # decorators hold arrays without pinning them
+_ENDED_POLL = 0.05      # seconds close() waits at a time while threads holding pins may end
 
 
 def _objects_in(v, depth):
@@ -347,7 +348,8 @@ class Observer:
         """The device's heap is about to be defragmented (regions slide down)."""
 
     def on_move(self, region, old_offset):
-        """Defragmentation moved region from old_offset to region.offset (same device)."""
+        """Defragmentation moved region from old_offset to region.offset (same device): a
+        move, and a copy of its bytes within the device."""
 
     def on_compact(self, region, old_offset):
         """A policy's compaction (``Manager.compact``) moved region from old_offset to
@@ -409,8 +411,11 @@ class Manager(ManagerRecord):
         self._closing = False
         self._lock = ManagerLock()     # threading.RLock's interface, taken in C without a call
         self._cond = threading.Condition(self._lock)   # notified when pins drop while closing
-        self._scopes = {}             # open access scope -> (thread id, ((object, shape), ...))
-        self._pinned_by = {}          # (thread id, object id) -> (object, count) for pin()
+        self._scopes = {}             # open access scope -> (thread key, ((object, shape), ...));
+        #                               thread key None: opened on a thread that has ended
+        self._pinned_by = {}          # (thread key, object id) -> (object, count) for pin()
+        self._ended = []              # keys of threads that pinned or opened scopes and ended
+        self._watched = set()         # keys of the threads whose end appends to _ended
         self._detached = {}           # object id -> count of pin(detached=True) not yet unpinned
         self._fresh = set()           # ids of new_pinned objects not yet released (observed)
         self._dropped = set()         # ids of dropped objects (acquire rebuilds them)
@@ -598,6 +603,8 @@ class Manager(ManagerRecord):
                 self._cond.wait()
             if self.closed:
                 return
+            if self._ended:
+                self._release_ended()
             if self._pinned():
                 self._wait_unpinned(timeout)
             self._shutdown()
@@ -605,9 +612,39 @@ class Manager(ManagerRecord):
     def _pinned(self):
         return [o for o in self._live_objects() if o._pins]
 
+    def _thread_key(self):
+        """The calling thread's key (``threadkeys``), watched so that what the thread still
+        holds when it ends is seen to at the manager's next pin, unpin, scope or close."""
+        key = threadkeys.current()
+        if key not in self._watched:
+            self._watched.add(key)
+            threadkeys.watch(self._ended)
+        return key
+
+    def _release_ended(self):
+        """Let go of what threads that have ended held (caller holds the lock): their pin()s,
+        which only they could unpin, are released; their open access scopes are kept (the scope
+        object may still be exited, from any thread) but belong to no thread any more."""
+        ended = self._ended
+        released = False
+        while ended:
+            key = ended.pop()
+            self._watched.discard(key)
+            for k in [k for k in self._pinned_by if k[0] == key]:
+                obj, n = self._pinned_by.pop(k)
+                obj._pins -= n
+                released = True
+            for scope, (tid, held) in list(self._scopes.items()):
+                if tid == key:
+                    self._scopes[scope] = (None, held)
+        if released and self._closing:
+            self._cond.notify_all()
+
     def _held_here(self):
         """(object, shape) pairs the calling thread keeps pinned: open access scopes, pin()."""
-        me = threading.get_ident()
+        if self._ended:
+            self._release_ended()
+        me = threadkeys.current()
         held = [h for tid, hs in list(self._scopes.values()) if tid == me for h in hs]
         held += [(o, None) for (tid, _), (o, _) in list(self._pinned_by.items()) if tid == me]
         return [(o, shape) for o, shape in held if o._pins]
@@ -641,6 +678,11 @@ class Manager(ManagerRecord):
         else:
             why = ("running kernels or access scopes on other threads still pin them: end those "
                    "scopes (or let the kernels finish) first, or pass close(timeout=...) longer")
+            orphans = sum(1 for tid, _ in list(self._scopes.values()) if tid is None)
+            if orphans:
+                why += (f"; {orphans} of those scopes were opened on threads that have ended "
+                        "without exiting them: call their __exit__ (from any thread), or keep "
+                        "with-blocks inside the thread's function")
         return PinnedError(f"cannot close the manager while {len(pinned)} object(s) are in use "
                            f"({names}{more}); {why}. The manager stays open")
 
@@ -680,7 +722,11 @@ class Manager(ManagerRecord):
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     raise self._pinned_error(pinned, False)
+                if self._watched:     # a thread that ends holding pins notifies nobody
+                    left = _ENDED_POLL if left is None else min(left, _ENDED_POLL)
                 self._cond.wait(left)
+                if self._ended:
+                    self._release_ended()
         finally:
             self._closing = False
             if not done:                          # the close failed: let waiting uses go on
@@ -784,7 +830,10 @@ class Manager(ManagerRecord):
         close() uses it to name the pinned arrays and to refuse at once instead of waiting for
         a scope on its own thread.
         """
-        self._scopes[key] = (threading.get_ident(), held)
+        if self._ended:
+            with self._lock:
+                self._release_ended()
+        self._scopes[key] = (self._thread_key(), held)
 
     def scope_closed(self, key):
         self._scopes.pop(key, None)
@@ -986,7 +1035,18 @@ class Manager(ManagerRecord):
             f"object {obj.id} ({format_size(obj.nbytes)}) belongs to another manager, not "
             f"{self!r}; use it through its own manager (obj.manager)")
 
+    def _mine(self, region):
+        """CachedArraysError unless region lies on one of this manager's devices (another
+        manager's region: its offset and owner id mean nothing here, and freeing or copying it
+        would corrupt that manager's heap)."""
+        dev = region.device
+        if self.devices.get(dev.name) is not dev:
+            raise CachedArraysError(
+                f"{region!r} is on a device of another manager, not of {self!r}; use it through "
+                "its own manager (the manager of its object)")
+
     def _own(self, obj, region):
+        self._mine(region)
         if region.freed:
             raise UseAfterFreeError(f"{region!r} was freed")
         if region.owner != obj.id:
@@ -1095,7 +1155,9 @@ class Manager(ManagerRecord):
             if detached:
                 self._detached[obj.id] = self._detached.get(obj.id, 0) + 1
                 return
-            key = (threading.get_ident(), obj.id)
+            if self._ended:
+                self._release_ended()
+            key = (self._thread_key(), obj.id)
             held = self._pinned_by.get(key)
             self._pinned_by[key] = (obj, held[1] + 1 if held else 1)
 
@@ -1108,6 +1170,10 @@ class Manager(ManagerRecord):
         release (the array could move under that thread's view)."""
         detached = copyengine.check_switch(detached, "Manager.unpin: detached")
         with self._lock:
+            if obj._manager is not self._ref:
+                raise self._foreign(obj)
+            if self._ended:
+                self._release_ended()
             if obj._pins <= 0:
                 raise CachedArraysError(f"object {obj.id} is not pinned; unpin without pin")
             if detached:
@@ -1119,7 +1185,7 @@ class Manager(ManagerRecord):
                 else:
                     del self._detached[obj.id]
             else:
-                key = (threading.get_ident(), obj.id)
+                key = (threadkeys.current(), obj.id)
                 held = self._pinned_by.get(key)
                 if held is None:
                     raise self._foreign_unpin(obj, False)
@@ -1159,6 +1225,11 @@ class Manager(ManagerRecord):
         with self._lock:
             if self._gate:
                 self._pass_gate((*reads, *writes))
+            ref = self._ref
+            for objs in (reads, writes):
+                for o in objs:
+                    if o._manager is not ref:
+                        raise self._foreign(o)
             if self._deferred:
                 self._drain()
             if self._observers and not self.recomputing:  # plans act before the kernel's
@@ -1333,7 +1404,10 @@ class Manager(ManagerRecord):
         observers match each release to its acquire.
         """
         with self._lock:
+            ref = self._ref
             for o in objs:
+                if o._manager is not ref:
+                    raise self._foreign(o)
                 if o._pins <= 0:
                     raise CachedArraysError(
                         f"object {o.id} ({format_size(o.nbytes)}) is not pinned; release without "
@@ -1396,14 +1470,15 @@ class Manager(ManagerRecord):
             policy = self.policy
             held = []
             try:
+                ref = self._ref
                 for o in reads:
-                    if o.freed:
+                    if o.freed or o._manager is not ref:
                         self._live(o)
                     o._pins += 1
                     held.append(o)
                     policy.read_use(o)
                 for o in writes:
-                    if o.freed:
+                    if o.freed or o._manager is not ref:
                         self._live(o)
                     o._pins += 1
                     held.append(o)
@@ -1483,6 +1558,8 @@ class Manager(ManagerRecord):
         input changed or was freed, which kernel is not a ``ca.compute`` one); None if it can."""
         obj = _object_of(obj, "why_not_regenerable")
         with self._lock:
+            if obj._manager is not self._ref:
+                raise self._foreign(obj)
             if self._deferred:
                 self._drain()
             return self._why_not(obj, self._writing)
@@ -1893,6 +1970,8 @@ class Manager(ManagerRecord):
         """Report that a kernel needed obj in fast memory and it had to be fetched on demand
         (a policy's ``stage`` calls it before the fetch; the cost model charges a fault)."""
         with self._lock:
+            if obj._manager is not self._ref:
+                raise self._foreign(obj)
             self.telemetry.count("fault", obj.nbytes, id=obj.id)
             for o in self._observers:
                 o.on_fault(obj)
@@ -2009,6 +2088,7 @@ class Manager(ManagerRecord):
         """Free region to its device (and drop it from its object)."""
         with self._lock:
             self._check_open()
+            self._mine(region)
             if region.freed:
                 raise UseAfterFreeError(f"{region!r} was already freed (double free)")
             obj = self.object(region.owner)
@@ -2102,6 +2182,7 @@ class Manager(ManagerRecord):
 
     def getlinked(self, region, device):
         """The region linked to region on device, or None."""
+        self._mine(region)
         obj = self.object(region.owner)
         if obj is None or region.freed:
             return None
@@ -2121,6 +2202,8 @@ class Manager(ManagerRecord):
             wait = copyengine.check_switch(wait, "Manager.copyto: wait")
         with self._lock:
             self._check_open()
+            self._mine(dst)
+            self._mine(src)
             if dst.freed or src.freed:
                 raise UseAfterFreeError(f"copy between freed regions: {dst!r} <- {src!r}")
             if dst.nbytes < src.nbytes:
@@ -2168,10 +2251,12 @@ class Manager(ManagerRecord):
 
     def parent(self, region):
         """The object that owns region (None if it has been freed)."""
+        self._mine(region)
         return self.object(region.owner)
 
     def _parent_live(self, region):
         self._check_open()
+        self._mine(region)
         if region.freed:
             raise UseAfterFreeError(f"{region!r} was freed")
         obj = self.object(region.owner)
@@ -2228,9 +2313,10 @@ class Manager(ManagerRecord):
                 o.on_defrag(dev.name)
             if dev.heap is None:
                 return 0
-            moved = len(self._slide(dev, "on_move"))
-            self.telemetry.count("defrag_moves", 0, device=dev.name, moved=moved)
-            return moved
+            moves = self._slide(dev, "on_move")
+            self.telemetry.count("defrag_moves", sum(r.nbytes for r, _ in moves),
+                                 device=dev.name, moved=len(moves))
+            return len(moves)
 
     def compact(self, device, nbytes):
         """Make room for nbytes on device by sliding its regions down, when its free bytes would

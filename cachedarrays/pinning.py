@@ -66,6 +66,12 @@ class ObjectView:
         self._vc = (r, r.offset, v)
         return v
 
+    def _check_live(self):
+        """UseAfterFreeError unless the array may still be used (not freed, manager open):
+        for uses that read only its description and so never resolve its bytes."""
+        if self._obj.freed or self._m.closed:
+            raise self._gone()
+
     def _gone(self):
         """The error for using an array whose object has no memory (freed, or manager closed)."""
         obj = self._obj

@@ -69,7 +69,7 @@ def evaluate(trace, decisions=None, profile=None, devices=None, stats=None,
 
 
 def replay(trace, policy="lru", fast=None, slow=None, *, tiers=None, policy_options=None,
-           profile=None, slow_output_factor=costmodel.SLOW_OUTPUT_FACTOR, granularity=0,
+           profile=None, slow_output_factor=costmodel.SLOW_OUTPUT_FACTOR, granularity=None,
            fault_latency=0.0):
     """Run policy over trace on virtual devices; returns a Run.
 
@@ -79,6 +79,7 @@ def replay(trace, policy="lru", fast=None, slow=None, *, tiers=None, policy_opti
     name, a Policy class or a new Policy instance.
     fault_latency: seconds the cost model charges per on-demand fetch under kernels-in-fast
     mode (``policy_options={"kernels_in_fast": True}``; a GPU's unified-memory fault: 45e-6).
+    granularity: the heaps' (0: the default); None: the one the trace was recorded with.
     """
     if not isinstance(trace, Trace):
         raise TypeError(f"replay takes a Trace (ca.trace or Trace.load), not "
@@ -88,10 +89,13 @@ def replay(trace, policy="lru", fast=None, slow=None, *, tiers=None, policy_opti
                          "tier its size, e.g. tiers=[('fast', 0.5), ('slow', 4.0)]")
     costmodel.check_options(slow_output_factor, fault_latency)    # before the replay runs
     trace.validate()
+    if granularity is None:
+        granularity = _recorded_granularity(trace)
     foot = trace.footprint()
     blocks = trace.footprint(granularity)
+    recorded = _recorded_profiles(trace) if profile is None else None
     if tiers is not None:
-        tiers, budget = _tiers(tiers, foot, granularity, blocks)
+        tiers, budget = _tiers(tiers, foot, granularity, blocks, recorded)
     _check_targets(trace, ["fast", "slow"] if tiers is None else
                    [t.name if hasattr(t, "name") else t[0] for t in tiers])
     if tiers is None:
@@ -101,6 +105,11 @@ def replay(trace, policy="lru", fast=None, slow=None, *, tiers=None, policy_opti
         if isinstance(profile, (str, costmodel.Profile)):   # the tiers carry it: policies
             m = Manager(tiers=[("fast", fast, None, "dram"),    # that plan read it there
                                ("slow", slow, None, costmodel.get_profile(profile))],
+                        policy=policy, virtual=True, policy_options=policy_options,
+                        granularity=granularity)
+        elif recorded:                          # the recorded tiers' speeds, as evaluate's
+            m = Manager(tiers=[("fast", fast, None, recorded("fast", 0) or "dram"),
+                               ("slow", slow, None, recorded("slow", 1))],
                         policy=policy, virtual=True, policy_options=policy_options,
                         granularity=granularity)
         else:
@@ -166,22 +175,49 @@ def _check_targets(trace, names):
                          f"('ssd', 4.0)]")
 
 
-def _tiers(tiers, footprint, granularity, blocks=None):
+def _recorded_granularity(trace):
+    """The heap granularity the trace was recorded with (0: the default)."""
+    g = trace.meta.get("granularity", 0)
+    if isinstance(g, bool) or not isinstance(g, int) or g < 0:
+        raise TraceError(f"the trace's meta gives granularity={g!r}, which is not a heap "
+                         "granularity; pass replay(..., granularity=) (0: the default)")
+    return g
+
+
+def _recorded_profiles(trace):
+    """The profiles of the tiers the trace was recorded on, as f(name, position) -> profile
+    or None (by name, else by position), or None when the trace holds none."""
+    rec = trace.meta.get("profiles")
+    if not isinstance(rec, dict) or not rec:
+        return None
+    order = list(rec.values())
+
+    def of(name, i):
+        p = rec.get(name) if name in rec else (order[i] if i < len(order) else None)
+        return p if isinstance(p, (str, costmodel.Profile)) else None
+    return of
+
+
+def _tiers(tiers, footprint, granularity, blocks=None, recorded=None):
     """Manager tiers from replay's tiers=: (name, size, ...) sequences or Device specs; and
-    the first tier's budget (None for a Device)."""
+    the first tier's budget (None for a Device). A tier given without a profile gets the one
+    it was recorded with (``recorded``, see _recorded_profiles)."""
     form = ("give a list of (name, size) pairs, fastest first, e.g. [('fast', 0.5), "
             "('slow', 4.0)] (a size: bytes, a size string or a float fraction of the "
             "trace's footprint)")
     if isinstance(tiers, (str, bytes)) or not hasattr(tiers, "__iter__"):
         raise ValueError(f"tiers={tiers!r}: {form}")
     out, budgets = [], []
-    for t in tiers:
+    for i, t in enumerate(tiers):
         if hasattr(t, "name"):
             out.append(t)
             budgets.append(None)
         elif isinstance(t, (tuple, list)) and len(t) >= 2 and isinstance(t[0], str):
             budget, size = _size(t[1], footprint, t[0], granularity, blocks)
-            out.append((t[0], size, None, *t[3:]))
+            rest = tuple(t[3:])
+            if not rest and recorded is not None and recorded(t[0], i) is not None:
+                rest = (recorded(t[0], i),)
+            out.append((t[0], size, None, *rest))
             budgets.append(budget)
         else:
             raise ValueError(f"tiers: {t!r} is not a tier; {form}")

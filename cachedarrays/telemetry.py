@@ -27,7 +27,7 @@ EVENTS = (
     "dask_received",           # a CachedArray chunk received from another dask process
     "dask_sent",               # a CachedArray chunk sent to another dask process (no copy)
     "debug_stale_writes",      # debug mode: a write into memory its object had left
-    "defrag_moves",            # a heap defragmentation pass
+    "defrag_moves",            # a heap defragmentation pass (bytes moved)
     "evict_skipped_pinned",    # an eviction walk passed over a pinned region
     "drop",                    # an array dropped without write-back (regenerated when used)
     "fault",                   # kernels-in-fast: an operand fetched on demand before a kernel
@@ -36,6 +36,7 @@ EVENTS = (
     "regenerate_before_change",  # a dropped array rebuilt because one of its inputs changes
     "staging_aside",           # kernels-in-fast: an operand moved aside to make a block contiguous
     "plan_missed",             # a planning policy could not do what its plan said (no room)
+    "plan_unfired",            # a step ended before points of its plan (kernels it never ran)
     "writebacks_elided",       # a clean eviction that dropped the fast copy without a copy
 )
 

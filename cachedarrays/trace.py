@@ -15,10 +15,12 @@ one gzip-compressed JSON file.
 
 import errno
 import gzip
+import io
 import json
 import os
 import math
 import numbers
+import secrets
 import stat
 import statistics
 import sys
@@ -29,6 +31,7 @@ import zlib
 from collections import defaultdict
 from dataclasses import asdict
 
+from . import threadkeys
 from .costmodel import Profile
 from .errors import CachedArraysError
 from .heap import HEADER
@@ -238,9 +241,9 @@ class KernelClock(_Shared):
         return seconds
 
     def __init__(self):
-        self._stacks = defaultdict(list)   # thread id -> [[key, start, nested, forced]]
+        self._stacks = defaultdict(list)   # thread key (threadkeys) -> [[key, start, nested, forced]]
         self._forced = None
-        self._last = {}                    # thread id -> seconds of its last ended kernel
+        self._last = {}                    # thread key -> seconds of its last ended kernel
 
     def _resume(self, manager):
         # Kernels that began or ended while detached are not on its stacks.
@@ -253,7 +256,7 @@ class KernelClock(_Shared):
 
     def last(self):
         """Exclusive seconds of the kernel that just ended in this thread."""
-        return self._last.get(threading.get_ident(), 0.0)
+        return self._last.get(threadkeys.current(), 0.0)
 
     def on_acquire(self, name, reads, writes, touched=None):
         m = self._manager() if self._manager is not None else None
@@ -264,11 +267,11 @@ class KernelClock(_Shared):
             forced, self._forced = self._forced, None
             if forced is None and self._model is not None:
                 forced = self._modelled(name, reads, writes)
-        self._stacks[threading.get_ident()].append(
+        self._stacks[threadkeys.current()].append(
             [sorted(o.id for o in (*reads, *writes)), _perf(), 0.0, forced])
 
     def on_release(self, objs):
-        tid = threading.get_ident()
+        tid = threadkeys.current()
         stack = self._stacks.get(tid)
         if not stack or stack[-1][0] != sorted(o.id for o in objs):
             return
@@ -615,12 +618,12 @@ class Trace:
                "touched": [[k, list(v.items())] for k, v in sorted(self.touched.items())],
                "pure": sorted(self.pure),
                "partial": [[k, v] for k, v in sorted(self.partial.items())]}
-        # One per saving thread, beside path, and short (path's own name may be the longest
-        # the file system takes).
-        tmp = os.path.join(os.path.dirname(path),
-                           f".trace-{os.getpid()}-{threading.get_ident()}.tmp")
+        tmp = None
         try:
-            with gzip.open(tmp, "wt", encoding="utf-8", compresslevel=6) as f:
+            fd, tmp = _new_beside(path)
+            with os.fdopen(fd, "wb") as raw, \
+                    gzip.GzipFile(filename="", mode="wb", compresslevel=6, fileobj=raw) as gz, \
+                    io.TextIOWrapper(gz, encoding="utf-8") as f:
                 json.dump(doc, f, separators=(",", ":"), default=_json_number)
             os.replace(tmp, path)
         except OSError as e:
@@ -649,6 +652,10 @@ class Trace:
                 from None
         if not isinstance(doc, dict) or doc.get("format") != _FORMAT:
             raise TraceError(f"{path}: not a trace file (no {_FORMAT!r} header)")
+        if type(doc.get("version")) is int and doc["version"] > _VERSION:
+            raise TraceError(f"{path}: trace format version {doc['version']} is newer than this "
+                             f"cachedarrays reads (version {_VERSION}): upgrade cachedarrays to "
+                             "read it, or record the trace again with this version")
         if type(doc.get("version")) is not int or doc["version"] != _VERSION:
             raise TraceError(f"{path}: trace format version {doc.get('version')}, this library "
                              f"reads version {_VERSION}; record the trace again")
@@ -694,10 +701,27 @@ def _path(path, who):
 
 def _unlink(path):
     """Remove path if it is there (a temporary file of a save that failed)."""
+    if path is None:
+        return
     try:
         os.unlink(path)
     except FileNotFoundError:
         pass
+
+
+def _new_beside(path):
+    """A new file beside path for a save to write and rename: (fd, name). Its name is random and
+    short (path's own name may be the longest the file system takes), and it is made
+    exclusively: a link or file someone left at a name a save would use is never followed."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | \
+        getattr(os, "O_CLOEXEC", 0)
+    for _ in range(16):
+        tmp = os.path.join(os.path.dirname(path), f".trace-{secrets.token_hex(8)}.tmp")
+        try:
+            return os.open(tmp, flags, 0o666), tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(errno.EEXIST, "no free temporary name beside it", path)
 
 
 def _json_number(v):
@@ -745,9 +769,11 @@ class Recorder(Observer):
         self.record_events = events
         self.trace = Trace(devices=[d.name for d in manager.tiers],
                            meta={"profiles": {d.name: d.profile for d in manager.tiers}})
-        # thread id -> [[k, key, {new object id: its alloc event}]]
+        if manager.fast.granularity:            # a replay's heaps round as this run's did
+            self.trace.meta["granularity"] = manager.fast.granularity
+        # thread key (threadkeys) -> [[k, key, {new object id: its alloc event}]]
         self._stacks = defaultdict(list)
-        # thread id -> {new object id: (its alloc event, kernels recorded before it)}
+        # thread key -> {new object id: (its alloc event, kernels recorded before it)}
         self._loose = defaultdict(dict)
         self._lock = threading.Lock()
         self._traffic = getattr(getattr(manager, "policy", None), "kernel_traffic", None)
@@ -773,7 +799,7 @@ class Recorder(Observer):
             sid = self._sid(obj)
             self.trace.objects[sid] = obj.nbytes
             self.trace.events.append(("alloc", sid, obj.nbytes, placement))
-            tid = threading.get_ident()
+            tid = threadkeys.current()
             stack = self._stacks.get(tid)
             if stack:                           # made inside a kernel: see on_release
                 stack[-1][2][obj.id] = (len(self.trace.events) - 1, self._later(stack[-1][0]))
@@ -812,7 +838,7 @@ class Recorder(Observer):
             if extra is not None:
                 t.decisions.append(extra)
         key = sorted(o.id for o in (*reads, *writes))
-        tid = threading.get_ident()
+        tid = threadkeys.current()
         loose = self._loose.get(tid)
         carried = {}
         if loose:                               # new arrays not released yet (a copy's output)
@@ -832,7 +858,7 @@ class Recorder(Observer):
                     t.decisions.append(extra)
         else:                                   # its original ran before this recording
             t.meta["untraced_reruns"] = t.meta.get("untraced_reruns", 0) + 1
-        self._stacks[threading.get_ident()].append(
+        self._stacks[threadkeys.current()].append(
             [k, sorted(o.id for o in (*reads, *writes)), {}, {}, True])
 
     def _ops(self, name, reads, writes, touched):
@@ -852,7 +878,7 @@ class Recorder(Observer):
         return ops
 
     def on_release(self, objs):
-        tid = threading.get_ident()
+        tid = threadkeys.current()
         loose = self._loose.get(tid)
         if loose:
             for o in objs:
@@ -904,17 +930,14 @@ class Recorder(Observer):
             self.trace.events.append(("defrag", device))
 
     def on_move(self, region, old_offset):
-        # A move within a device: the region leaves its old place and takes the new one.
+        # A move within a device (a defragmentation or a policy's compaction): the region leaves
+        # its old place and takes the new one, and its bytes are copied there while the
+        # program waits (costed like any copy).
         sid, dev = self.ids.get(region.owner), region.device.name
         self.trace.decisions.append(("free", sid, dev, old_offset, region.nbytes))
         self.trace.decisions.append(("alloc", sid, dev, region.offset, region.nbytes))
-
-    def on_compact(self, region, old_offset):
-        # A policy's compaction: the move, and its bytes copied within the device (costed).
-        self.on_move(region, old_offset)
-        dev = region.device.name
-        self.trace.decisions.append(("copy", self.ids.get(region.owner), dev, old_offset, dev,
-                                     region.offset, region.nbytes, True))
+        self.trace.decisions.append(("copy", sid, dev, old_offset, dev, region.offset,
+                                     region.nbytes, True))
 
     def on_region(self, region, live):
         self.trace.decisions.append(("alloc" if live else "free", self.ids.get(region.owner),

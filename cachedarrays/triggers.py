@@ -51,6 +51,7 @@ class Plan(Observer):
         self.layer = 0                # layer marks in this step
         self.uses = defaultdict(int)  # sid -> uses in this step
         self.fired = 0
+        self.unfired = []             # points the last step never reached (see on_mark)
         self._open = []               # kernel index of each acquire not yet released
         manager.observe(self)
 
@@ -109,8 +110,22 @@ class Plan(Observer):
             self.layer += 1
         else:
             self._fire(("step",))
+            self._note_unfired()
             self.kernel = self.layer = 0
             self.uses.clear()
+
+    def _note_unfired(self):
+        """At a step mark: the points past the end of the step that ended (a kernel, layer or
+        use it never reached) are in ``unfired`` and counted as the event ``plan_unfired``,
+        so a plan that does not fit its step is seen rather than silently idle."""
+        reached = {"kernel": self.kernel, "kernel_end": self.kernel, "layer": self.layer}
+        unfired = [p for p, acts in self.actions.items() if acts and (
+            p[0] in reached and p[1] >= reached[p[0]] or
+            p[0] == "use" and p[2] > self.uses.get(p[1], 0))]
+        self.unfired = sorted(unfired, key=repr)
+        if unfired:
+            self.m.count("plan_unfired", 0, points=len(unfired), kernels=self.kernel,
+                         first=repr(self.unfired[0]))
 
     def live(self, sid):
         """The live object with this stable id, or None."""

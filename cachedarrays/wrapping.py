@@ -1,25 +1,46 @@
 """Results of NumPy calls as CachedArrays: a view of an input stays a view of its object,
-any other array is copied into a new, policy-placed CachedArray; scalars pass through."""
+an ndarray argument (or a view of one) comes back as NumPy gives it, any other array is copied
+into a new, policy-placed CachedArray; scalars pass through."""
 
 import numpy as np
 
 from .array import from_ndarray
 
 
-def wrap(m, res, views):
+def wrap(m, res, views, plain=()):
     """Turn a NumPy result into CachedArrays. views: (array, its ndarray view) pairs of the
-    call's inputs, so a result sharing memory with one becomes a view of that array."""
+    call's inputs, so a result sharing memory with one becomes a view of that array. plain: the
+    call's ndarray arguments; a result that is one of them, or a view of one, is returned as it
+    is (np.atleast_1d(x, cached) gives x itself, as NumPy does, so writes through it reach x)."""
     if isinstance(res, np.ndarray):
         if res.dtype.hasobject:
             return res
+        for p in plain:
+            if res is p:
+                return res
         if not res.flags.owndata:
             for arr, v in views:
+                if res is v:
+                    return arr              # NumPy returned its input: the input itself
                 if np.may_share_memory(res, v):
                     return arr._derive(v, res)
+            for p in plain:
+                if np.may_share_memory(res, p):
+                    return res
         return from_ndarray(m, res)       # a 0-d result stays a 0-d array, as in NumPy
     if isinstance(res, list):
-        return [wrap(m, r, views) for r in res]
+        return [wrap(m, r, views, plain) for r in res]
     if isinstance(res, tuple):
-        items = [wrap(m, r, views) for r in res]
+        items = [wrap(m, r, views, plain) for r in res]
         return type(res)(*items) if hasattr(res, "_fields") else tuple(items)
     return res
+
+
+def plain_arrays(x, found):
+    """Append the ndarrays in x (an argument, or a list or tuple of them) to found."""
+    if isinstance(x, np.ndarray):
+        found.append(x)
+    elif isinstance(x, (list, tuple)):
+        for y in x:
+            plain_arrays(y, found)
+    return found

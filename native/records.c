@@ -3476,14 +3476,26 @@ operands_views(Operands *o, PyObject **views)
     return 0;
 }
 
+/* cachedarrays.threadkeys.current: the calling thread's key (thread idents are reused). */
+static PyObject *thread_key_fn;
+
 /* Manager.scope_opened(key, scope) for the calling thread. */
 static int
 scope_open(PyObject *m, PyObject *key, PyObject *scope)
 {
+    if (thread_key_fn == NULL) {
+        PyObject *mod = PyImport_ImportModule("cachedarrays.threadkeys");
+        if (mod == NULL)
+            return -1;
+        thread_key_fn = PyObject_GetAttrString(mod, "current");
+        Py_DECREF(mod);
+        if (thread_key_fn == NULL)
+            return -1;
+    }
     PyObject *scopes = PyObject_GetAttr(m, s_scopes);
     if (scopes == NULL)
         return -1;
-    PyObject *ident = PyLong_FromUnsignedLong(PyThread_get_thread_ident());
+    PyObject *ident = PyObject_CallNoArgs(thread_key_fn);
     PyObject *entry = ident == NULL ? NULL : PyTuple_Pack(2, ident, scope);
     Py_XDECREF(ident);
     int rc = entry == NULL ? -1 : PyObject_SetItem(scopes, key, entry);

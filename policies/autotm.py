@@ -864,9 +864,10 @@ class AutoTM(PlannedPolicy):
         return super().make_room(nbytes, wait=False)
 
     def write_back(self, sid):
-        """Start copying sid's dirty fast copy to slow memory in the background; the fast copy
-        stays (clean once the copy ends), so a later eviction just drops it and no new region
-        is placed over memory the copy is still reading."""
+        """Start copying sid's dirty fast copy to slow memory (when full, the first slower tier
+        with room) in the background; the fast copy stays (clean once the copy ends), so a
+        later eviction just drops it and no new region is placed over memory the copy is still
+        reading. Copies on other tiers are stale and dropped, as an eviction drops them."""
         m = self.manager
         obj = self.live(sid)
         with m.atomic():
@@ -875,11 +876,17 @@ class AutoTM(PlannedPolicy):
             x = obj.primary
             if x.device is not m.fast or m.pinned(obj) or not m.isdirty(x):
                 return False
-            y = m.getlinked(x, m.slow)
-            if y is None:
-                y = m.try_allocate(m.slow, x.nbytes, obj)
-                if y is None:
-                    return False
+            for dev in m.tiers[1:]:
+                y = m.getlinked(x, dev)
+                new = y is None
+                if new:
+                    y = m.try_allocate(dev, x.nbytes, obj)
+                if y is not None:
+                    break
+            else:
+                return False
+            self._drop_stale(obj, x, y)
+            if new:
                 m.link(x, y)
             m.copyto(y, x, wait=False)
             m.markclean(x)

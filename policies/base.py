@@ -5,6 +5,8 @@ operation with the data-manager API (Listings 4.1 and 4.2), so a custom policy o
 decisions it cares about: usually ``allocate``, ``select_victims`` and the use hooks.
 """
 
+import types
+
 from ..errors import OutOfMemoryError, PinnedError, UseAfterFreeError
 from ..triggers import Plan
 from ..sizes import format_size
@@ -13,6 +15,12 @@ from ..sizes import format_size
 # (capability, the method whose behaviour it describes): see Policy.__init_subclass__
 _CAPABILITIES = (("honours_prefetch", "prefetch"), ("honours_softevict", "softevict"),
                  ("tracks_reads", "read_use"))
+# new_in_fast is on_fast and write_use in one call (LRU's write_use is _touch): an override of
+# a part needs the general form
+_NEW_IN_FAST_PARTS = ("on_fast", "write_use", "_touch")
+# methods whose assignment on an instance undoes a declaration (Policy.__setattr__)
+_ASSIGNABLE = frozenset(("allocate", "alloc_fast", *_NEW_IN_FAST_PARTS,
+                         *(method for _, method in _CAPABILITIES)))
 
 
 def _label(dev):
@@ -85,13 +93,27 @@ class Policy:
                 (below("fast_first", "allocate") or below("fast_first", "alloc_fast")):
             cls.fast_first = False
         if "new_in_fast" not in cls.__dict__ and \
-                any(below("new_in_fast", m) for m in ("on_fast", "write_use", "_touch")
-                    if hasattr(cls, m)):
+                any(below("new_in_fast", m) for m in _NEW_IN_FAST_PARTS if hasattr(cls, m)):
             cls.new_in_fast = Policy.new_in_fast
 
     def __init__(self):
         self.manager = None
         self.plan = None              # cachedarrays.triggers.Plan, made by schedule()
+
+    def __setattr__(self, name, value):
+        """A method assigned on the instance is honoured like a subclass's override: the
+        declarations it would break are undone for this policy (as ``__init_subclass__`` does
+        for a class), so no fast path of the manager skips it."""
+        if name in _ASSIGNABLE:
+            d = self.__dict__
+            if name in ("allocate", "alloc_fast"):
+                d["fast_first"] = False
+            elif name in _NEW_IN_FAST_PARTS:
+                d["new_in_fast"] = types.MethodType(Policy.new_in_fast, self)
+            for attr, method in _CAPABILITIES:
+                if name == method and attr not in d:
+                    d[attr] = True
+        object.__setattr__(self, name, value)
 
     def bind(self, manager):
         """Attach to a manager (called once by the manager; a subclass whose __init__ skips

@@ -443,12 +443,24 @@ class _Tiered:
     def ssd(self):
         return self.manager.tiers[-1]
 
+    def tier_for(self, obj, first):
+        """The tier (a name) obj leaves fast memory for: first if it has room for obj (or a
+        copy of it), else the middle tier, the SSD, then any other; None when none has."""
+        m = self.manager
+        x = obj.primary
+        order = [m._device(first), self.middle(), self.ssd(), *m.tiers[1:]]
+        for dev in dict.fromkeys(d for d in order if d is not None and d is not m.fast):
+            if m.getlinked(x, dev) is not None or m.can_allocate(dev, x.nbytes):
+                return dev.name
+        return None
+
     def evict(self, obj, to=None, wait=True):
         m = self.manager
         if to is None and obj.primary is not None and obj.primary.device is m.fast:
             mid = self.middle()
             to = mid.name if self.spill_middle and mid is not None and \
                 m.can_allocate(mid, obj.primary.nbytes) else self.ssd().name
+            to = self.tier_for(obj, to) or to     # none has room: OutOfMemoryError naming it
         return Policy.evict(self, obj, to, wait)
 
     # -- staging: a kernel's own operands never keep it from running ---------------------------
@@ -492,6 +504,9 @@ class _Tiered:
             mid = self.middle()
             to = mid.name if mid is not None and m.can_allocate(mid, o.primary.nbytes) \
                 else self.ssd().name
+            to = self.tier_for(o, to)
+            if to is None:
+                continue
             size = o.nbytes
             if not Policy.evict(self, o, to, wait):
                 continue
@@ -666,15 +681,18 @@ class G10(_Tiered, PlannedPolicy):
             self.bring(s, force=self.force_returns)
 
     def _send(self, sid, to):
-        """A planned eviction; to the SSD when the middle tier lacks a block for it."""
+        """A planned eviction; to another tier when the planned one lacks a block for it (the
+        middle tier, then the SSD), and none when no tier has one (it stays in fast memory)."""
         m = self.manager
         obj = self.live(sid)
         if obj is None or obj.primary is None or obj.primary.device is not m.fast:
             return False
-        if to != self.ssd().name and not m.can_allocate(m._device(to), obj.primary.nbytes):
-            m.count("plan_missed", obj.nbytes, what="middle tier full")
-            to = self.ssd().name
-        return self.send(sid, to=to)
+        there = self.tier_for(obj, to)
+        if there != to:
+            m.count("plan_missed", obj.nbytes, what=f"tier {to!r} full", to=there)
+            if there is None:
+                return False
+        return self.send(sid, to=there)
 
 
 # ---- baselines ----------------------------------------------------------------------------------

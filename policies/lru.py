@@ -253,7 +253,8 @@ class LRU(Policy, LRURecord):
     @local_alloc.setter
     def local_alloc(self, value):
         self._local_alloc = bool(value)
-        self.fast_first = self._local_alloc and type(self).fast_first
+        self.fast_first = self._local_alloc and type(self).fast_first and \
+            not {"allocate", "alloc_fast"} & self.__dict__.keys()     # none assigned on self
 
     def allocate(self, nbytes):
         if self._local_alloc:

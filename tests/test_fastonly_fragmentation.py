@@ -121,14 +121,17 @@ def test_no_compaction_when_the_free_bytes_would_not_hold_the_array():
         assert m.stats()["events"]["compaction"]["count"] == 0
 
 
-def test_a_program_defrag_stays_an_event_and_is_not_charged():
+def test_a_program_defrag_stays_an_event_and_each_move_is_charged_like_a_compaction():
     def program(m):
         out = split_program(m)
         m.defrag("fast")
         return out
-    t, _, _ = traced("4MiB", program)
+    t, _, stats = traced("4MiB", program)
     assert ("defrag", "fast") in t.events
-    assert not copies(t.decisions)
+    moved = copies(t.decisions)                 # b (64 KiB) and d (64 KiB) slide down
+    assert [(d[2], d[4], d[6], d[7]) for d in moved] == [("fast", "fast", 64 * KB, True)] * 2
+    assert stats["events"]["defrag_moves"] == {"count": 1, "bytes": 128 * KB}
+    assert evaluate(t).result.total.moved == {"fast->fast": 128 * KB}
 
 
 def test_a_torch_mlp_replays_under_fast_only_at_its_footprint():

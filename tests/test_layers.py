@@ -13,8 +13,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 # DESIGN.md's layer table, bottom up: a module may import its own layer and the layers below.
 LAYERS = [
-    ("native", ["_native", "_records", "errors", "threads", "sizes", "profiles", "heap",
-                "copyengine"]),
+    ("native", ["_native", "_records", "errors", "threads", "threadkeys", "sizes", "profiles",
+                "heap", "copyengine"]),
     ("devices", ["devices"]),
     ("manager", ["registry", "poison", "telemetry", "lineage", "manager"]),
     ("policy lab", ["trace", "torchtrace", "costmodel", "replay", "triggers", "stepprofile",

@@ -8,8 +8,9 @@ package's ``__init__`` imports this package); NumPy functions without one take t
 - ``joining``: concatenate
 - ``ordering``: sort, cumsum, cumprod
 - ``selection``: where
+- ``describing``: shape, ndim, size (read from the description, as the attributes are)
 """
 
-from . import creation, joining, ordering, selection
+from . import creation, describing, joining, ordering, selection
 
-__all__ = ["creation", "joining", "ordering", "selection"]
+__all__ = ["creation", "describing", "joining", "ordering", "selection"]
