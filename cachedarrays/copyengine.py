@@ -20,7 +20,10 @@ copied prefix of ``job.copied`` bytes). It returns True when the copy did not co
 when it had already finished (even with an exception). Done callbacks always run once, on the
 worker thread (cancelled queued jobs too, when the worker reaches them), or at once in the
 caller's thread when added to a finished job; an exception a callback raises is logged
-either way, never raised. ``shutdown()`` joins the threads; a CopyWorkers
+either way, never raised. A callback never waits for its own worker: ``drain()``, or
+``wait()`` on a job queued behind it, raises RuntimeError there instead of hanging, and
+``shutdown()`` there waits for the copies in flight but joins no thread. ``shutdown()``
+elsewhere joins the threads; a CopyWorkers
 that is garbage collected without shutdown lets its workers finish the queued jobs, after which
 they exit (no submit is possible any more), so threads never leak.
 """
@@ -73,7 +76,7 @@ def _whole(n, what, low=0, high=1 << 64):
         raise TypeError(f"{what} must be an int, not {type(n).__name__} {n!r} (it is never "
                         "rounded or parsed); pass a whole number") from None
     if not low <= v < high:
-        bound = f">= {low}" if low and high == 1 << 64 else \
+        bound = f">= {low}" if low and high == 1 << 64 and v < low else \
             f"in [{low}, {_BOUNDS.get(high, high)})"
         raise ValueError(f"{what} must be {bound}, got {v}")
     return v
@@ -372,6 +375,10 @@ class CopyJob:
         timeout = check_timeout(timeout)
         if self._state >= _DONE:
             return True
+        if getattr(_worker_here, "shared", None) is self._s and _worker_here.key == self.key:
+            raise RuntimeError(f"{self!r} waits for its worker, which is running the done "
+                               "callback that called wait() and so never reaches this job; "
+                               "add a done callback to the job instead of waiting for it")
         t0 = time.perf_counter()
         with self._s.cond:
             ok = self._s.cond.wait_for(self.done, timeout)
@@ -453,7 +460,13 @@ def _run_callbacks(job, cond):
                 log.exception("copy job done callback %r failed", fn)
 
 
+# The CopyWorkers state and key of the worker running on this thread (its done callbacks run
+# here): a wait for the worker itself from one of them would never end.
+_worker_here = threading.local()
+
+
 def _worker(shared, key):
+    _worker_here.shared, _worker_here.key = shared, key
     q, cond = shared.queues[key], shared.cond
     while True:
         with cond:
@@ -531,19 +544,30 @@ class CopyWorkers:
     def drain(self, timeout: float | None = None) -> bool:
         """Wait until every job finished and its callbacks ran; False if timeout ran out."""
         s, timeout = self._s, check_timeout(timeout)
+        if getattr(_worker_here, "shared", None) is s:
+            raise RuntimeError("CopyWorkers.drain() from one of its own done callbacks would "
+                               "wait for that callback to return; drain after it returns, or "
+                               "wait for the jobs you need with a done callback")
         with s.cond:
             return s.cond.wait_for(lambda: not s.running and not any(s.queues.values()), timeout)
 
     def shutdown(self, cancel: bool = True) -> None:
         """Stop the workers: cancel queued jobs (or run them if cancel is False), wait for the
-        running ones and join the threads. Idempotent; from a done callback it does not join."""
+        running ones and join the threads. Idempotent.
+
+        From a done callback (on any CopyWorkers' worker) it waits only for the copies in
+        flight, not for the threads: another worker may be in a callback waiting for this one.
+        """
         cancel = check_switch(cancel, "CopyWorkers.shutdown: cancel")
         self._finalizer.detach()
-        _close(self._s, cancel)
-        me = threading.current_thread()
-        for t in list(self._s.threads.values()):
-            if t is not me:
-                t.join()
+        s = self._s
+        _close(s, cancel)
+        if getattr(_worker_here, "shared", None) is not None:
+            with s.cond:
+                s.cond.wait_for(lambda: all(j._state != _RUNNING for j in s.running.values()))
+            return
+        for t in list(s.threads.values()):
+            t.join()
 
     @property
     def closed(self) -> bool:

@@ -10,6 +10,7 @@ import threading
 
 from .errors import PinnedError
 from .manager import Manager
+from .sizes import parse_size
 
 _default_lock = threading.Lock()
 _default = None
@@ -23,13 +24,28 @@ def default_manager():
         return m
     with _default_lock:
         if _default is None or _default.closed:
-            _default = Manager(
-                fast=os.environ.get("CACHEDARRAYS_FAST", "1GiB"),
-                slow=os.environ.get("CACHEDARRAYS_SLOW", "4GiB"),
-                slow_path=os.environ.get("CACHEDARRAYS_SLOW_PATH") or None,
-                policy=os.environ.get("CACHEDARRAYS_POLICY", "lru"),
-            )
+            _default = _from_environment()
         return _default
+
+
+def _from_environment():
+    """A Manager built from the CACHEDARRAYS_* variables; an error names the variable to fix
+    (the program never passed the value the error is about)."""
+    env = {k: os.environ.get(k) for k in ("CACHEDARRAYS_FAST", "CACHEDARRAYS_SLOW",
+                                          "CACHEDARRAYS_SLOW_PATH", "CACHEDARRAYS_POLICY")}
+    fast, slow, policy = (env[k] for k in ("CACHEDARRAYS_FAST", "CACHEDARRAYS_SLOW",
+                                           "CACHEDARRAYS_POLICY"))
+    fast = parse_size("1GiB" if fast is None else fast, "CACHEDARRAYS_FAST")
+    slow = parse_size("4GiB" if slow is None else slow, "CACHEDARRAYS_SLOW")
+    try:
+        return Manager(fast=fast, slow=slow, slow_path=env["CACHEDARRAYS_SLOW_PATH"] or None,
+                       policy="lru" if policy is None else policy)
+    except (ValueError, TypeError, OSError) as e:
+        given = ", ".join(f"{k}={v!r}" for k, v in env.items() if v is not None)
+        if given:
+            e.add_note(f"the default manager is made from the environment ({given}): fix or "
+                       "unset the variable, or pass manager= (ca.set_default_manager)")
+        raise
 
 
 def set_default_manager(manager):

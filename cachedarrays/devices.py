@@ -214,6 +214,7 @@ class Device(DeviceRecord):
         """
         if self.closed:
             return
+        self._refuse_if_owned()
         self.closed = True
         heap, self.heap = self.heap, None
         if heap is not None:
@@ -227,6 +228,15 @@ class Device(DeviceRecord):
         self._mm = None
         self._ro = None
         self._cleanup_file()
+
+    def _refuse_if_owned(self):
+        """DeviceError while an open manager uses this device (its records point into it)."""
+        owner = self._owner() if self._owner is not None else None
+        if owner is not None and not owner.closed:
+            tiers = ", ".join(getattr(owner, "devices", None) or ())
+            raise DeviceError(f"cannot close device {self.name!r} ({format_size(self.size)}): "
+                              f"it belongs to an open manager (devices {tiers}) whose arrays "
+                              "live on it; close the manager instead, which closes its devices")
 
     def _cleanup_file(self):
         pass
@@ -325,6 +335,8 @@ class VirtualDevice(Device):
         return None
 
     def close(self):
+        if not self.closed:
+            self._refuse_if_owned()
         if not self.closed and self._reserved is not None:
             self._mm = self._reserved              # the heap keeps it until its last call
         self._reserved = None
@@ -496,6 +508,15 @@ class SlowDevice(Device):
             if not path:
                 raise DeviceError(f"slow_path is empty: pass None for a temporary file, a "
                                   f"directory or a new file name for the slow device ({size})")
+            if "\0" in path:
+                raise DeviceError(f"slow_path {path!r} contains a NUL character, which no file "
+                                  f"name can hold; pass a directory or a new file name for the "
+                                  f"slow device ({size})")
+            if path.endswith(("/", os.sep)) and not os.path.isdir(path):
+                # "dir/" names a directory: never create a file called "dir" in its place
+                raise DeviceError(f"cannot use slow_path {path!r} for the slow device ({size}): "
+                                  "it ends with '/', naming a directory, but there is no "
+                                  "directory there; create it, or drop the '/' for a new file")
         if path is None or os.path.isdir(path):
             directory = os.path.realpath(tempfile.gettempdir() if path is None else path)
             self._where = "a temporary file" if path is None else f"a file in {directory}"
@@ -639,10 +660,27 @@ class SlowDevice(Device):
                 ) from None
             if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
                 raise self._sizing_error(e) from None
-            try:
-                os.ftruncate(fd, max(have, self.size))
-            except OSError as e:
-                raise self._sizing_error(e) from None
+            self._write_zeros(fd, have)
+
+    def _write_zeros(self, fd, have):
+        """Reserve [have, size) by writing zeros where the file system cannot fallocate: a
+        file only grown by ftruncate has holes, and a page written into a hole on a full disk
+        faults the process (SIGBUS) instead of raising."""
+        zeros = memoryview(bytes(min(1 << 20, self.size)))
+        off = have
+        try:
+            while off < self.size:
+                wrote = os.pwrite(fd, zeros[:self.size - off], off)
+                if wrote <= 0:                      # never reached on a working file system
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                off += wrote
+        except OSError as e:
+            if e.errno == errno.ENOSPC:
+                raise DeviceError(
+                    f"not enough room for the slow device at {self.path!r} "
+                    f"({format_size(self.size)}); choose a smaller size or another path"
+                ) from None
+            raise self._sizing_error(e) from None
 
     def _sizing_error(self, e):
         """The DeviceError for a backing file that cannot grow to the device's size."""

@@ -3,6 +3,7 @@
 import decimal
 import fractions
 import math
+import numbers
 import operator
 import re
 import sys
@@ -39,8 +40,13 @@ def parse_size(value, what="size"):
         raise TypeError(f"{what} must be an int or a string like '256MiB', not a bool")
     if isinstance(value, int):
         n = value
-    elif isinstance(value, float):
-        if not math.isfinite(value):
+    elif isinstance(value, numbers.Real) and not isinstance(value, numbers.Integral):
+        # float, NumPy's float16...float128, Fraction: accepted when whole, like a float
+        try:
+            finite = math.isfinite(value)
+        except OverflowError:                       # a Fraction beyond any float: too large
+            finite = True
+        if not finite:
             raise ValueError(f"{what} must be a finite number of bytes, got {value!r}")
         if value != int(value):
             raise ValueError(f"{what} must be a whole number of bytes, got {value!r}")

@@ -446,3 +446,37 @@ def test_access_pins_several_arrays_and_reports_uses(m, make_manager):
     same(y, np.full(4, 2.0))
     with pytest.raises(TypeError, match="CachedArrays"):
         ca.access((np.ones(3),), ())
+
+
+@pytest.mark.parametrize("var,value,match", [
+    ("CACHEDARRAYS_FAST", "abc", "CACHEDARRAYS_FAST 'abc' is not a size"),
+    ("CACHEDARRAYS_FAST", "", "CACHEDARRAYS_FAST '' is not a size"),
+    ("CACHEDARRAYS_SLOW", "-1", "CACHEDARRAYS_SLOW '-1' is not a size"),
+    ("CACHEDARRAYS_SLOW", "1e40", "CACHEDARRAYS_SLOW '1e40' is absurdly large"),
+    ("CACHEDARRAYS_FAST", "0.5B", "CACHEDARRAYS_FAST '0.5B' is not a whole number"),
+])
+def test_a_bad_size_in_the_environment_names_the_variable(monkeypatch, var, value, match):
+    # the program never passed this size: the error must say where it came from
+    monkeypatch.setenv(var, value)
+    prev = ca.set_default_manager(None)
+    try:
+        with pytest.raises(ValueError, match=match):
+            ca.zeros(10)
+    finally:
+        ca.set_default_manager(prev)
+
+
+@pytest.mark.parametrize("var,value", [("CACHEDARRAYS_POLICY", "no-such-policy"),
+                                       ("CACHEDARRAYS_SLOW_PATH", "/no/such/dir/slow.heap")])
+def test_a_bad_default_manager_setting_is_traced_to_its_variable(monkeypatch, var, value):
+    monkeypatch.setenv("CACHEDARRAYS_FAST", "2MiB")
+    monkeypatch.setenv("CACHEDARRAYS_SLOW", "8MiB")
+    monkeypatch.setenv(var, value)
+    prev = ca.set_default_manager(None)
+    try:
+        with pytest.raises((ValueError, OSError)) as e:
+            ca.zeros(10)
+        notes = " ".join(getattr(e.value, "__notes__", []))
+        assert f"{var}={value!r}" in notes and "unset the variable" in notes
+    finally:
+        ca.set_default_manager(prev)

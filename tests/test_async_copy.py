@@ -387,3 +387,77 @@ def test_a_cancelled_jobs_callbacks_run_in_order(workers, monkeypatch):
     gate.release.set()
     blocker.result(T)
     assert w.drain(T) and seen == [1, 2]
+
+
+# ---- waiting for the workers from their own done callbacks -----------------------------------
+
+def test_done_callbacks_on_two_workers_may_both_shut_down(monkeypatch):
+    # each callback's shutdown used to join the other worker, itself stuck in its callback
+    w = ce.CopyWorkers(chunk=4096)
+    both = threading.Barrier(2, timeout=T)
+    src, dst = pair(20_000)
+    gate = Gate(monkeypatch, addr(dst), addr(dst) + 20_000)
+    returned = []
+
+    def stop(job):
+        both.wait()
+        w.shutdown()
+        returned.append(job.key)
+
+    for i, key in enumerate(("fast->slow", "slow->fast")):
+        job = w.submit(key, addr(dst) + 10_000 * i, addr(src) + 10_000 * i, 10_000)
+        job.add_done_callback(stop)                  # runs on the worker: the copy is gated
+    gate.release.set()
+    t = threading.Thread(target=w.shutdown, daemon=True)
+    t.start()
+    t.join(T)
+    assert not t.is_alive() and sorted(returned) == ["fast->slow", "slow->fast"]
+    assert np.array_equal(dst, src)
+
+
+def test_drain_from_a_done_callback_is_refused_not_a_hang(workers, monkeypatch):
+    w = workers(chunk=4096)
+    src, dst = pair(10_000)
+    got, ran = [], threading.Event()
+    gate = Gate(monkeypatch, addr(dst), addr(dst) + 1)
+
+    def drain(job):
+        try:
+            got.append(w.drain(T))
+        except RuntimeError as e:
+            got.append(e)
+        ran.set()
+
+    job = w.submit("k", addr(dst), addr(src), src.nbytes)
+    assert gate.reached.wait(T)
+    job.add_done_callback(drain)                      # runs on the worker
+    gate.release.set()
+    assert ran.wait(2 * T)
+    assert isinstance(got[0], RuntimeError) and "own done callbacks" in str(got[0])
+    assert w.drain(T)
+
+
+def test_waiting_from_a_done_callback_for_a_job_behind_it_is_refused(workers, monkeypatch):
+    w = workers(chunk=4096)
+    bufs = [pair(10_000, i) for i in range(3)]
+    gate = Gate(monkeypatch, addr(bufs[0][1]), addr(bufs[0][1]) + 1)
+    got, ran = [], threading.Event()
+
+    def wait_for_others(job):
+        for other in (later, elsewhere):
+            try:
+                got.append(other.wait(T))
+            except RuntimeError as e:
+                got.append(e)
+        ran.set()
+
+    first = w.submit("k", addr(bufs[0][1]), addr(bufs[0][0]), 10_000)
+    later = w.submit("k", addr(bufs[1][1]), addr(bufs[1][0]), 10_000)      # same worker
+    elsewhere = w.submit("j", addr(bufs[2][1]), addr(bufs[2][0]), 10_000)  # another worker
+    assert gate.reached.wait(T)
+    first.add_done_callback(wait_for_others)          # runs on the worker of "k"
+    gate.release.set()
+    assert ran.wait(2 * T)
+    assert isinstance(got[0], RuntimeError) and "add a done callback" in str(got[0])
+    assert got[1] is True
+    assert w.drain(T) and all(np.array_equal(s, d) for s, d in bufs)

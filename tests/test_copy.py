@@ -6,6 +6,8 @@ import sys
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from cachedarrays import copyengine as ce
 from cachedarrays._native import ffi
@@ -178,6 +180,23 @@ def test_thread_and_threshold_settings():
     with pytest.raises(ValueError):
         ce.set_nt_threshold(-5)
     ce.copy(0, 0, 0)                              # zero bytes never touch memory
+
+
+@given(big=st.integers(min_value=1 << 64, max_value=1 << 200))
+@settings(max_examples=25, deadline=None)
+def test_a_count_too_large_is_refused_naming_the_upper_bound(big):
+    # "must be >= 1, got 2**64" would contradict itself: the message names the range
+    buf = np.zeros(64, np.uint8)
+    workers = ce.CopyWorkers(chunk=big)
+    calls = [lambda: ce.set_threads(big), lambda: ce.copy(addr(buf), addr(buf) + 32, 8, big),
+             lambda: ce.calibrate(big), lambda: ce.calibrate(1 << 20, big),
+             lambda: workers.submit("a", addr(buf), addr(buf) + 32, 8)]
+    try:
+        for call in calls:
+            with pytest.raises(ValueError, match=r"in \[1, 2\*\*64\), got " + str(big)):
+                call()
+    finally:
+        workers.shutdown()
 
 
 def test_calibration_sets_the_thread_count_that_later_copies_keep(monkeypatch):

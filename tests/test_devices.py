@@ -158,3 +158,46 @@ def test_size_zero_fast_device_sends_everything_to_slow(make_manager):
     assert m.stats()["events"]["prefetch_refused"]["count"] == 1
     with pytest.raises(OutOfMemoryError, match="no memory"):
         m.fast.alloc(10, 1)
+
+
+def _managers_with_devices(tmp_path):
+    """(manager, device names) for every way a manager gets its devices."""
+    yield ca.Manager(fast="1MiB", slow="4MiB", slow_path=str(tmp_path / "slow.heap")), \
+        ["fast", "slow"]
+    yield ca.Manager(fast=ca.DRAM("1MiB"), slow=ca.SlowDevice("4MiB", path=str(tmp_path))), \
+        ["fast", "slow"]
+    yield ca.Manager(tiers=[("dram", "1MiB"), ("pmem", "2MiB"), ("ssd", "4MiB")]), \
+        ["dram", "pmem", "ssd"]
+    yield ca.Manager(fast="1MiB", slow="4MiB", virtual=True), ["fast", "slow"]
+
+
+def test_a_device_of_an_open_manager_cannot_be_closed_under_it(tmp_path):
+    for m, names in _managers_with_devices(tmp_path):
+        virtual = m.devices[names[0]].virtual
+        xs = [] if virtual else [ca.zeros(1000, manager=m) for _ in names]   # no data there
+        for x, name in zip(xs, names):
+            ca.evict(x, to=name) if name != names[0] else ca.prefetch(x)
+        for name in names:
+            dev = m.devices[name]
+            with pytest.raises(DeviceError, match="open manager") as e:
+                dev.close()
+            assert repr(name) in str(e.value) and "close the manager" in str(e.value)
+            assert not dev.closed and dev.heap is not None
+        named = m.devices[names[1]].path
+        if named == str(tmp_path / "slow.heap"):
+            assert os.path.exists(named)     # still the device's file
+        for x in xs:                         # the manager still works on every device
+            assert float(x.sum()) == 0.0
+            ca.unsafe_free(x)
+        m.check()
+        m.close()
+        for name in names:
+            assert m.devices[name].closed
+            m.devices[name].close()          # closed with its manager: a no-op now
+    assert os.listdir(tmp_path) == []
+    dev = ca.DRAM("1MiB")                    # given back by a manager that failed: closable
+    with pytest.raises(ValueError):
+        ca.Manager(fast=dev, slow="1MiB", policy="no-such-policy")
+    dev.close()
+    assert dev.closed
+

@@ -1,9 +1,12 @@
 """Sizes: every bad size is a ValueError naming the parameter; exact sizes parse exactly."""
 
+import fractions
 import math
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import cachedarrays as ca
 from cachedarrays.sizes import MAX_SIZE
@@ -60,3 +63,29 @@ def test_peta_and_exa_sizes_parse(text, want):
 def test_sizes_past_the_limit_are_too_large_not_unknown(text):
     with pytest.raises(ValueError, match="absurdly large"):
         ca.parse_size(text)
+
+
+FLOATS = [np.float16, np.float32, np.float64, np.longdouble, float, fractions.Fraction]
+
+
+@given(n=st.integers(min_value=0, max_value=31), kind=st.sampled_from(FLOATS))
+@settings(max_examples=60, deadline=None)
+def test_a_whole_size_of_any_float_type_is_its_int(n, kind):
+    # a size computed with NumPy floats is as good as a Python float
+    assert ca.parse_size(kind(n * 32), "fast") == n * 32
+    with pytest.raises(ValueError, match="fast must be a whole number of bytes"):
+        ca.parse_size(kind(n * 32) + kind(1) / kind(2), "fast")     # exact even in float16
+
+
+@pytest.mark.parametrize("kind", FLOATS[:-1])
+def test_a_float_size_that_is_no_number_is_refused_for_every_float_type(kind):
+    for bad in (kind("nan"), kind("inf")):
+        with pytest.raises(ValueError, match="slow must be a finite number of bytes"):
+            ca.parse_size(bad, "slow")
+    with pytest.raises(ValueError, match="fast must not be negative"):
+        ca.parse_size(kind(-4096), "fast")
+
+
+def test_a_fraction_beyond_any_float_is_too_large():
+    with pytest.raises(ValueError, match="absurdly large"):
+        ca.parse_size(fractions.Fraction(10**400), "slow")

@@ -14,6 +14,8 @@ import textwrap
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import cachedarrays as ca
 from cachedarrays import devices
@@ -364,3 +366,76 @@ def test_new_file_in_an_unwritable_directory_is_reported(tmp_path, monkeypatch):
     with pytest.raises(DeviceError, match="Permission denied.*writable path") as e:
         devices.SlowDevice("1MiB", path=str(p))
     assert str(p) in str(e.value)
+
+
+# ---- path text that names no file ----------------------------------------------------------
+
+@pytest.mark.parametrize("as_bytes", [False, True])
+@pytest.mark.parametrize("where", ["missing/", "missing//", "missing/sub/", "sub/./"])
+def test_a_path_ending_in_a_slash_names_a_directory_that_must_exist(tmp_path, where, as_bytes):
+    # "missing/" must not become a file called "missing"
+    path = str(tmp_path) + "/" + where
+    with pytest.raises(DeviceError, match="ends with '/'") as e:
+        devices.SlowDevice("1MiB", path=os.fsencode(path) if as_bytes else path)
+    assert "1.0 MiB" in str(e.value) and "create it" in str(e.value)
+    assert os.listdir(tmp_path) == []
+    (tmp_path / where.strip("/.")).mkdir(parents=True)       # once it exists, it is used
+    dev = devices.SlowDevice("1MiB", path=os.fsencode(path) if as_bytes else path)
+    try:
+        assert os.path.dirname(dev.path) == str(tmp_path / where.strip("/."))
+    finally:
+        dev.close()
+
+
+@given(prefix=st.text(alphabet="abc.-_", max_size=6), suffix=st.text(alphabet="abc/", max_size=6),
+       as_bytes=st.booleans())
+@settings(max_examples=40, deadline=None)
+def test_a_nul_in_the_path_is_refused_naming_slow_path(tmp_path_factory, prefix, suffix, as_bytes):
+    d = tmp_path_factory.mktemp("nul")
+    path = str(d / prefix) + "\0" + suffix
+    with pytest.raises(DeviceError, match="NUL character") as e:
+        devices.SlowDevice("1MiB", path=os.fsencode(path) if as_bytes else path)
+    assert "slow_path" in str(e.value) and "1.0 MiB" in str(e.value)
+    assert os.listdir(d) == []
+
+
+# ---- room reserved up front without fallocate ----------------------------------------------
+
+def _no_fallocate(monkeypatch, code):
+    def fallocate(fd, offset, length):
+        raise OSError(code, os.strerror(code))
+    monkeypatch.setattr(devices.os, "posix_fallocate", fallocate)
+
+
+@pytest.mark.parametrize("code", [errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS])
+@pytest.mark.parametrize("size", [4097, 1 << 16, (3 << 20) + 256])
+def test_without_fallocate_every_block_of_the_file_is_written(tmp_path, monkeypatch, code, size):
+    # a file only grown by ftruncate has holes: a page written into one on a full disk is a SIGBUS
+    _no_fallocate(monkeypatch, code)
+    p = tmp_path / "slow.heap"
+    dev = devices.SlowDevice(size, path=str(p))
+    try:
+        st = os.stat(p)
+        assert st.st_size == size and st.st_blocks * 512 >= size
+    finally:
+        dev.close()
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("named", [False, True])
+def test_without_fallocate_a_full_disk_is_refused_and_nothing_left(tmp_path, monkeypatch, named):
+    _no_fallocate(monkeypatch, errno.EOPNOTSUPP)
+    real_pwrite, written = os.pwrite, []
+
+    def pwrite(fd, data, offset):              # the disk fills up after the first 4 KiB
+        if written:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        written.append(offset)
+        return real_pwrite(fd, data[:4096], offset)
+
+    monkeypatch.setattr(devices.os, "pwrite", pwrite)
+    path = tmp_path / "slow.heap" if named else tmp_path
+    with pytest.raises(DeviceError, match="not enough room") as e:
+        devices.SlowDevice("8MiB", path=str(path))
+    assert "8.0 MiB" in str(e.value) and str(tmp_path) in str(e.value)
+    assert os.listdir(tmp_path) == []
