@@ -327,13 +327,22 @@ def available_memory():
     return None
 
 
-def check_memory(p, need, flags):
-    """p.error when a run needs more than the available memory, naming the flags to lower."""
+def memory_shortfall(need, flags):
+    """The usage error when a run needs more than the available memory (naming the flags to
+    lower), or None when it fits or the available memory is unknown."""
     have = available_memory()
     if have is not None and need > have:
         from cachedarrays.sizes import format_size
-        p.error(f"{flags}: the run needs about {format_size(need)} of memory and "
+        return (f"{flags}: the run needs about {format_size(need)} of memory and "
                 f"{format_size(have)} is available; choose smaller values")
+    return None
+
+
+def check_memory(p, need, flags):
+    """p.error when a run needs more than the available memory, naming the flags to lower."""
+    message = memory_shortfall(need, flags)
+    if message:
+        p.error(message)
 
 
 def check_peer(p, module="torch", extra="peer"):

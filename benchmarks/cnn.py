@@ -657,6 +657,13 @@ def run_setups(args, model):
         tmp.cleanup()
 
 
+def memory_need(models, peer=None):
+    """Bytes the largest of ``models`` touches in a training iteration (models run one after
+    another), twice that with a peer training the same model beside ours."""
+    need = max(m.footprint_estimate() for m in models)
+    return 2 * need if peer else need
+
+
 def main(argv=None):
     args = parse_args(argv)
     try:
@@ -669,6 +676,11 @@ def main(argv=None):
                     cnn.check_setup(x.strip())
     except ValueError as e:                 # bad --models or --setup: a usage error
         print(f"{_common.SCRIPT}: error: {e}", file=sys.stderr)
+        return 2
+    short = _common.memory_shortfall(memory_need(built, args.peer),
+                                     "--batch, --image, --channels, --classes and --width")
+    if short:                               # checked before anything is allocated
+        print(f"{_common.SCRIPT}: error: {short}", file=sys.stderr)
         return 2
     _set_threads(args.backend, args.threads)
     print(machine())

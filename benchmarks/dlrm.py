@@ -145,6 +145,29 @@ def _manager_for(cfg, table_kind, cache):
     return ca.Manager(fast=max(fast, 64 << 20), slow=max(2 * tables, 64 << 20))
 
 
+def memory_need(cfg, table_kinds, iterations, cache, peer=None):
+    """Bytes a run touches, about: per kind its tables (a slow base and a fast pool of
+    ``cache`` + slack of each, or the whole table in fast memory) and dense layers, the
+    ``iterations + 1`` batches, and the peer's tables with their sparse gradients."""
+    tables = cfg.table_bytes
+    # activations, their gradients and temporaries: a few float32 per sample and width
+    dense = 4 * cfg.batch_size * (cfg.interaction_width + (cfg.ntables + 1) * cfg.featuresize
+                                  + sum(cfg.bottom) + sum(cfg.top)) * 4
+    params = 4 * 4 * sum(a * b for a, b in zip((cfg.dense_features,) + cfg.bottom, cfg.bottom))
+    params += 4 * 4 * sum(a * b for a, b in zip((cfg.interaction_width,) + cfg.top, cfg.top))
+    need = 0
+    for kind in table_kinds:
+        need += dense + params + 16 * max(cfg.table_sizes)       # update histograms
+        need += tables
+        if kind in ("static", "dynamic"):
+            need += int(tables * min(1.0, cache + 0.05))          # the page pools
+    per_batch = cfg.batch_size * (cfg.ntables * (cfg.bag_size + 1) * 8 + cfg.dense_features * 4 + 4)
+    need += (iterations + 1) * per_batch
+    if peer:
+        need += 3 * tables + dense + params                     # its tables, a copy, gradients
+    return need
+
+
 def _timed(step, batch, times):
     t = time.perf_counter()
     loss = step(batch)
@@ -386,11 +409,6 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.iterations < 3:
         p.error("--iterations must be at least 3 (medians of >= 3 samples)")
-    if args.peer:
-        _common.check_peer(p, args.peer)
-    if args.peer == "torch":
-        import torch  # noqa: F401  (loaded before the thread limit so it applies to its pool)
-    _common.apply_threads(args.threads)
     d = dict(DEFAULTS[args.config])
     for key in ("scale", "width_scale", "batch_size"):
         if getattr(args, key) is not None:
@@ -398,6 +416,14 @@ def main(argv=None):
     cfg = configs.get_config(args.config, **d)
     if args.lr is not None:
         cfg = cfg.with_(lr=args.lr)
+    _common.check_memory(p, memory_need(cfg, args.table_kinds, args.iterations, args.cache,
+                                        args.peer),
+                         "--scale, --width-scale, --batch-size, --iterations and --table-kinds")
+    if args.peer:
+        _common.check_peer(p, args.peer)
+    if args.peer == "torch":
+        import torch  # noqa: F401  (loaded before the thread limit so it applies to its pool)
+    _common.apply_threads(args.threads)
     print(_common.machine())
     print(_common.thread_line())
     print(f"backend {args.backend}; config {cfg.name} scale {d['scale']} width_scale "

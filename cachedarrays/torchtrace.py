@@ -6,7 +6,9 @@ CPU under a ``TorchDispatchMode`` and records every aten op as one kernel of the
 * objects are tensor *storages* (views share their storage, so a view is the same object);
   an object is allocated when first seen (before the kernel that first uses it) and freed when
   its storage dies. A sparse tensor is the storages of its index and value tensors (a sparse
-  gradient ``grad:<param name>`` is ``grad:<param name>.indices`` and ``.values``);
+  gradient ``grad:<param name>`` is ``grad:<param name>.indices`` and ``.values``), a jagged
+  nested tensor (``layout=torch.jagged``) those of its values, offsets and lengths (an input
+  ``input:<i>`` is ``input:<i>.values`` ...) and a strided nested tensor its one buffer;
 * a kernel reads the storages of its tensor arguments and writes the storages of its new outputs
   and of the arguments it mutates (in-place and ``out=`` ops: schema ``alias_info.is_write``),
   which it also reads. An op that only makes views (``t``, ``view``, ``detach``, ``expand`` ...)
@@ -96,6 +98,7 @@ class _Recorder:
     def __init__(self, torch, prenamed, weak):
         self.Tensor = torch.Tensor
         self.strided = torch.strided
+        self.jagged = getattr(torch, "jagged", None)
         self.prenamed = prenamed      # storage key -> sid (parameters, buffers, inputs)
         self.weak = weak              # storages weakref-able (else keyed by data_ptr+nbytes)
         self.events = []              # as Trace events, with internal ids for sids
@@ -159,6 +162,8 @@ class _Recorder:
 
     def _key(self, t):
         """(storage key, storage) of tensor t, or (None, None) if it has no data storage."""
+        if t.layout is self.jagged:
+            return None, None            # a wrapper: its parts hold the data (see parts)
         try:
             s = t.untyped_storage()
         except (RuntimeError, NotImplementedError, TypeError):   # sparse, nested, wrappers
@@ -175,12 +180,24 @@ class _Recorder:
             raise ValueError(f"from_torch records CPU runs only, but an op used a tensor on "
                              f"{t.device}: move the model, the inputs and every tensor the loss "
                              f"uses to the CPU first (model.to('cpu'))")
-        return s.data_ptr() != 0 or s.nbytes() == 0
+        try:
+            return s.data_ptr() != 0 or s.nbytes() == 0
+        except RuntimeError as e:        # a wrapper subclass: its storage holds no data
+            raise ValueError(
+                f"from_torch records tensors that hold their data, but an op used a "
+                f"{type(t).__name__} of shape {tuple(t.shape)} (layout {t.layout}) whose "
+                f"storage holds none ({e}); pass plain, sparse or nested tensors") from None
 
     def parts(self, t):
-        """(role, tensor) of the tensors holding a sparse tensor's data; [] for a strided one."""
+        """(role, tensor) of the tensors holding a sparse or jagged nested tensor's data; []
+        for a strided one (a strided nested tensor too: one buffer holds its data)."""
         if t.layout is self.strided:
             return []
+        if t.layout is self.jagged:      # attributes, not ops: nothing is dispatched
+            return [(role, part) for role, part in (("values", t._values),
+                                                    ("offsets", t._offsets),
+                                                    ("lengths", t._lengths))
+                    if part is not None]
         names = _SPARSE_PARTS.get(str(t.layout).rpartition(".")[2], ())
         return [(role, getattr(t, method)()) for role, method in names]
 
@@ -217,7 +234,10 @@ class _Recorder:
         short = str(func.overloadpacket)
         if short.startswith("aten."):
             short = short[5:]
-        info = (str(func), f"act:{short}", f"ext:{short}", written)
+        # prim:: and sym_* ops (layout, sizes of a wrapper such as a jagged nested tensor)
+        # read metadata only: like a view op, a kernel that touches no data
+        metadata = func.namespace == "prim" or short.startswith("sym_")
+        info = (str(func), f"act:{short}", f"ext:{short}", written, metadata)
         self.info[func] = info
         return info
 
@@ -235,7 +255,13 @@ class _Recorder:
             info = self._op_info(func)
         if info is None:
             return                       # profiler markers (record_function): not kernels
-        name, act, ext, written = info
+        name, act, ext, written, metadata = info
+        if metadata:
+            k = len(self.kernels)
+            self.kernels.append((name, (), ()))
+            self.times.append(seconds)
+            self.events += (("kernel", k), ("end", k))
+            return
         Tensor = self.Tensor
         reads = {}
         strided = self.strided

@@ -408,7 +408,9 @@ def test_done_callbacks_on_two_workers_may_both_shut_down(monkeypatch):
         job = w.submit(key, addr(dst) + 10_000 * i, addr(src) + 10_000 * i, 10_000)
         job.add_done_callback(stop)                  # runs on the worker: the copy is gated
     gate.release.set()
-    t = threading.Thread(target=w.shutdown, daemon=True)
+    # a third shutdown at the same time; cancel=False: a job its worker had not yet started
+    # (a loaded machine) must still copy, for the data check below
+    t = threading.Thread(target=w.shutdown, kwargs={"cancel": False}, daemon=True)
     t.start()
     t.join(T)
     assert not t.is_alive() and sorted(returned) == ["fast->slow", "slow->fast"]

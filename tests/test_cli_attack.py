@@ -522,3 +522,46 @@ def test_an_unwritable_results_file_is_named_once_and_the_figures_still_print(
     assert "goal g: 1.50x" in out and "h: 2.00x" in out
     assert err.count("cannot append to CA_BENCH_RESULTS") == 1
     assert "CA_BENCH_RESULTS" not in os.environ
+
+
+class _Started(Exception):
+    pass
+
+
+def _main_of(script, monkeypatch, available):
+    """benchmarks/<script>.py's main, seeing ``available`` bytes of memory, whose run raises
+    _Started instead of running."""
+    bench = load_benchmark(script)
+    monkeypatch.setattr(bench._common, "available_memory", lambda: available)
+
+    def started(*args, **kwargs):
+        raise _Started
+
+    monkeypatch.setattr(bench, "run" if script == "dlrm" else "run_setups", started)
+    return bench.main
+
+
+@pytest.mark.parametrize("script, argv, flag", [
+    ("dlrm", ["--scale", "1000"], "--scale"),
+    ("dlrm", ["--config", "tiny", "--batch-size", "100000000"], "--batch-size"),
+    ("dlrm", ["--config", "tiny", "--iterations", "100000000"], "--iterations"),
+    ("dlrm", ["--config", "tiny", "--width-scale", "100000"], "--width-scale"),
+    ("cnn", ["--batch", "100000"], "--batch"),
+    ("cnn", ["--image", "100000"], "--image"),
+    ("cnn", ["--channels", "10000000"], "--channels"),
+    ("cnn", ["--classes", "10000000000"], "--classes"),
+    ("cnn", ["--width", "0.0001"], "--width"),
+])
+def test_dlrm_and_cnn_sizes_beyond_the_available_memory_are_usage_errors(
+        script, argv, flag, monkeypatch, capsys):
+    main = _main_of(script, monkeypatch, 8 << 30)
+    with pytest.raises(_Started):           # the defaults fit in 8 GiB and start the run
+        main(["--no-progress"] if script == "dlrm" else ["--no-progress", "--setup", "LM"])
+    capsys.readouterr()
+    try:
+        rc = main(argv + ["--no-progress"])
+    except SystemExit as e:                 # argparse's p.error
+        rc = e.code
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert rc == 2
+    assert "error:" in err and flag in err and "needs about" in err and "8.0 GiB is available" in err

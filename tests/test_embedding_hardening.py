@@ -9,6 +9,7 @@ import threading
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 import cachedarrays as ca
 from cachedarrays.models.dlrm import embedding as E
@@ -495,3 +496,139 @@ def test_update_histograms_of_a_large_table_can_be_released(m):
     t.update(np.arange(8), None, np.ones((8, 1), np.float32), 0.1)     # allocated afresh
     assert np.allclose(t[3], t.snapshot()[3])
     K.release_buffers()
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(n=st.integers(1, 200), fs=st.integers(1, 8), over=st.integers(1, 10**6),
+       frac=st.floats(1.0, 1e6, exclude_min=True), which=st.sampled_from(["cachelower", "cacheslack"]))
+def test_a_cache_size_above_the_whole_table_is_refused_naming_the_largest(m, n, fs, over, frac,
+                                                                          which):
+    t = E.CachedEmbeddingTable(n, fs, manager=m, cachelower=1.0, cacheslack=1.0, name="big")
+    whole = n * t.rowbytes
+    assert t.cachelower == whole and t.cacheslack == whole          # the largest is accepted
+    setter = getattr(t, f"set_{which}")
+    for value, largest in ((frac, "the largest is 1.0"), (whole + over, f"the largest is {whole:,}"),
+                           (f"{whole + over}B", f"the largest is {whole:,}")):
+        with pytest.raises(ValueError, match=f"'big': {which} .*more than the whole table.*{largest}"):
+            E.CachedEmbeddingTable(n, fs, manager=m, name="big", **{which: value})
+        with pytest.raises(ValueError, match=f"'big': {which} .*{largest}"):
+            setter(value)
+        assert t.cachelower == whole and t.cacheslack == whole      # the sizes are kept
+
+
+def _pair(m, kinds, dtypes, fs=(4, 4)):
+    return [E.make_table(k, 50, f, d, manager=m, cache=1.0, init=_init(50, f).astype(d),
+                         name=f"{k}{i}")
+            for i, (k, d, f) in enumerate(zip(kinds, dtypes, fs))]
+
+
+@pytest.mark.parametrize("kinds", [("simple", "dynamic"), ("static", "dynamic"),
+                                   ("dynamic", "dynamic"), ("fast", "static")])
+@pytest.mark.parametrize("case, call, error, message", [
+    ("two dtypes", "both", TypeError, "'t1': dtype float64 differs from 't0''s float32; an "
+                                      "ensemble needs one dtype"),
+    ("block dtype", "both", TypeError, "'t0': (out|dout) dtype float64 differs from the table's float32"),
+    ("overlap", "lookup", ValueError, r"tables 't0' \(columns 0..4\) and 't1' \(columns 2..6\) "
+                                      "overlap in out"),
+    ("fraction", "both", TypeError, r"column_offsets must be whole numbers .*got \[0.0, 4.5\]"),
+    ("past the end", "both", ValueError, r"'t1': columns 5..9 do not fit in an output of width 8"),
+])
+def test_an_ensemble_refused_for_its_dtypes_or_columns_changes_no_table(m, kinds, case, call,
+                                                                        error, message):
+    dtypes = (np.float32, np.float64) if case == "two dtypes" else (np.float32, np.float32)
+    ts = _pair(m, kinds, dtypes)
+    for k, t in enumerate(ts):
+        t.name = f"t{k}"
+    cols = {"overlap": [0, 2], "fraction": [0.0, 4.5], "past the end": [0, 5]}.get(case)
+    block = np.full((3, 8), 0.5, np.float64 if case == "block dtype" else np.float32)
+    idx, off = [np.arange(3), np.arange(3)], [None, None]
+    before = [(t.snapshot(), t.stats()) for t in ts]
+    if call == "both":
+        with pytest.raises(error, match=message):
+            E.update_tables(ts, idx, off, block, 0.5, cols)
+    with pytest.raises(error, match=message):
+        E.lookup_tables(ts, idx, off, block, cols)
+    assert (block == 0.5).all()                                 # out untouched
+    for t, (snap, stats) in zip(ts, before):
+        assert np.array_equal(t.snapshot(), snap), t.name
+        assert t.stats() == stats, t.name
+    if case != "two dtypes":                                    # a good call runs
+        E.update_tables(ts, idx, off, np.ones((3, 8), np.float32), 0.5, [4, 0])
+        assert not np.array_equal(ts[0].snapshot(), before[0][0])
+
+
+_INDEX_DTYPES = [np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32, np.int64,
+                 np.uint64, ">i8"]
+
+
+@settings(max_examples=30, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(data=st.data())
+def test_ensembles_of_any_tables_indices_and_column_layout_match_numpy(m, data):
+    nt = data.draw(st.integers(1, 4), "tables")
+    pool = _pair(m, ["fast", "simple", "static", "dynamic"], [np.float32] * 4,
+                 fs=data.draw(st.lists(st.integers(1, 5), min_size=4, max_size=4), "fs"))
+    pick = data.draw(st.lists(st.integers(0, 3), min_size=nt, max_size=nt), "picks")
+    tables = [pool[k] for k in pick]                        # a table may come twice
+    want = {id(t): t.snapshot().astype(np.float64) for t in tables}
+    nbags = data.draw(st.integers(0, 6), "bags")
+    order = data.draw(st.permutations(range(nt)), "order")
+    gaps = data.draw(st.lists(st.integers(0, 2), min_size=nt, max_size=nt), "gaps")
+    cols, c = [0] * nt, 0
+    for k, g in zip(order, gaps):                           # any order, with gaps
+        cols[k], c = c + g, c + g + tables[k].featuresize
+    width = c + data.draw(st.integers(0, 2), "extra")
+    idx_list, off_list, ref_idx, ref_off = [], [], [], []
+    for t in tables:
+        sizes = data.draw(st.lists(st.integers(0, 3), min_size=nbags, max_size=nbags))
+        off = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+        idx = np.array(data.draw(st.lists(st.integers(0, t.nvectors - 1), min_size=sum(sizes),
+                                          max_size=sum(sizes))), dtype=np.int64)
+        dt = data.draw(st.sampled_from(_INDEX_DTYPES))
+        form = data.draw(st.sampled_from(["plain", "strided", "read-only", "list"]))
+        i = idx.astype(dt)
+        if form == "strided":
+            i = np.repeat(i, 2)[::2]
+        elif form == "read-only":
+            i.flags.writeable = False
+        elif form == "list":
+            i = i.tolist()
+        one = all(s == 1 for s in sizes)
+        idx_list.append(i)
+        off_list.append(None if one and data.draw(st.booleans()) else off)
+        ref_idx.append(idx)
+        ref_off.append(off)
+    out = np.full((nbags, width), 7.0, np.float32)
+    E.lookup_tables(tables, idx_list, off_list, out, cols)
+    expect = np.full((nbags, width), 7.0)
+    for t, c, idx, off in zip(tables, cols, ref_idx, ref_off):
+        ends = np.append(off[1:], len(idx))[:nbags] if nbags else off
+        for b in range(nbags):
+            expect[b, c:c + t.featuresize] = want[id(t)][idx[off[b]:ends[b]]].sum(0)
+    assert np.allclose(out, expect, atol=1e-4)
+    dout = np.asarray(data.draw(st.lists(st.floats(-2, 2, width=32), min_size=nbags * width,
+                                         max_size=nbags * width)), np.float32)
+    dout = dout.reshape(nbags, width)
+    E.update_tables(tables, idx_list, off_list, dout, 0.5, cols)
+    for t, c, idx, off in zip(tables, cols, ref_idx, ref_off):  # in turn, as documented
+        ends = np.append(off[1:], len(idx))[:nbags] if nbags else off
+        for b in range(nbags):
+            for r in idx[off[b]:ends[b]]:
+                want[id(t)][r] -= 0.5 * dout[b, c:c + t.featuresize]
+    for t in tables:
+        assert np.allclose(t.snapshot(), want[id(t)], atol=1e-3), t.name
+
+
+@pytest.mark.parametrize("kind", ["fast", "simple", "static", "dynamic"])
+@pytest.mark.parametrize("empty", [[], ()])
+def test_an_empty_list_of_indices_or_offsets_is_an_empty_batch(m, kind, empty):
+    t = E.make_table(kind, 50, 2, manager=m, cache=1.0)
+    before = t.snapshot()
+    assert np.array_equal(t.lookup(empty, None, np.zeros((0, 2), np.float32)), np.zeros((0, 2)))
+    assert np.array_equal(t.lookup(empty, [0, 0], np.ones((2, 2), np.float32)), np.zeros((2, 2)))
+    assert t.update(empty, empty, np.zeros((0, 2), np.float32), 0.1).size == 0
+    out = np.ones((1, 4), np.float32)
+    E.lookup_tables([t, t], [empty, empty], [[0], [0]], out)
+    assert np.array_equal(out, np.zeros((1, 4)))
+    E.update_tables([t, t], [empty, empty], [[0], [0]], np.ones((1, 4), np.float32), 0.1)
+    assert np.array_equal(t.snapshot(), before)

@@ -393,3 +393,83 @@ def test_a_planning_policy_runs_a_program_whose_first_steps_run_no_kernel(policy
                 np.multiply(a, 2.0, out=o)
             del h
             ca.mark_step(m)
+
+
+# ---- nested tensors ---------------------------------------------------------------------------
+
+class _Jagged(nn.Module):
+    """A plain input made a jagged nested tensor inside the model (an intermediate value)."""
+
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(8, 4)
+
+    def forward(self, x):
+        offsets = torch.tensor([0, 2, 6])
+        return self.l(torch.nested.nested_tensor_from_jagged(x, offsets))
+
+
+def _jagged_total(out):
+    return out.values().square().sum()
+
+
+@pytest.mark.parametrize("where", ["input", "intermediate"])
+def test_a_jagged_nested_tensor_is_read_through_its_parts(where, tmp_path):
+    torch.manual_seed(0)
+    if where == "input":
+        x = torch.nested.as_nested_tensor([torch.randn(2, 8), torch.randn(4, 8)],
+                                          layout=torch.jagged)
+        model = nn.Linear(8, 4)
+    else:
+        x, model = torch.randn(6, 8), _Jagged()
+    t = from_torch(model, x, _jagged_total, steps=2)
+    consumable(t, tmp_path)
+    if where == "input":
+        assert t.objects["input:0.values"] == 6 * 8 * 4
+        assert t.objects["input:0.offsets"] == 3 * 8
+    linear = [k for k in t.kernels if k[0] == "aten.linear.default"]
+    assert len(linear) == 2                                     # one per step
+    for _, reads, writes in linear:
+        layer = "param:" if where == "input" else "param:l."
+        assert {layer + "weight", layer + "bias"} <= set(reads)
+        assert "input:0.values" in reads if where == "input" else any(
+            s.startswith(("input:0", "act:")) for s in reads)
+        assert [t.objects[s] for s in writes] == [6 * 4 * 4]     # the output's values
+    meta = [k for k in t.kernels if k[0].startswith(("prim.", "aten.sym_"))]
+    assert all(k[1:] == ((), ()) for k in meta)                  # metadata reads no data
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+def test_a_strided_nested_tensor_is_its_buffer(tmp_path):
+    torch.manual_seed(0)
+    x = torch.nested.nested_tensor([torch.randn(2, 8), torch.randn(4, 8)])
+    t = from_torch(nn.Linear(8, 4), x, lambda o: sum(p.square().sum() for p in o.unbind()),
+                   steps=2)
+    consumable(t, tmp_path)
+    assert t.objects["input:0"] == 6 * 8 * 4
+    assert any("input:0" in r for _, r, _ in t.kernels)
+
+
+class _NoData(torch.Tensor):
+    """A wrapper subclass with no data of its own (its storage holds none)."""
+
+    @staticmethod
+    def __new__(cls, inner):
+        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype)
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        unwrap = lambda a: a.inner if isinstance(a, _NoData) else a     # noqa: E731
+        return func(*[unwrap(a) for a in args],
+                    **{k: unwrap(v) for k, v in (kwargs or {}).items()})
+
+
+def test_a_tensor_whose_storage_holds_no_data_is_refused_by_name():
+    model = mlp()
+    before = copy.deepcopy(model)
+    with pytest.raises(ValueError, match=r"_NoData of shape \(6, 8\) .*storage holds none"):
+        from_torch(model, _NoData(X), total, steps=1)
+    untouched(model, before)

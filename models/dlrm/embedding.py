@@ -637,27 +637,37 @@ class SimpleTable(EmbeddingTable):
 
 
 def _size_to_rows(value, total_rows, rowbytes, what, name):
-    """A cache size as rows: a float is a fraction of the table, an int or string is bytes."""
+    """A cache size as rows: a float is a fraction of the table, an int or string is bytes.
+    A size above the whole table is refused, not cut down, so a mistyped size is not lost."""
     if isinstance(value, (float, np.floating)):
         if not 0.0 <= value or not math.isfinite(value):
             raise ValueError(f"table {name!r}: {what} fraction must be a finite number >= 0 "
                              f"(1.0 is the whole table), got {value}")
+        if value > 1.0:
+            raise ValueError(f"table {name!r}: {what} fraction {value} is more than the whole "
+                             f"table; the largest is 1.0 (a byte size is an int or '64MiB')")
         return min(total_rows, int(np.ceil(float(value) * total_rows)))
     try:
         nbytes = ca.parse_size(value)
     except (TypeError, ValueError) as e:
         raise ValueError(f"table {name!r}: {what} must be a fraction of the table (float) or a "
                          f"size in bytes (int or '64MiB'), got {value!r}") from e
-    return min(total_rows, -(-nbytes // rowbytes))
+    if nbytes > total_rows * rowbytes:
+        raise ValueError(f"table {name!r}: {what} of {nbytes:,} bytes is more than the whole "
+                         f"table ({total_rows:,} rows x {rowbytes} bytes = "
+                         f"{total_rows * rowbytes:,} bytes); the largest is "
+                         f"{total_rows * rowbytes:,} (or 1.0)")
+    return -(-nbytes // rowbytes)
 
 
 class CachedEmbeddingTable(EmbeddingTable):
     """Base rows in slow memory, a per-row cache of fixed-size pages in fast memory (§5.4).
 
-    ``cachelower`` / ``cacheslack`` are fractions of the table (float) or bytes (int or
-    "64MiB"). The page pool is one fast CachedArray of ``ceil((lower + slack) / page)`` pages,
-    reserved up front; flushing frees whole pages, oldest first, until at most ``cachelower``
-    bytes of pages remain. ``caching`` is "dynamic" (cache on every FORWARD access) or "static"
+    ``cachelower`` / ``cacheslack`` are fractions of the table (float, at most 1.0) or bytes
+    (int or "64MiB", at most the table's bytes); a larger size is refused. The page pool is one
+    fast CachedArray of ``ceil(min(lower + slack, table) / page)`` pages, reserved up front;
+    flushing frees whole pages, oldest first, until at most ``cachelower`` bytes of pages
+    remain. ``caching`` is "dynamic" (cache on every FORWARD access) or "static"
     (``prepopulate`` once, then never cache more). The base is created and filled directly
     in slow memory (a ``placement="slow"`` allocation), so building a table evicts nothing.
 
@@ -1259,13 +1269,36 @@ def make_table(kind, nvectors, featuresize, dtype=np.float32, *, manager=None, c
     return t
 
 
-def _columns(tables, column_offsets):
+def _columns(tables, column_offsets, width, what):
+    """Each table's first column in ``out`` / ``dout`` (default: packed in order), checked
+    before any table is touched: whole numbers, every block inside the width and, in
+    ``out``, no two blocks overlapping (one table's sums would overwrite another's)."""
+    fss = [t.featuresize for t in tables]
     if column_offsets is None:
-        return np.concatenate([[0], np.cumsum([t.featuresize for t in tables])[:-1]]).astype(np.int64)
-    cols = np.asarray(column_offsets, dtype=np.int64)
-    if cols.shape != (len(tables),):
+        return np.concatenate([[0], np.cumsum(fss)[:-1]]).astype(np.int64)
+    raw = np.asarray(column_offsets)
+    if raw.shape != (len(tables),):
         raise ValueError(f"column_offsets must have one entry per table ({len(tables)}), got "
-                         f"shape {cols.shape}")
+                         f"shape {raw.shape}")
+    whole = np.issubdtype(raw.dtype, np.integer) or (
+        np.issubdtype(raw.dtype, np.floating) and bool(np.all(np.isfinite(raw)))
+        and bool(np.all(raw == np.floor(raw))))
+    if not whole:
+        raise TypeError(f"column_offsets must be whole numbers (each table's first column in "
+                        f"{what}), got {raw.tolist()!r}")
+    cols = raw.astype(np.int64)
+    for t, c, fs in zip(tables, cols, fss):
+        if c < 0 or c + fs > width:
+            raise ValueError(f"table {t.name!r}: columns {c}..{c + fs} do not fit in an "
+                             f"output of width {width}")
+    if what == "out":
+        order = np.argsort(cols, kind="stable")
+        for a, b in zip(order[:-1], order[1:]):
+            if cols[a] + fss[a] > cols[b]:
+                raise ValueError(
+                    f"tables {tables[a].name!r} (columns {cols[a]}..{cols[a] + fss[a]}) and "
+                    f"{tables[b].name!r} (columns {cols[b]}..{cols[b] + fss[b]}) overlap in out; "
+                    f"give each table columns of its own (column_offsets=None packs them)")
     return cols
 
 
@@ -1285,6 +1318,13 @@ def _ensemble_args(tables, indices_list, offsets_list, block, what):
         raise ValueError(f"{what} must be a 2-D numpy.ndarray or CachedArray (batch, sum of "
                          f"the tables' featuresizes), got {type(block).__name__} of shape "
                          f"{np.shape(block)}")
+    for t in tables:    # one dtype, checked before any table runs: no half-done update
+        if t.dtype != tables[0].dtype:
+            raise TypeError(f"table {t.name!r}: dtype {t.dtype} differs from "
+                            f"{tables[0].name!r}'s {tables[0].dtype}; an ensemble needs one dtype")
+    if tables and block.dtype != tables[0].dtype:
+        raise TypeError(f"table {tables[0].name!r}: {what} dtype {block.dtype} differs from "
+                        f"the table's {tables[0].dtype}")
 
 
 def _checked_inputs(tables, indices_list, offsets_list, nbags):
@@ -1395,7 +1435,7 @@ def lookup_tables(tables, indices_list, offsets_list, out, column_offsets=None):
     ``_lookup_cached_together``) when there are several.
     """
     _ensemble_args(tables, indices_list, offsets_list, out, "out")
-    cols = _columns(tables, column_offsets)
+    cols = _columns(tables, column_offsets, out.shape[1], "out")
     offsets_list = _bag_offsets(tables, indices_list, offsets_list)
     with _Holding(tables) as held:
         simple, rest, together, indices_list, offsets_list = _plan(
@@ -1435,7 +1475,7 @@ def update_tables(tables, indices_list, offsets_list, dout, lr, column_offsets=N
         if t.dtype not in checked:
             kernels.check_lr(lr, t.name, t.dtype)
             checked.add(t.dtype)
-    cols = _columns(tables, column_offsets)
+    cols = _columns(tables, column_offsets, dout.shape[1], "dout")
     offsets_list = _bag_offsets(tables, indices_list, offsets_list)
     with _Holding(tables) as held:
         simple, rest, together, indices_list, offsets_list = _plan(

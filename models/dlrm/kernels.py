@@ -167,7 +167,10 @@ _INT64_MAX = np.iinfo(np.int64).max
 
 
 def _index_input(a, name, what):
-    """``a`` as a 1-D integer ndarray in its own dtype (not yet cast, so nothing has wrapped)."""
+    """``a`` as a 1-D integer ndarray in its own dtype (not yet cast, so nothing has wrapped);
+    an empty list or tuple (NumPy makes it float64) is an empty int64 array."""
+    if isinstance(a, (list, tuple)) and len(a) == 0:
+        return np.zeros(0, dtype=np.int64)
     a = np.asarray(a)
     if a.ndim != 1:
         raise ValueError(f"table {name!r}: {what} must be 1-D, got shape {a.shape}")
