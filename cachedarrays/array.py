@@ -28,13 +28,15 @@ from ._records import getitem as _c_getitem
 from ._records import operator as _c_operator
 from ._records import run_ufunc as _c_run_ufunc
 from .defaults import default_manager
+from .errors import DeviceError
 from .layout import (basic_index, c_strides, cast_dtype, check_dtype, contiguity,
                      contiguous_strides, creation_dtype, like_order, order_code,
-                     shape_tuple)
+                     shape_tuple, views_memory_of)
 from .heap import HEADER
 from .pinning import (OPEN_SCOPES, SHORT_BYTES, ObjectView, acquire_grouped, new_object,
                       objects_in, plain_key, pop_scope, push_scope, readable, record_new,
                       release_grouped, to_views)
+from .sizes import format_size
 from .viewattrs import FLAGS_FIXED, FlatIter, Flags
 
 
@@ -80,8 +82,19 @@ def new_pinned(manager, shape, dtype, order="C", placement=None):
     evictions, else slow) is a hint for arrays whose use the caller knows.
     """
     shape, dt, strides, n = new_layout(shape, dtype, order)
+    if n and manager.fast.virtual:
+        raise virtual_error(manager, shape, dt, n)
     obj = new_object(manager, n, placement)
     return CachedArray._make(obj, manager, shape, dt, strides, 0)
+
+
+def virtual_error(manager, shape, dtype, nbytes):
+    """The error for making an array with data on a virtual manager (made to replay traces)."""
+    return DeviceError(
+        f"a {shape} {dtype} array ({format_size(nbytes)}) cannot be made on {manager!r}: it is "
+        "virtual (Manager(..., virtual=True)), which holds no data: its devices only count "
+        "placement and traffic when a trace is replayed; make arrays on a Manager without "
+        "virtual=True")
 
 
 def unpin(arr):
@@ -100,6 +113,8 @@ def from_ndarray(manager, a, placement=None):
     else:
         strides = c_strides(shape, dt.itemsize)
     n = a.nbytes
+    if n and manager.fast.virtual:
+        raise virtual_error(manager, shape, dt, n)
     if placement is None:           # in C (run_ufunc) unless the manager is busy
         res = _c_run_ufunc(manager, _copy_of, (a,), (), shape, dt, strides, n, n <= SHORT_BYTES)
         if res is not None:
@@ -321,7 +336,7 @@ class CachedArray(ObjectView, NDArrayOperatorsMixin):
             v = self._view()
             r = v[key]
             if isinstance(r, np.ndarray):
-                if not r.flags.owndata and np.may_share_memory(r, v):
+                if not r.flags.owndata and views_memory_of(r, v):
                     return self._derive(v, r)
                 return from_ndarray(m, r)
             if type(r) is np.void:           # a record views the bytes, which can move
@@ -452,8 +467,17 @@ class CachedArray(ObjectView, NDArrayOperatorsMixin):
             return (_unpickle, (np.array(v, copy=True),))
 
     def __repr__(self):
-        if self._obj.freed:
-            return f"CachedArray(<freed>, shape={self._shape}, dtype={self._dtype})"
+        """The values, or a description that never raises (debuggers and logs call repr)."""
+        obj = self._obj
+        gone = "freed" if obj.freed else None
+        if gone is None:
+            m = obj._manager()
+            if m is None or m.closed:
+                gone = "freed: its manager is closed"
+            elif obj.nbytes and obj.primary is not None and obj.primary.device.virtual:
+                gone = f"no data: on virtual device {obj.primary.device.name!r}"
+        if gone is not None:
+            return f"CachedArray(<{gone}>, shape={self._shape}, dtype={self._dtype})"
         with readable(self) as v:
             body = np.array2string(v, separator=", ", prefix="CachedArray(")
             dev = self._obj.primary.device.name
@@ -479,7 +503,8 @@ class CachedArray(ObjectView, NDArrayOperatorsMixin):
         try:
             v = self._view()
             r = fn(v)
-            if isinstance(r, np.ndarray) and not r.flags.owndata and np.may_share_memory(r, v):
+            if isinstance(r, np.ndarray) and (r is v or not r.flags.owndata and
+                                              views_memory_of(r, v)):
                 return self._derive(v, r)
             if isinstance(r, np.ndarray):
                 out = from_ndarray(m, r)

@@ -318,6 +318,17 @@ _QUEUED, _RUNNING, _DONE, _CANCELLED = range(4)
 DEFAULT_CHUNK = 8 << 20
 
 
+def _check_key(key, what):
+    """key, if it can key a worker (hashable); TypeError naming it and the fix otherwise."""
+    try:
+        hash(key)
+    except TypeError:
+        raise TypeError(f"{what}: key {key!r} is a {type(key).__name__}, which cannot name a "
+                        "worker (it is unhashable); pass a str, an int or a tuple of them, e.g. "
+                        "('fast', 'slow')") from None
+    return key
+
+
 def _addr_int(a, what):
     return int(ffi.cast("uintptr_t", _ptr(a, what)))
 
@@ -416,6 +427,9 @@ class CopyJob:
         one is added while the worker runs the others. Either way an exception fn raises is
         logged, not raised (as concurrent.futures does): whether the job had finished is a
         race the caller cannot see."""
+        if not callable(fn):
+            raise TypeError(f"CopyJob.add_done_callback: {fn!r} ({type(fn).__name__}) is not "
+                            "callable; pass a function taking the job, e.g. lambda job: ...")
         with self._s.cond:
             if self._callbacks is not None:     # the worker has yet to run (all of) them
                 self._callbacks.append(fn)
@@ -508,6 +522,7 @@ class CopyWorkers:
 
         keepalive stays referenced until the job ends (e.g. the buffers, so they stay mapped).
         """
+        _check_key(key, "CopyWorkers.submit")
         persist = check_switch(persist, "CopyWorkers.submit: persist")
         chunk = _whole(self.chunk, "CopyWorkers.chunk (bytes per piece of a copy)", 1)
         dst, src, nbytes = _addr_int(dst_addr, "destination"), _addr_int(src_addr, "source"), \
@@ -536,6 +551,8 @@ class CopyWorkers:
     def pending(self, key=None) -> int:
         """Number of queued and running jobs (for key, or all keys)."""
         s = self._s
+        if key is not None:
+            _check_key(key, "CopyWorkers.pending")
         with s.cond:
             keys = s.queues if key is None else [key] if key in s.queues else []
             return sum(sum(j._state < _DONE for j in s.queues[k]) +

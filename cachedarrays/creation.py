@@ -110,7 +110,7 @@ def empty(shape, dtype=float, order="C", *, manager=None, placement=None):
     m = _manager(manager)
     if order != "C":
         order = _order(order)
-    if placement is None and order == "C":
+    if placement is None and order == "C" and not m.fast.virtual:
         lay = _c_layout(shape, dtype)
         if lay is not None and lay[3] <= MAX_SIZE:   # else new_pinned says it is too large
             out = _new_array(m, *lay)           # in C unless the manager is busy

@@ -84,8 +84,16 @@ def shape_tuple(shape):
     return shape
 
 
+# NumPy 2 gives a new empty array zero strides (np.zeros((0, 4)).strides == (0, 0)); older
+# versions gave it the strides of its shape with empty axes counted as 1.
+_EMPTY_STRIDES_ZERO = np.empty((0, 2)).strides == (0, 0)
+
+
 def contiguous_strides(shape, itemsize, order="C"):
+    """The strides NumPy gives a new array of shape in memory order "C" or "F"."""
     strides = [0] * len(shape)
+    if _EMPTY_STRIDES_ZERO and 0 in shape:
+        return tuple(strides)
     step = itemsize
     dims = range(len(shape) - 1, -1, -1) if order == "C" else range(len(shape))
     for i in dims:
@@ -147,6 +155,22 @@ def basic_index(shape, strides, key):
     if nk == nd and not new_shape:
         return None                          # a scalar: not a view
     return (tuple(new_shape) + shape[nk:], tuple(new_strides) + strides[nk:], off)
+
+
+def views_memory_of(r, v):
+    """True if ndarray r may view v's memory: np.may_share_memory, which says False for any
+    empty array, or, for an empty r, both views of one array (np.zeros((0, 4))[None] is a view
+    of its array, as np.zeros((2, 4))[None] is)."""
+    if np.may_share_memory(r, v):
+        return True
+    return not r.size and _root(r) is _root(v)
+
+
+def _root(a):
+    """The array at the end of a's chain of ndarray bases (a itself if it has none)."""
+    while isinstance(a.base, np.ndarray):
+        a = a.base
+    return a
 
 
 def contiguity(shape, strides, itemsize):

@@ -1045,6 +1045,17 @@ class Manager(ManagerRecord):
                 f"{region!r} is on a device of another manager, not of {self!r}; use it through "
                 "its own manager (the manager of its object)")
 
+    def _region(self, region):
+        """region, if it is a Region on one of this manager's devices (a pointer comparison:
+        the dirty-bit calls and ndarray run on every use); else TypeError or _mine's error."""
+        dev = getattr(region, "device", None)
+        if getattr(dev, "_owner", None) is not self._ref:
+            if not isinstance(region, Region):
+                raise TypeError(f"expected a Region (obj.primary or Manager.allocate's result), "
+                                f"not {type(region).__name__} {region!r}")
+            self._mine(region)
+        return region
+
     def _own(self, obj, region):
         self._mine(region)
         if region.freed:
@@ -2232,22 +2243,22 @@ class Manager(ManagerRecord):
                                    src.owner)
 
     def sizeof(self, region):
-        return region.nbytes
+        return self._region(region).nbytes
 
     def on_device(self, region, device):
         """True if region is on device (a name or a Device)."""
-        return region.device is self._device(device)
+        return self._region(region).device is self._device(device)
 
     def markdirty(self, region):
         """region holds data that its linked copies do not (an eviction must copy it back)."""
-        region._dirty = True
+        self._region(region)._dirty = True
 
     def markclean(self, region):
         """region equals its linked copy (an eviction may just drop it)."""
-        region._dirty = False
+        self._region(region)._dirty = False
 
     def isdirty(self, region):
-        return region._dirty
+        return self._region(region)._dirty
 
     def parent(self, region):
         """The object that owns region (None if it has been freed)."""
@@ -2385,6 +2396,12 @@ class Manager(ManagerRecord):
         writable (writes there would bypass the dirty bit and be lost at eviction). Every use of
         a CachedArray comes through here: keep it lean.
         """
+        try:
+            mine = region.device._owner is self._ref
+        except AttributeError:
+            mine = False
+        if not mine:
+            self._region(region)
         buf = region._buffer
         if buf is None:                           # a freed region, or one of zero bytes
             if region.freed:
@@ -2392,8 +2409,9 @@ class Manager(ManagerRecord):
             if region.nbytes and region.device.virtual:
                 raise DeviceError(
                     f"object {region.owner} ({format_size(region.nbytes)}) is on virtual device "
-                    f"{region.device.name!r}, which holds no data (a replay's device): its array "
-                    "cannot be read or written; make arrays you read on a Manager without "
+                    f"{region.device.name!r}, which holds no data (a device of a replay or of a "
+                    "Manager(..., virtual=True), which only counts placement and traffic): its "
+                    "array cannot be read or written; make arrays you read on a Manager without "
                     "virtual=True")
             # Nothing to read or write; a read-only one sits on an immutable (empty) buffer.
             return np.ndarray(shape, dtype, b"" if readonly else None)

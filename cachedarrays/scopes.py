@@ -242,5 +242,5 @@ def _covers(a):
     for d in shape:
         n *= d
     return a._offset == 0 and n == a._obj.nbytes and (
-        a._strides == c_strides(shape, itemsize) or
+        n == 0 or a._strides == c_strides(shape, itemsize) or
         a._strides == contiguous_strides(shape, itemsize, "F"))

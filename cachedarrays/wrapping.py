@@ -5,6 +5,7 @@ into a new, policy-placed CachedArray; scalars pass through."""
 import numpy as np
 
 from .array import from_ndarray
+from .layout import views_memory_of
 
 
 def wrap(m, res, views, plain=()):
@@ -22,7 +23,7 @@ def wrap(m, res, views, plain=()):
             for arr, v in views:
                 if res is v:
                     return arr              # NumPy returned its input: the input itself
-                if np.may_share_memory(res, v):
+                if views_memory_of(res, v):
                     return arr._derive(v, res)
             for p in plain:
                 if np.may_share_memory(res, p):

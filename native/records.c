@@ -3217,6 +3217,8 @@ covers(PyObject *x, ObjectRecord *obj)
     }
     if (off != 0 || n != nb)
         return 0;
+    if (n == 0)                 /* an empty view of an empty object, whatever its strides */
+        return 1;
     int c = contiguous_like(shape, strides, item, 0);
     if (c != 0)
         return c;

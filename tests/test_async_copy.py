@@ -407,6 +407,10 @@ def test_done_callbacks_on_two_workers_may_both_shut_down(monkeypatch):
     for i, key in enumerate(("fast->slow", "slow->fast")):
         job = w.submit(key, addr(dst) + 10_000 * i, addr(src) + 10_000 * i, 10_000)
         job.add_done_callback(stop)                  # runs on the worker: the copy is gated
+    for _ in range(int(T / 0.001)):                  # both copies started: none is still queued
+        if len(gate.calls) == 2:                     # for the shutdown below to cancel
+            break
+        threading.Event().wait(0.001)
     gate.release.set()
     # a third shutdown at the same time; cancel=False: a job its worker had not yet started
     # (a loaded machine) must still copy, for the data check below
@@ -463,3 +467,30 @@ def test_waiting_from_a_done_callback_for_a_job_behind_it_is_refused(workers, mo
     assert isinstance(got[0], RuntimeError) and "add a done callback" in str(got[0])
     assert got[1] is True
     assert w.drain(T) and all(np.array_equal(s, d) for s, d in bufs)
+
+
+@pytest.mark.parametrize("key", [[1, 2], {"a": 1}, {1}, ("fast", ["slow"]), np.zeros(2)],
+                         ids=lambda k: type(k).__name__)
+def test_an_unhashable_key_is_named_and_nothing_is_queued(workers, key):
+    w = workers()
+    src, dst = pair(64)
+    with pytest.raises(TypeError, match="cannot name a worker.*pass a str"):
+        w.submit(key, addr(dst), addr(src), 64)
+    with pytest.raises(TypeError, match="cannot name a worker.*pass a str"):
+        w.pending(key)
+    assert w.pending() == 0
+    w.submit(("fast", "slow"), addr(dst), addr(src), 64).result(timeout=60)
+    np.testing.assert_array_equal(dst, src)
+
+
+@pytest.mark.parametrize("fn", [None, 3, "print"], ids=repr)
+def test_a_done_callback_that_is_not_callable_is_refused_when_added(workers, fn):
+    w = workers()
+    src, dst = pair(64)
+    job = w.submit("k", addr(dst), addr(src), 64)
+    with pytest.raises(TypeError, match="not callable"):
+        job.add_done_callback(fn)
+    job.result(timeout=60)
+    with pytest.raises(TypeError, match="not callable"):
+        job.add_done_callback(fn)
+

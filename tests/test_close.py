@@ -203,7 +203,6 @@ USES = {
     "unsafe_free": lambda x, m: ca.unsafe_free(x),
     "in_fast": lambda x, m: ca.in_fast(x),
     "device": lambda x, m: x.device,
-    "repr": lambda x, m: repr(x),
     "str": lambda x, m: str(x),
     "np.asarray": lambda x, m: np.asarray(x),
     "float": lambda x, m: float(x[0]),
@@ -224,3 +223,15 @@ def test_every_use_after_close_raises_a_clear_error(use, where):
     with pytest.raises(UseAfterFreeError, match=CLOSED):
         USES[use](x, m)
     assert base.shape == (20,)                    # metadata stays readable
+
+
+@pytest.mark.parametrize("where", ["fast", "slow", "view"])
+def test_repr_after_close_describes_the_array_as_after_unsafe_free(where):
+    # a repr that raises breaks debuggers, logging and error messages that show the array
+    m = ca.Manager(fast="1MiB", slow="16MiB")
+    base = ca.asarray(np.arange(20.0), manager=m, placement="slow" if where == "slow" else None)
+    x = base[5:15] if where == "view" else base[:10]
+    m.close()
+    assert repr(x) == "CachedArray(<freed: its manager is closed>, shape=(10,), dtype=float64)"
+    with pytest.raises(UseAfterFreeError, match="closed|fork"):
+        str(x)

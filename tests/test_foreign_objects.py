@@ -39,6 +39,13 @@ _OBJECT_CALLS = {
     "set_primary": lambda m2, o, r, own: m2.set_primary(own, r),
     "link": lambda m2, o, r, own: m2.link(own.primary, r),
     "unlink": lambda m2, o, r, own: m2.unlink(r, own.primary),
+    "markdirty": lambda m2, o, r, own: m2.markdirty(r),
+    "markclean": lambda m2, o, r, own: m2.markclean(r),
+    "isdirty": lambda m2, o, r, own: m2.isdirty(r),
+    "sizeof": lambda m2, o, r, own: m2.sizeof(r),
+    "on_device": lambda m2, o, r, own: m2.on_device(r, "fast"),
+    "ndarray": lambda m2, o, r, own: m2.ndarray(r, np.float64, (8,)),
+    "ndarray readonly": lambda m2, o, r, own: m2.ndarray(r, np.float64, (8,), readonly=True),
 }
 
 
@@ -63,3 +70,51 @@ def test_another_managers_object_or_region_is_refused_and_both_stay_intact(call,
         m2.check()
         np.testing.assert_array_equal(np.asarray(a), np.arange(8.0))
         np.testing.assert_array_equal(np.asarray(b), np.arange(8.0) * 2)
+
+
+@pytest.mark.parametrize("call", ["markdirty", "markclean", "isdirty", "sizeof", "on_device",
+                                  "ndarray"])
+def test_region_calls_refuse_another_managers_region_and_keep_both_dirty_bits(call):
+    with ca.Manager(fast="1MiB", slow="8MiB") as m1, ca.Manager(fast="1MiB", slow="8MiB") as m2:
+        a = ca.asarray(np.arange(8.0), manager=m1)
+        b = ca.asarray(np.arange(8.0), manager=m2)
+        r, own = a.object.primary, b.object.primary
+        m1.markdirty(r)
+        m2.markclean(own)
+        with pytest.raises(CachedArraysError, match="another manager"):
+            _OBJECT_CALLS[call](m2, a.object, r, b.object)
+        assert (m1.isdirty(r), m2.isdirty(own)) == (True, False)
+
+
+class _CleaningPolicy(ca.policies.LRU):
+    """Marks a region of another manager clean at every write."""
+
+    other = None
+
+    def write_use(self, obj):
+        if self.other is not None:
+            self.manager.markclean(self.other)
+        super().write_use(obj)
+
+
+def test_a_policy_marking_another_managers_region_clean_gets_a_clear_error():
+    with ca.Manager(fast="1MiB", slow="8MiB") as m1, \
+            ca.Manager(fast="1MiB", slow="8MiB", policy=_CleaningPolicy) as m2:
+        a = ca.asarray(np.arange(8.0), manager=m1)
+        m1.markdirty(a.object.primary)
+        b = ca.zeros(8, manager=m2)
+        m2.policy.other = a.object.primary
+        with pytest.raises(CachedArraysError, match="another manager"):
+            b[:] = 1.0
+        assert m1.isdirty(a.object.primary)
+        m1.check()
+        m2.check()
+
+
+@pytest.mark.parametrize("region", [None, 0, "fast", np.zeros(2)], ids=repr)
+@pytest.mark.parametrize("call", ["markdirty", "markclean", "isdirty", "sizeof", "on_device",
+                                  "ndarray"])
+def test_region_calls_name_a_non_region_argument(call, region):
+    with ca.Manager(fast="1MiB", slow="8MiB") as m:
+        with pytest.raises(TypeError, match="expected a Region"):
+            _OBJECT_CALLS[call](m, None, region, None)

@@ -72,6 +72,50 @@ def test_making_arrays_on_a_virtual_manager_is_refused(vm, make):
         make(vm)
 
 
+# every way of making an array with data: none may leave an array on a virtual manager
+_MAKERS = {
+    "empty": lambda m, x: ca.empty(5, manager=m),
+    "empty slow": lambda m, x: ca.empty(5, manager=m, placement="slow"),
+    "empty fast": lambda m, x: ca.empty(5, manager=m, placement="fast"),
+    "empty F": lambda m, x: ca.empty((2, 3), order="F", manager=m),
+    "zeros F": lambda m, x: ca.zeros((2, 3), order="F", manager=m),
+    "ones": lambda m, x: ca.ones(5, manager=m),
+    "full": lambda m, x: ca.full(5, 2.0, manager=m),
+    "array": lambda m, x: ca.array([1.0, 2.0], manager=m),
+    "asarray slow": lambda m, x: ca.asarray(np.arange(3.0), manager=m, placement="slow"),
+    "empty_like": lambda m, x: ca.empty_like(x),
+    "np.zeros_like": lambda m, x: np.zeros_like(x),
+    "like=": lambda m, x: np.zeros(3, like=x),
+    "copy": lambda m, x: x.copy(),
+    "astype": lambda m, x: x.astype(np.float32),
+}
+
+
+@pytest.mark.parametrize("make", sorted(_MAKERS))
+def test_every_way_of_making_an_array_on_a_virtual_manager_is_refused_alike(vm, make):
+    x = _virtual_array(vm, 10)
+    before = vm.stats()
+    with pytest.raises(DeviceError, match=r"cannot be made on .*virtual \(Manager\(\.\.\., "
+                                          r"virtual=True\)\), which holds no data.*replayed; "
+                                          r"make arrays on a Manager without virtual=True"):
+        _MAKERS[make](vm, x)
+    assert [o.id for o in vm.objects()] == [x._obj.id]    # nothing was allocated
+    assert vm.stats() == before
+    vm.check()
+    assert ca.empty((0, 3), manager=vm).shape == (0, 3)     # an empty one holds no data
+
+
+def test_repr_of_an_array_on_a_virtual_device_describes_it(vm):
+    # a repr that raises breaks debuggers and logging; the data is refused, not the description
+    x = _virtual_array(vm, 10)
+    assert repr(x) == "CachedArray(<no data: on virtual device 'fast'>, shape=(10,), " \
+        "dtype=float64)"
+    ca.evict(x)
+    assert "virtual device 'slow'" in repr(x[2:])
+    with pytest.raises(DeviceError, match="holds no data"):
+        str(x)
+
+
 def test_placement_works_on_a_virtual_manager(vm):
     x = _virtual_array(vm, 100)
     ca.evict(x)
