@@ -356,12 +356,19 @@ class CachedArray(ObjectView, NDArrayOperatorsMixin):
         if type(key) is int and isinstance(value, CachedArray) and value._obj is obj and \
                 self._shape:
             return self._set_row(key, value)
-        reads = tuple(objects_in(value))
-        m.acquire(reads, (obj,))
+        reads = list(objects_in(value))
+        if all(o.manager is m for o in reads):
+            m.acquire(reads, (obj,))
+            try:
+                self._view()[key] = to_views(value)
+            finally:
+                m.release(tuple(reads) + (obj,))
+            return
+        done = acquire_grouped(reads, [obj])   # a value of another manager: each pins its own
         try:
             self._view()[key] = to_views(value)
         finally:
-            m.release(reads + (obj,))
+            release_grouped(done)
 
     def _set_row(self, i, row):
         """x[i] = row, where row views x's own bytes (x[i] = x[j]).

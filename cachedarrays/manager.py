@@ -414,7 +414,7 @@ class Manager(ManagerRecord):
         self._scopes = {}             # open access scope -> (thread key, ((object, shape), ...));
         #                               thread key None: opened on a thread that has ended
         self._pinned_by = {}          # (thread key, object id) -> (object, count) for pin()
-        self._ended = []              # keys of threads that pinned or opened scopes and ended
+        self._ended = threadkeys.Queue()  # keys of threads that pinned or opened scopes and ended
         self._watched = set()         # keys of the threads whose end appends to _ended
         self._detached = {}           # object id -> count of pin(detached=True) not yet unpinned
         self._fresh = set()           # ids of new_pinned objects not yet released (observed)

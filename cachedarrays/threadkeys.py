@@ -4,15 +4,23 @@ scopes, kernel stacks) is keyed by.
 ``threading.get_ident()`` values are reused: a thread started after another one ended often gets
 the same ident, so state keyed by it would pass from the thread that ended to the new one.
 ``current()`` gives each thread a key of its own for the life of the process; ``watch(queue)``
-appends the calling thread's key to queue (a list) when the thread ends. That is all a dying
-thread does: whoever holds the queue reads it at its next call, under its own lock.
+appends the calling thread's key to queue (a ``Queue``) when the thread ends. That is all a dying
+thread does: whoever holds the queue reads it at its next call, under its own lock. A thread
+holds its queues weakly, so a queue whose owner is gone (a closed manager) is forgotten.
 """
 
 import itertools
 import threading
+import weakref
 
 _local = threading.local()
 _count = itertools.count(1)
+
+
+class Queue(list):
+    """The list ``watch`` appends to: a list that can be referenced weakly."""
+
+    __slots__ = ("__weakref__",)
 
 
 class _Life:
@@ -22,10 +30,10 @@ class _Life:
 
     def __init__(self, key):
         self.key = key
-        self.queues = []
+        self.queues = weakref.WeakValueDictionary()     # id(queue) -> queue, while it lives
 
     def __del__(self):
-        for q in self.queues:
+        for q in list(self.queues.values()):
             q.append(self.key)
 
 
@@ -43,7 +51,10 @@ def current():
 
 
 def watch(queue):
-    """Append the calling thread's key to queue (a list) when the thread ends."""
+    """Append the calling thread's key to queue (a ``Queue``) when the thread ends, unless the
+    queue is gone by then."""
+    if not isinstance(queue, Queue):
+        raise TypeError(f"threadkeys.watch needs a threadkeys.Queue, not {type(queue).__name__}")
     life = _life()
-    if not any(q is queue for q in life.queues):
-        life.queues.append(queue)
+    if life.queues.get(id(queue)) is not queue:
+        life.queues[id(queue)] = queue

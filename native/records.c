@@ -588,7 +588,7 @@ static PyObject *s_fast, *s_heap, *s_addr, *s_last_id, *s_ids, *s_name, *s_mm, *
                 *odict_move_to_end, *deque_popleft,
                 *ufunc_type, *np_maximum, *np_minimum,
                 *s_recomputing, *s_nout, *s_signature, *s_dunder_name, *s_use,
-                *s_record, *s_scopes, *s_fresh, *s_view, *s_readonly_buffer, *s_pop,
+                *s_record, *s_scopes, *s_scope_opened, *s_fresh, *s_view, *s_readonly_buffer, *s_pop,
                 *s_release_objs, *s_dirty, *s_markdirty, *s_manager,
                 *out_kw;                                                /* out_kw: ("out",) */
 
@@ -615,7 +615,7 @@ intern_names(void)
     NAME(s_move_to_end, "move_to_end"); NAME(s_recomputing, "recomputing");
     NAME(s_nout, "nout"); NAME(s_use, "use"); NAME(s_signature, "signature");
     NAME(s_dunder_name, "__name__");
-    NAME(s_record, "record"); NAME(s_scopes, "_scopes"); NAME(s_fresh, "_fresh");
+    NAME(s_record, "record"); NAME(s_scopes, "_scopes"); NAME(s_scope_opened, "scope_opened"); NAME(s_fresh, "_fresh");
     NAME(s_view, "_view"); NAME(s_readonly_buffer, "readonly_buffer"); NAME(s_pop, "pop");
     NAME(s_release_objs, "release"); NAME(s_dirty, "_dirty"); NAME(s_markdirty, "markdirty");
     NAME(s_manager, "manager");
@@ -3478,32 +3478,17 @@ operands_views(Operands *o, PyObject **views)
     return 0;
 }
 
-/* cachedarrays.threadkeys.current: the calling thread's key (thread idents are reused). */
-static PyObject *thread_key_fn;
-
-/* Manager.scope_opened(key, scope) for the calling thread. */
+/* Manager.scope_opened(key, scope) for the calling thread: the scope recorded under the
+ * thread's key, which the manager watches so that a thread that ends inside it is seen at
+ * close (the Python scopes go through the same method). */
 static int
 scope_open(PyObject *m, PyObject *key, PyObject *scope)
 {
-    if (thread_key_fn == NULL) {
-        PyObject *mod = PyImport_ImportModule("cachedarrays.threadkeys");
-        if (mod == NULL)
-            return -1;
-        thread_key_fn = PyObject_GetAttrString(mod, "current");
-        Py_DECREF(mod);
-        if (thread_key_fn == NULL)
-            return -1;
-    }
-    PyObject *scopes = PyObject_GetAttr(m, s_scopes);
-    if (scopes == NULL)
+    PyObject *r = PyObject_CallMethodObjArgs(m, s_scope_opened, key, scope, NULL);
+    if (r == NULL)
         return -1;
-    PyObject *ident = PyObject_CallNoArgs(thread_key_fn);
-    PyObject *entry = ident == NULL ? NULL : PyTuple_Pack(2, ident, scope);
-    Py_XDECREF(ident);
-    int rc = entry == NULL ? -1 : PyObject_SetItem(scopes, key, entry);
-    Py_XDECREF(entry);
-    Py_DECREF(scopes);
-    return rc;
+    Py_DECREF(r);
+    return 0;
 }
 
 /* Manager.scope_closed(key), keeping any pending exception. */

@@ -90,3 +90,17 @@ def test_np_broadcast_arrays_of_cached_arrays_gives_no_numpy_warning(m):
         got = np.broadcast_arrays(a, b)
     assert [type(g) for g in got] == [ca.CachedArray, ca.CachedArray]
     np.testing.assert_array_equal(np.asarray(got[0]), np.broadcast_to(np.arange(3.0), (2, 3)))
+
+
+def test_long_sequences_are_not_searched_for_arrays_and_results_match_numpy():
+    from cachedarrays.wrapping import SEARCHED_ITEMS, plain_arrays
+    x, y = np.arange(3.0), np.arange(2.0)
+    assert [id(a) for a in plain_arrays([x, [y, 1], (2, y)], [])] == [id(x), id(y), id(y)]
+    assert plain_arrays([list(range(SEARCHED_ITEMS)) + [x]], []) == []
+    m = ca.Manager(fast="1MiB", slow="8MiB")
+    try:
+        a = ca.asarray(np.arange(10), manager=m)
+        many = list(range(0, 100_000, 3))
+        np.testing.assert_array_equal(np.isin(a, many), np.isin(np.arange(10), many))
+    finally:
+        m.close()

@@ -9,6 +9,7 @@ close; a scope it left open stays until its __exit__ (which any thread may call)
 says so.
 """
 
+import gc
 import threading
 
 import numpy as np
@@ -120,5 +121,47 @@ def test_a_thread_reusing_an_ident_does_not_inherit_a_scope_left_open(m, scope):
         pytest.skip("no new thread got the ident of the thread that ended")
     assert isinstance(got, PinnedError), got
     assert "calling thread" not in str(got)          # that thread holds nothing
+    assert "threads that have ended" in str(got)     # the scope's own thread is named gone
     s.__exit__(None, None, None)
     assert x.object._pins == 0
+
+
+@pytest.mark.parametrize("scope", ["access", "kernel", "writable", "compute"])
+def test_close_names_a_scope_left_open_by_a_thread_that_ended(m, scope):
+    # the C path of ca.kernel / ca.access records its scopes as the Python scopes do
+    x = ca.asarray(np.arange(8.0), manager=m)
+    s = {"access": lambda: ca.access((x,), ()), "kernel": lambda: ca.kernel("k", (x,), ()),
+         "writable": lambda: ca.writable(x),
+         "compute": lambda: ca.kernel("k", (), (x,))}[scope]()
+    _in_thread(s.__enter__)
+    with pytest.raises(PinnedError, match="threads that have ended"):
+        m.close(timeout=0.05)
+    s.__exit__(None, None, None)
+    assert x.object._pins == 0
+
+
+def test_a_thread_forgets_the_queues_of_managers_that_are_gone():
+    for _ in range(40):
+        with ca.Manager(fast="64KiB", slow="256KiB") as mm:
+            with ca.readable(ca.zeros(4, manager=mm)):
+                pass
+        del mm
+    gc.collect()
+    assert len(threadkeys._life().queues) <= 2     # not one per manager ever used here
+    with pytest.raises(TypeError, match="threadkeys.Queue"):
+        threadkeys.watch([])
+
+
+def test_an_array_of_another_manager_is_assigned_into_a_slice(m):
+    other = ca.Manager(fast="1MiB", slow="8MiB")
+    try:
+        x = ca.asarray(np.arange(6.0), manager=m)
+        y = ca.asarray(np.arange(6.0) + 10, manager=other)
+        x[:] = y
+        x[1:3] = y[4:]
+        np.testing.assert_array_equal(np.asarray(x), [10, 14, 15, 13, 14, 15])
+        assert x.object._pins == 0 and y.object._pins == 0
+        m.check()
+        other.check()
+    finally:
+        other.close()
