@@ -141,13 +141,15 @@ def test_close_names_a_scope_left_open_by_a_thread_that_ended(m, scope):
 
 
 def test_a_thread_forgets_the_queues_of_managers_that_are_gone():
+    gc.collect()
+    before = len(threadkeys._life().queues)       # managers other tests left alive
     for _ in range(40):
         with ca.Manager(fast="64KiB", slow="256KiB") as mm:
             with ca.readable(ca.zeros(4, manager=mm)):
                 pass
         del mm
     gc.collect()
-    assert len(threadkeys._life().queues) <= 2     # not one per manager ever used here
+    assert len(threadkeys._life().queues) <= before + 1   # not one per manager used here
     with pytest.raises(TypeError, match="threadkeys.Queue"):
         threadkeys.watch([])
 
