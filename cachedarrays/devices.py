@@ -654,10 +654,7 @@ class SlowDevice(Device):
             os.posix_fallocate(fd, 0, self.size)
         except OSError as e:
             if e.errno == errno.ENOSPC:
-                raise DeviceError(
-                    f"not enough room for the slow device at {self.path!r} "
-                    f"({format_size(self.size)}); choose a smaller size or another path"
-                ) from None
+                raise self._no_room() from None
             if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
                 raise self._sizing_error(e) from None
             self._write_zeros(fd, have)
@@ -676,11 +673,13 @@ class SlowDevice(Device):
                 off += wrote
         except OSError as e:
             if e.errno == errno.ENOSPC:
-                raise DeviceError(
-                    f"not enough room for the slow device at {self.path!r} "
-                    f"({format_size(self.size)}); choose a smaller size or another path"
-                ) from None
+                raise self._no_room() from None
             raise self._sizing_error(e) from None
+
+    def _no_room(self):
+        """The DeviceError for a file system that ran out of room while the file grew."""
+        return DeviceError(f"not enough room for the slow device at {self.path!r} "
+                           f"({format_size(self.size)}); choose a smaller size or another path")
 
     def _sizing_error(self, e):
         """The DeviceError for a backing file that cannot grow to the device's size."""

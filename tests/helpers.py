@@ -12,7 +12,7 @@ import numpy as np
 
 import cachedarrays as ca
 
-__all__ = ["assert_eq", "same", "RTOL", "load_benchmark", "layered_program", "traced_training",
+__all__ = ["assert_eq", "same", "RTOL", "load_benchmark", "layered_program", "layered_steps", "traced_training",
            "beside_fast_only", "built_trace", "run_threads", "close_while_calling"]
 
 
@@ -61,6 +61,11 @@ def load_benchmark(name):
 def layered_program(m, n=20_000, arrays=4, steps=4):
     """Arrays used in turn, a layer each, then the first updated, for steps steps (a repeating
     program for plans); returns the final data of the arrays as ndarrays."""
+    return [np.asarray(w.copy()) for w in layered_steps(m, n, arrays, steps)]
+
+
+def layered_steps(m, n=20_000, arrays=4, steps=4):
+    """The steps of ``layered_program``; returns the arrays (CachedArrays)."""
     ws = [ca.asarray(np.full(n, float(i)), manager=m) for i in range(arrays)]
     for _ in range(steps):
         h = ca.zeros(n, manager=m)
@@ -72,7 +77,7 @@ def layered_program(m, n=20_000, arrays=4, steps=4):
             out += a / 100
         del h
         ca.mark_step(m)
-    return [np.asarray(w.copy()) for w in ws]
+    return ws
 
 
 def beside_fast_only(policy, program, fast, slow="8MiB"):

@@ -23,6 +23,7 @@ from cachedarrays.policies.autotm import AutoTM
 from cachedarrays.replay import evaluate
 from cachedarrays.trace import TraceError
 from cachedarrays.triggers import Plan
+from helpers import layered_steps
 
 KB = 1024
 
@@ -180,17 +181,7 @@ def test_lru_keeps_an_assigned_allocate_when_local_alloc_changes():
 def _layers_trace():
     """Six 800 kB weights, a layer each, over four steps; every kernel 1 ms."""
     with ca.Manager(fast="64MiB", slow="64MiB", policy="fastonly") as m, ca.trace(m) as t:
-        ws = [ca.asarray(np.full(100_000, float(i)), manager=m) for i in range(6)]
-        for _ in range(4):
-            h = ca.zeros(100_000, manager=m)
-            for i, w in enumerate(ws):
-                with ca.kernel(f"layer{i}", (w,), (h,)) as (a, out):
-                    out += a
-                ca.mark_layer(m)
-            with ca.kernel("update", (h,), (ws[0],)) as (a, out):
-                out += a / 100
-            del h
-            ca.mark_step(m)
+        layered_steps(m, n=100_000, arrays=6)
     t.times = [1e-3] * len(t.times)
     return t
 
