@@ -803,7 +803,11 @@ _INT64 = np.dtype(np.int64)
 _NO_ROWS = np.empty(0, dtype=np.int64)
 #: The kernel of indirect (cached-table) lookups: "bag_sum_cached" (two passes, the pool read
 #: through the base's buffer) or "bag_sum" (one pass; also used when the pool's distance from
-#: the base is not a whole number of elements).
+#: the base is not a whole number of elements). A one-pass kernel that translates each index
+#: 48-64 indices before adding its row (the positions kept in a 128-entry ring in the first-level
+#: cache, not written out and read back) measured 4-6% faster than the two passes under uniform
+#: indices and 5-12% slower under Zipf (1M x 64 rows, 327,680 indices, paired repetitions), so
+#: the two passes stay.
 _INDIRECT_LOOKUP = "bag_sum_cached"
 #: ``check`` of the bag lookups for callers that checked the offsets (and keep ``where``
 #: valid): the kernel checks each index as it reads it, which saves a pass over the indices
