@@ -520,7 +520,10 @@ def turn_order(n, rep):
     follow the same one, whose traces (caches and TLBs filled with its data, its thread pool
     just gone to sleep) it then always pays: a SimpleTable lookup measured 2% slower right
     after torch's than after another table's, and torch's 18% slower after ours than after
-    its own."""
+    its own. Alternating does not remove that with more than two implementations (among
+    five, torch's lookup always followed one of ours), so where calls are short the scripts
+    also run an untimed call of the same implementation right before each timed one
+    (``embedding.bench``)."""
     return range(n) if rep % 2 == 0 else range(n - 1, -1, -1)
 
 

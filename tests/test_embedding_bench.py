@@ -64,3 +64,75 @@ def test_a_cache_below_the_hit_rate_shows_its_ratio_and_misses_the_goal(bench, c
     value = float(line.split(": ")[1].split("x")[0])
     assert value > 0                               # the measured ratio, not a stand-in
     assert "not met" in line and "no cache size reached 80% hits" in line
+
+
+class _Recorder:
+    """A stand-in implementation that records its calls and counts each lookup's indices
+    as hits when ``hit`` is set."""
+
+    cached = False
+
+    def __init__(self, name, calls, hit=False):
+        self.name, self.calls, self.hit = name, calls, hit
+        self.hits = self.lookups = 0
+        self.table = type("T", (), {"featuresize": 4})()
+
+    def lookup(self, idx, off):
+        self.calls.append((self.name, "lookup", int(idx[0])))
+        self.lookups += len(idx)
+        self.hits += len(idx) if self.hit else 0
+
+    def after_lookup(self):
+        self.calls.append((self.name, "after", None))
+
+    def before_update(self, idx, off):
+        self.calls.append((self.name, "lookup", int(idx[0])))
+
+    def update(self, idx, off, dout, lr):
+        self.calls.append((self.name, "update", int(idx[0])))
+
+    def after_update(self):
+        self.calls.append((self.name, "after", None))
+
+    def counts(self):
+        return self.hits, self.lookups
+
+
+class _Batches:
+    """Batch i has indices [i] * 4 and one bag."""
+
+    def batch(self, i):
+        return type("B", (), {"indices": [np.full(4, i, np.int64)],
+                              "offsets": [np.zeros(1, np.int64)]})()
+
+
+class _Bar:
+    def update(self, n):
+        pass
+
+
+@pytest.mark.parametrize("lookup", [True, False])
+def test_every_timed_call_follows_an_untimed_call_of_its_own_implementation(bench, lookup):
+    """Interleaving five implementations had torch's lookup always follow one of ours (whose
+    caches, TLB entries and thread pool it then paid for); each timed call now follows an
+    untimed call of the same implementation, the lookups on another batch, and the hit rate
+    counts the timed lookups only."""
+    calls = []
+    impls = [_Recorder("torch", calls), _Recorder("a", calls, hit=True), _Recorder("b", calls)]
+    repeats = 3
+    samples, rates = bench.bench(impls, _Batches(), repeats, lookup, _Bar())
+    assert [len(s) for s in samples] == [repeats] * 3
+    timed = "lookup" if lookup else "update"
+    kinds = [(n, k, i) for n, k, i in calls if k != "after"]
+    count = 0
+    for q, (name, kind, batch) in enumerate(kinds):
+        if kind == timed and (not lookup or batch <= repeats):
+            prev = kinds[q - 1]
+            assert prev[0] == name and prev[1] == "lookup"      # its own call just before
+            if lookup:
+                assert prev[2] == repeats + 1 + batch             # on another batch
+            count += 1
+    assert count == 3 * (repeats + 1)
+    if lookup:
+        assert rates == [0.0, 1.0, 0.0]
+        assert impls[1].lookups == 2 * 4 * (repeats + 1)          # untimed ones ran too
