@@ -320,10 +320,24 @@ def cleanup(x, keep=()):
     return _free_unreferenced(x, keep_ids)
 
 
+def _count_bases(arrays):
+    """Count in arrays (id -> [array, references met]) the reference each view holds to the
+    array it was taken from (its ``base``), adding that array if the walk did not meet it."""
+    for e in list(arrays.values()):
+        owner = e[0]._base
+        if owner is not None:
+            o = arrays.get(id(owner))
+            if o is None:
+                arrays[id(owner)] = [owner, 1]
+            else:
+                o[1] += 1
+
+
 def _free_unreferenced(x, keep_ids):
     roots = (x,)                        # alive until the counts are checked, as they include it
     arrays, containers = {}, {}
     _walk(roots, arrays, containers)
+    _count_bases(arrays)
     base = _OWN_REFS
     # An object may go only if every CachedArray on it (views included) was found, and no
     # reference to any of them, or to the object itself, comes from outside the walk.

@@ -202,7 +202,8 @@ class CachedArray(ObjectView, NDArrayOperatorsMixin):
         # (read without the FutureWarning NumPy gives when np.broadcast_arrays' results are
         # asked whether they are writeable: that is the caller's question, not ours)
         cls = CachedArray if _writeable(view) else ReadOnlyCachedArray
-        return cls._make(self._obj, self._m, view.shape, view.dtype, view.strides, off)
+        return self._view_of(cls._make(self._obj, self._m, view.shape, view.dtype, view.strides,
+                                       off))
 
     # ---- properties ----------------------------------------------------------------------
 
@@ -290,7 +291,7 @@ class CachedArray(ObjectView, NDArrayOperatorsMixin):
     def flags(self):
         """A snapshot of the layout flags (they cannot be set; see setflags)."""
         with readable(self) as v:
-            return Flags(v.flags, self.base is None, self._writeable)
+            return Flags(v.flags, self._base is None, self._writeable)
 
     # ---- NumPy protocols -----------------------------------------------------------------
 
@@ -327,8 +328,8 @@ class CachedArray(ObjectView, NDArrayOperatorsMixin):
             # nothing is pinned or used (the view resolves its bytes at its own use).
             sel = basic_index(self._shape, self._strides, key)
             if sel is not None and self._obj.primary is not None:
-                return type(self)._make(self._obj, self._m, sel[0], self._dtype, sel[1],
-                                        self._offset + sel[2])
+                return self._view_of(type(self)._make(self._obj, self._m, sel[0], self._dtype,
+                                                      sel[1], self._offset + sel[2]))
         key = plain_key(key)
         m, obj = self._m, self._obj
         m.acquire((obj,))
@@ -510,8 +511,9 @@ class CachedArray(ObjectView, NDArrayOperatorsMixin):
         try:
             v = self._view()
             r = fn(v)
-            if isinstance(r, np.ndarray) and (r is v or not r.flags.owndata and
-                                              views_memory_of(r, v)):
+            if r is v:
+                return self                      # NumPy gave the array itself (x.real of reals)
+            if isinstance(r, np.ndarray) and not r.flags.owndata and views_memory_of(r, v):
                 return self._derive(v, r)
             if isinstance(r, np.ndarray):
                 out = from_ndarray(m, r)
@@ -560,8 +562,8 @@ class CachedArray(ObjectView, NDArrayOperatorsMixin):
         if dtype is None:               # a read-only view stays read-only
             self._check_live()
             cls = builtins.type(self) if type is None or not self._writeable else type
-            return cls._make(self._obj, self._m, self._shape, self._dtype, self._strides,
-                             self._offset)
+            return self._view_of(cls._make(self._obj, self._m, self._shape, self._dtype,
+                                           self._strides, self._offset))
         check_dtype(dtype)
         return self._viewop(lambda v: v.view(dtype))
 
@@ -656,7 +658,7 @@ class CachedArray(ObjectView, NDArrayOperatorsMixin):
         if len(new_shape) == 1 and not isinstance(new_shape[0], (int, np.integer)):
             new_shape = new_shape[0]
         shape = shape_tuple(new_shape)
-        if self.base is not None or self._strides != c_strides(self._shape, self.itemsize):
+        if self._base is not None or self._strides != c_strides(self._shape, self.itemsize):
             raise ValueError(
                 f"cannot resize this array of shape {self._shape}: it is a view of object "
                 f"{self._obj.id} or not C-contiguous; resize the array it was taken from, or "
@@ -713,11 +715,13 @@ class CachedArray(ObjectView, NDArrayOperatorsMixin):
 
     @property
     def base(self):
-        """None when this array spans its whole object, else the Object it views."""
-        if self._offset == 0 and self.nbytes == self._obj.nbytes and \
-                self._strides in (c_strides(self._shape, self.itemsize),
-                                  contiguous_strides(self._shape, self.itemsize, "F")):
-            return None
+        """None for an array that owns its object (a new array, a result, a copy); for a view
+        (indexing, x.T, reshape, view, ...), the array that owns the object it was taken from,
+        as NumPy's (a view of a view names that owner too), or the object itself when that
+        array has moved to another (``resize``)."""
+        b = self._base
+        if b is None or b._obj is self._obj:
+            return b
         return self._obj
 
     @property

@@ -388,6 +388,29 @@ def _lock_owner(st):
     return same_inode.pop() if len(same_inode) == 1 else None
 
 
+def _held(path, st):
+    """True when a live process holds the lock of the file st describes at path (asked of the
+    kernel with a lock of our own, which /proc/locks cannot always answer: a holder in another
+    PID namespace, or no /proc); False when none does; None when the file cannot be opened."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        opened = os.fstat(fd)
+        if (opened.st_dev, opened.st_ino) != (st.st_dev, st.st_ino):
+            return None                      # replaced since it was looked at
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        except OSError:
+            return None
+        return False                         # closing the fd drops the trial lock
+    finally:
+        os.close(fd)
+
+
 def _in_use(pid):
     """The reason a file locked by another manager is refused."""
     who = f"pid {pid}" if pid else "pid unknown"
@@ -423,11 +446,15 @@ def _refusal(path, st):
                 f"would grow or overwrite the target); pass the target itself if it is a devdax "
                 f"device, or {fix}")
     if stat.S_ISREG(mode):
+        held = _held(path, st)
         pid = _lock_owner(st)
-        if pid is not None:
+        if held or held is None and pid is not None:
             return _in_use(pid)
-        return (f"it is an existing file ({format_size(st.st_size)}), which the slow device never "
-                f"reuses or overwrites; remove it if a crashed run left it behind, or {fix}")
+        nobody = "that no running manager holds" if held is False else "that no running " \
+            "manager is known to hold"
+        return (f"it is an existing file ({format_size(st.st_size)}) {nobody}, which the slow "
+                f"device never reuses or overwrites; remove it if a crashed run left it behind, "
+                f"or {fix}")
     if stat.S_ISCHR(mode):
         return (f"it is a character device but not a DAX device (the kernel does not list it "
                 f"under {os.path.join(_SYSFS, 'bus', 'dax')}); {fix}")

@@ -614,7 +614,8 @@ class Manager(ManagerRecord):
 
     def _thread_key(self):
         """The calling thread's key (``threadkeys``), watched so that what the thread still
-        holds when it ends is seen to at the manager's next pin, unpin, scope or close."""
+        holds when it ends is seen to at the manager's next pin, unpin, scope or close, or when
+        it next asks whether an object is pinned (making room, moving or freeing it)."""
         key = threadkeys.current()
         if key not in self._watched:
             self._watched.add(key)
@@ -966,6 +967,8 @@ class Manager(ManagerRecord):
                 self._check_open((obj,))
                 if obj._manager is not self._ref:
                     raise self._foreign(obj)
+                if obj._pins and self._ended:
+                    self._release_ended()
                 if obj._pins:
                     raise PinnedError(f"object {obj.id} is pinned by a running kernel or an open "
                                       "access scope; free it after the scope ends")
@@ -1076,12 +1079,24 @@ class Manager(ManagerRecord):
 
     def pinned(self, obj):
         """True while anything pins obj (a running kernel, an access scope, pin()): nothing
-        moves or frees it then."""
+        moves or frees it then. The pin()s of threads that have ended are released first, so a
+        policy making room may move what such a thread left pinned."""
+        if obj._pins and self._ended:
+            self._release_ended_locked()
         return obj._pins > 0
 
     def pin_count(self, obj):
-        """How many pins obj holds now (each pin, acquire and new_pinned adds one)."""
+        """How many pins obj holds now (each pin, acquire and new_pinned adds one; pin()s of
+        threads that have ended are released first)."""
+        if obj._pins and self._ended:
+            self._release_ended_locked()
         return obj._pins
+
+    def _release_ended_locked(self):
+        """_release_ended, taking the lock (re-entrant: a policy asking holds it already)."""
+        with self._lock:
+            if self._ended:
+                self._release_ended()
 
     def new_pinned(self, nbytes, placement=None):
         """A new object of nbytes placed by the policy, pinned and reported as written.
@@ -1596,6 +1611,8 @@ class Manager(ManagerRecord):
                 self._drain()
             if obj.dropped:
                 return False
+            if obj._pins and self._ended:
+                self._release_ended()
             if obj._pins:
                 raise PinnedError(f"cannot drop {_describe(obj)}: a running kernel or an open "
                                   "access scope pins it; drop it after the scope ends")
@@ -2103,6 +2120,8 @@ class Manager(ManagerRecord):
             if region.freed:
                 raise UseAfterFreeError(f"{region!r} was already freed (double free)")
             obj = self.object(region.owner)
+            if obj is not None and obj._pins and self._ended:
+                self._release_ended()
             if obj is not None and obj._pins and obj.primary is region:
                 raise PinnedError(f"object {obj.id} is pinned; its primary region cannot be "
                                   "freed until the access scope ends")
@@ -2287,6 +2306,8 @@ class Manager(ManagerRecord):
         with self._lock:
             self._check_open()
             self._drain()
+            if self._ended:                     # what threads that ended left pinned may go
+                self._release_ended()
             dev = self._device(device)
             if dev.heap is None:
                 return False
@@ -2354,6 +2375,8 @@ class Manager(ManagerRecord):
     def _slide(self, dev, hook):
         """Slide the unpinned regions of dev (which has a heap) down; each move reported to
         observers' hook. Returns the moves as (region, old offset)."""
+        if self._ended:                       # what threads that ended left pinned may move
+            self._release_ended()
         if self._copier is not None:          # nothing slides under a running copy
             self._copier.drain()
             self._reading = []

@@ -25,7 +25,9 @@ SHORT_BYTES = 1 << 16
 class ObjectView:
     """A view description over an Object of a manager; resolves the current bytes on use."""
 
-    __slots__ = ("_obj", "_m", "_shape", "_dtype", "_strides", "_offset", "_vc", "__weakref__")
+    # _base: None for an array that owns its object (made new), else the owner it was viewed from
+    __slots__ = ("_obj", "_m", "_shape", "_dtype", "_strides", "_offset", "_vc", "_base",
+                 "__weakref__")
 
     @classmethod
     def _make(cls, obj, manager, shape, dtype, strides, offset):
@@ -37,7 +39,14 @@ class ObjectView:
         self._strides = strides
         self._offset = offset
         self._vc = None
+        self._base = None
         return self
+
+    def _view_of(self, view):
+        """view (made over self's object) as a view of self's owner: its base, as NumPy's."""
+        b = self._base
+        view._base = self if b is None else b
+        return view
 
     def _view(self, readonly=False):
         """An ndarray over the current bytes (valid while pinned; read-only ones stay so)."""

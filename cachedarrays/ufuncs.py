@@ -95,7 +95,7 @@ def _new_result(ufunc, inputs, m, shape, plan, objs):
             record_new(obj)
         res = _new(CachedArray)                    # CachedArray._make, inlined
         res._obj, res._m, res._shape, res._dtype = obj, m, shape, dt
-        res._strides, res._offset = strides, 0
+        res._strides, res._offset, res._base = strides, 0, None
         r = obj.primary
         buf = r._buffer
         if buf is not None:                        # ObjectView._kview, inlined

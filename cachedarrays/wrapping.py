@@ -1,6 +1,6 @@
 """Results of NumPy calls as CachedArrays: a view of an input stays a view of its object,
-an ndarray argument (or a view of one) comes back as NumPy gives it, any other array is copied
-into a new, policy-placed CachedArray; scalars pass through."""
+an ndarray argument (or a view of one, empty or not) comes back as NumPy gives it, any other
+array is copied into a new, policy-placed CachedArray; scalars pass through."""
 
 import numpy as np
 
@@ -26,8 +26,8 @@ def wrap(m, res, views, plain=()):
                 if views_memory_of(res, v):
                     return arr._derive(v, res)
             for p in plain:
-                if np.may_share_memory(res, p):
-                    return res
+                if views_memory_of(res, p):
+                    return res              # empty too: a view of p, whatever its size
         return from_ndarray(m, res)       # a 0-d result stays a 0-d array, as in NumPy
     if isinstance(res, list):
         return [wrap(m, r, views, plain) for r in res]

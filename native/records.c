@@ -1567,7 +1567,8 @@ static PyTypeObject *view_cls;                     /* cachedarrays.array.CachedA
 static PyObject *ndarray_cls, *header, *open_scopes, *record_new_fn, *plans;
 static PyObject *from_ndarray_fn;                  /* cachedarrays.array.from_ndarray */
 static long long short_bytes;                   /* cachedarrays.pinning.SHORT_BYTES */
-static Py_ssize_t off_obj, off_m, off_shape, off_dtype, off_strides, off_offset, off_vc;
+static Py_ssize_t off_obj, off_m, off_shape, off_dtype, off_strides, off_offset, off_vc,
+                  off_base;
 
 /* The offset of the slot `name` of type t (a T_OBJECT_EX member descriptor), or -1. */
 static Py_ssize_t
@@ -1608,13 +1609,14 @@ bind_views(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     PyTypeObject *t = (PyTypeObject *)args[0];
-    Py_ssize_t o[7];
-    const char *names[7] = {"_obj", "_m", "_shape", "_dtype", "_strides", "_offset", "_vc"};
-    for (int i = 0; i < 7; i++)
+    Py_ssize_t o[8];
+    const char *names[8] = {"_obj", "_m", "_shape", "_dtype", "_strides", "_offset", "_vc",
+                            "_base"};
+    for (int i = 0; i < 8; i++)
         if ((o[i] = slot_offset(t, names[i])) < 0)
             return NULL;
     off_obj = o[0]; off_m = o[1]; off_shape = o[2]; off_dtype = o[3]; off_strides = o[4];
-    off_offset = o[5]; off_vc = o[6];
+    off_offset = o[5]; off_vc = o[6]; off_base = o[7];
     Py_XSETREF(view_cls, (PyTypeObject *)Py_NewRef(args[0]));
     Py_XSETREF(ndarray_cls, Py_NewRef(args[1]));
     Py_XSETREF(header, Py_NewRef(args[2]));
@@ -1812,6 +1814,7 @@ new_view(PyObject *m, PyObject *obj, PyObject *shape, PyObject *dtype, PyObject 
     SLOT(res, off_strides) = Py_NewRef(strides);
     SLOT(res, off_offset) = Py_NewRef(zero);
     SLOT(res, off_vc) = Py_NewRef(Py_None);
+    SLOT(res, off_base) = Py_NewRef(Py_None);           /* a new array owns its object */
     PyObject *r = ((ObjectRecord *)obj)->primary;
     if (r != NULL && PyObject_TypeCheck(r, &RegionRecordType) &&
             ((RegionRecord *)r)->buffer != NULL && ((RegionRecord *)r)->buffer != Py_None &&
@@ -3014,6 +3017,9 @@ basic_view(PyObject *x, PyObject *key)
     SLOT(res, off_strides) = Py_NewRef(new_strides);
     SLOT(res, off_offset) = Py_NewRef(new_off);
     SLOT(res, off_vc) = Py_NewRef(Py_None);
+    /* a view: its base is the array that owns the object (x's own base, or x) */
+    PyObject *owner = SLOT(x, off_base);
+    SLOT(res, off_base) = Py_NewRef(owner != NULL && owner != Py_None ? owner : x);
     goto out;
 decline:                                                 /* not an error: the general method */
     PyErr_Clear();

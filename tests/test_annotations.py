@@ -379,6 +379,17 @@ def test_cleanup_keeps_an_object_whose_view_the_caller_holds(m):
     assert ca.cleanup(state) == 1                      # views only state holds go with it
 
 
+def test_cleanup_counts_the_array_a_view_was_taken_from_as_reached_through_it(m):
+    state = [ca.ones(6, manager=m)[1:]]          # its array is held only by the view (its base)
+    assert state[0].base is not None
+    assert ca.cleanup(state) == 1 and state[0].is_freed
+    big = ca.ones(6, manager=m)
+    state = [big[1:]]
+    assert ca.cleanup(state) == 0                # big is the caller's
+    del big
+    assert ca.cleanup(state) == 1
+
+
 def test_cleanup_frees_a_temporary_only_the_pullback_refers_to(m):
     def forward(x):
         t = x + 1

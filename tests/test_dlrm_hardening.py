@@ -317,3 +317,52 @@ def test_resizing_a_frozen_table_unfreezes_its_empty_pool_so_it_can_be_filled_ag
         out = t.lookup(np.arange(10), np.arange(10))
         assert np.array_equal(np.asarray(out), np.asarray(t.base)[:10])
         assert t.stats()["hits"] == 10
+
+
+# ---- a model's cache size in bytes ---------------------------------------------------------
+
+@settings(max_examples=40, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(sizes=st.lists(st.integers(1, 400), min_size=1, max_size=5), fs=st.integers(1, 6),
+       part=st.floats(0.0, 1.0), kind=st.sampled_from(["static", "dynamic"]),
+       spelling=st.sampled_from([int, lambda n: f"{n}B"]))
+def test_a_byte_cache_size_is_the_whole_models_spread_over_its_tables(m, sizes, fs, part, kind,
+                                                                      spelling):
+    cfg = configs.DLRMConfig("h", tuple(sizes), fs, (5, fs), (6, 1), 8, dense_features=3)
+    rowbytes = 4 * fs
+    whole = [n * rowbytes for n in sizes]
+    total = int(part * sum(whole))
+    model = DLRM(cfg, manager=m, table_kind=kind, backend="numpy", cache=spelling(total),
+                 slack=spelling(total // 2))
+    lower = [t.cachelower for t in model.tables]
+    assert sum(lower) <= total                               # never more than asked
+    assert all(0 <= c <= w and c % rowbytes == 0 for c, w in zip(lower, whole))
+    share = total / len(sizes)
+    for c, w in zip(lower, whole):
+        if w <= share:
+            assert c == w                                    # smaller than its share: whole
+    if any(c < w for c, w in zip(lower, whole)):             # no budget left over unused
+        assert total - sum(lower) < len(sizes) * rowbytes
+        uncached = [c for c, w in zip(lower, whole) if c < w]
+        assert max(uncached) - min(uncached) <= 2 * rowbytes  # the others share evenly
+    if kind == "dynamic":
+        assert sum(t.cacheslack for t in model.tables) <= total // 2
+    for t in model.tables:
+        t.check()
+
+
+def test_a_fraction_stays_each_tables_and_too_many_bytes_are_refused(m):
+    cfg = configs.tiny()
+    model = DLRM(cfg, manager=m, table_kind="dynamic", backend="numpy", cache=0.25)
+    assert [t.cachelower for t in model.tables] == \
+        [math.ceil(0.25 * n) * 4 * cfg.featuresize for n in cfg.table_sizes]
+    whole = cfg.table_bytes
+    small = min(cfg.table_sizes) * 4 * cfg.featuresize
+    model = DLRM(cfg, manager=m, table_kind="dynamic", backend="numpy", cache=4 * small)
+    assert model.tables[cfg.table_sizes.index(min(cfg.table_sizes))].cachelower == small
+    for size in (whole + 1, f"{whole + 1}B"):
+        with pytest.raises(ValueError, match=f"cache of {whole + 1:,} bytes is more than all its "
+                                             f"tables .* the largest is {whole:,}"):
+            DLRM(cfg, manager=m, table_kind="dynamic", backend="numpy", cache=size)
+    with pytest.raises(ValueError, match="slack must be a fraction .* or a size in bytes"):
+        DLRM(cfg, manager=m, table_kind="dynamic", backend="numpy", slack="lots")

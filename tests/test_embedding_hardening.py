@@ -632,3 +632,43 @@ def test_an_empty_list_of_indices_or_offsets_is_an_empty_batch(m, kind, empty):
     assert np.array_equal(out, np.zeros((1, 4)))
     E.update_tables([t, t], [empty, empty], [[0], [0]], np.ones((1, 4), np.float32), 0.1)
     assert np.array_equal(t.snapshot(), before)
+
+
+@pytest.mark.parametrize("tables", ["simple", "cached", "mixed", "cached+subclass"])
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_a_non_finite_gradient_is_applied_as_numpy_applies_it_to_every_table(m, tables, bad):
+    # w -= lr * g, as NumPy (and torch's SGD) do: the rows the bad value reaches take it, the
+    # others are updated as usual, and every table of an ensemble is updated (none half)
+    class Sub(E.CachedEmbeddingTable):
+        pass
+    make = {"simple": lambda i: E.SimpleTable(40, 4, manager=m, name=f"s{i}", init=_init(40, 4, i)),
+            "cached": lambda i: E.CachedEmbeddingTable(40, 4, manager=m, name=f"c{i}",
+                                                       cachelower=0.5, init=_init(40, 4, i)),
+            "cached+subclass": lambda i: Sub(40, 4, manager=m, name=f"u{i}", cachelower=0.5,
+                                             init=_init(40, 4, i))}
+    kinds = ["simple", "cached", "cached"] if tables == "mixed" else [tables] * 3
+    ts = [make[k](i) for i, k in enumerate(kinds)]
+    for t in ts:
+        t.lookup(np.arange(20), None)                       # half the rows cached
+    b = 12
+    idx = [np.random.default_rng(i).integers(0, 40, 2 * b) for i in range(3)]
+    off = [np.arange(0, 2 * b, 2)] * 3
+    g = np.random.default_rng(9).standard_normal((b, 12)).astype(np.float32)
+    g[5, 9] = bad                                           # the third table's block, bag 5
+    want = []
+    for k, t in enumerate(ts):
+        w = t.snapshot()
+        for bag in range(b):
+            for r in idx[k][2 * bag:2 * bag + 2]:
+                w[r] -= np.float32(0.5) * g[bag, 4 * k:4 * k + 4]
+        want.append(w)
+    singly = [make[k](i) for i, k in enumerate(kinds)]
+    for t in singly:
+        t.lookup(np.arange(20), None)
+    E.update_tables(ts, idx, off, g, 0.5)
+    for k, t in enumerate(singly):
+        t.update(idx[k], off[k], g[:, 4 * k:4 * k + 4].copy(), 0.5)
+    for k in range(3):
+        for got in (ts[k].snapshot(), singly[k].snapshot()):
+            np.testing.assert_allclose(got, want[k], rtol=1e-5, atol=1e-5)
+    assert not np.isfinite(want[2]).all() and np.isfinite(want[0]).all()

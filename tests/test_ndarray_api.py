@@ -10,6 +10,8 @@ import tempfile
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import cachedarrays as ca
 from helpers import assert_eq, same
@@ -222,7 +224,7 @@ def test_settable_attributes_behave_as_numpys(m):
 
 def test_view_of_a_slice_has_a_base_and_cannot_be_resized(m):
     x = ca.asarray(GRID, manager=m)
-    assert x.base is None and x[1:].base is x.object
+    assert x.base is None and x[1:].base is x
     with pytest.raises(ValueError, match="view"):
         x[1:].resize(3)
 
@@ -315,3 +317,70 @@ def test_inplace_method_is_written_back_at_eviction(m, name):
     assert_eq(x, expected, exact=True)
     ca.prefetch(x, force=True)
     assert_eq(x, expected, exact=True)
+
+
+# name -> f(a): NumPy calls giving views of a, or new arrays (their base and owndata differ)
+_BASE_OPS = {
+    "slice": lambda a: a[1:], "whole slice": lambda a: a[:], "reversed": lambda a: a[::-1],
+    "row": lambda a: a[0], "newaxis": lambda a: a[None], "ellipsis": lambda a: a[..., None],
+    "T": lambda a: a.T, "reshape": lambda a: a.reshape(-1), "ravel": lambda a: a.ravel(),
+    "view": lambda a: a.view(), "view dtype": lambda a: a.view(np.int64),
+    "transpose": lambda a: np.transpose(a), "np.reshape": lambda a: np.reshape(a, (-1,)),
+    "swapaxes": lambda a: a.swapaxes(0, -1), "squeeze": lambda a: np.squeeze(a),
+    "expand_dims": lambda a: np.expand_dims(a, 0), "flip": lambda a: np.flip(a),
+    "broadcast_to": lambda a: np.broadcast_to(a, (2,) + a.shape), "real": lambda a: a.real,
+    "diagonal": lambda a: a.diagonal() if a.ndim > 1 else a[:],
+    "atleast_2d": lambda a: np.atleast_2d(a), "copy": lambda a: a.copy(),
+    "astype same": lambda a: a.astype(a.dtype, copy=False), "fancy": lambda a: a[[0]],
+    "add": lambda a: a + 1, "flatten": lambda a: a.flatten(),
+    "astype": lambda a: a.astype(np.float32),
+}
+
+
+@settings(max_examples=200, deadline=None)
+@given(names=st.lists(st.sampled_from(sorted(_BASE_OPS)), min_size=1, max_size=3))
+def test_base_and_owndata_of_views_and_copies_are_numpys(names):
+    # code avoiding copies asks whether an array owns its data (a.flags.owndata, a.base is
+    # None) or is a view of another (a.base is b): a view sharing the memory of its array,
+    # x[:] and x.T too, must never claim to own it
+    with ca.Manager(fast="1MiB", slow="8MiB") as m:
+        want = [GRID.copy()]
+        got = [ca.asarray(GRID, manager=m)]
+        for name in names:
+            try:
+                w = _BASE_OPS[name](want[-1])
+            except (IndexError, ValueError):     # a shape the call does not take
+                break
+            g = _BASE_OPS[name](got[-1])
+            if not isinstance(w, np.ndarray):    # a scalar: the chain ends
+                break
+            assert (w is want[-1]) is (g is got[-1]), names     # the input itself
+            want.append(w)
+            got.append(g)
+        # NumPy names the array owning a view's memory (its base), or a temporary of its own
+        # (np.reshape of x.T copies into one): the first array of the chain with that owner is
+        # the owner, and every later one a view of it
+        owners = [w if w.base is None else w.base for w in want]
+        for i in range(1, len(want)):
+            w, g = want[i], got[i]
+            if any(w is a for a in want[:i]):
+                continue                             # the array itself (checked above)
+            first = next(k for k in range(i + 1) if owners[k] is owners[i])
+            if first == i:                           # new
+                assert g.flags.owndata is True and g.base is None, names
+            else:                                    # a view: base is the owner, as NumPy's
+                assert g.flags.owndata is False and g.base is got[first], names
+                assert w.flags.owndata is False
+                if g.size:
+                    assert np.shares_memory(g, g.base)
+
+
+def test_a_view_cannot_be_resized_and_a_resized_arrays_views_name_its_old_object(m):
+    x = ca.asarray(GRID, manager=m)
+    for v in (x[:], x.T, x.reshape(12), x.view()):       # views of all of x, as NumPy refuses
+        with pytest.raises(ValueError, match="view"):
+            v.resize(20)
+    y = x[1:]
+    old = x.object
+    x.resize(20)                                          # x moves to a new object
+    assert x.base is None and y.base is old and not np.shares_memory(x, y)

@@ -212,6 +212,52 @@ def test_two_managers_on_one_path_in_two_processes(tmp_path):
     devices.SlowDevice("1MiB", path=str(p)).close()
 
 
+
+@pytest.mark.parametrize("holder", ["this process", "another process"])
+def test_a_file_a_live_manager_holds_is_refused_as_in_use_when_proc_locks_cannot_say(
+        tmp_path, monkeypatch, holder):
+    # /proc/locks names no holder in another PID namespace (or without /proc): the refusal asks
+    # the file's lock itself, and never tells the user to remove a file in use
+    p = tmp_path / "slow.heap"
+    monkeypatch.setattr(devices, "_lock_owner", lambda st: None)
+    if holder == "this process":
+        child, dev = None, devices.SlowDevice("1MiB", path=str(p))
+    else:
+        child = run_python("""
+            import sys
+            from cachedarrays import devices
+            dev = devices.SlowDevice("1MiB", path=sys.argv[1])
+            print("ready", flush=True)
+            sys.stdin.readline()
+            dev.close()
+        """, p, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        assert child.stdout.readline().strip() == "ready"
+    try:
+        with pytest.raises(DeviceError, match=r"in use by another manager \(pid unknown\)") as e:
+            devices.SlowDevice("1MiB", path=str(p))
+        assert "remove it" not in str(e.value)
+    finally:
+        if child is None:
+            dev.close()
+        else:
+            child.stdin.write("\n")
+            child.stdin.close()
+            assert child.wait(timeout=60) == 0
+    assert not p.exists()
+
+
+def test_a_left_file_is_named_as_held_by_no_running_manager(tmp_path, monkeypatch):
+    p = tmp_path / "slow.heap"
+    p.write_bytes(bytes(4096))
+    p.chmod(0o600)
+    for owner in (None, 4242):          # what /proc/locks says cannot overrule the lock itself
+        monkeypatch.setattr(devices, "_lock_owner", lambda st: owner)
+        with pytest.raises(DeviceError, match="existing file .* that no running manager holds.*"
+                                              "remove it if a crashed run") as e:
+            devices.SlowDevice("1MiB", path=str(p))
+        assert str(p) in str(e.value)
+    assert p.read_bytes() == bytes(4096)
+
 # ---- character devices and other special files ---------------------------------------------
 
 @pytest.mark.parametrize("path", ["/dev/zero", "/dev/null"])

@@ -5,8 +5,9 @@ CPython reuses thread idents: a thread started after another ended often gets it
 (cachedarrays.threadkeys), so a new thread starts clean: it cannot unpin what a thread that
 ended pinned, and close() on it is not refused as if it held their scopes. A pin() of a thread
 that ended, which nobody else may unpin, is released at the manager's next pin, unpin, scope or
-close; a scope it left open stays until its __exit__ (which any thread may call), and close()
-says so.
+close, and whenever the manager asks whether an object is pinned (a policy making room, an
+evict, a free, a defragmentation); a scope it left open stays until its __exit__ (which any
+thread may call), and close() says so.
 """
 
 import gc
@@ -167,3 +168,66 @@ def test_an_array_of_another_manager_is_assigned_into_a_slice(m):
         other.check()
     finally:
         other.close()
+
+
+def _fast_and_pinned_by(m, hold):
+    """An array filling most of m's fast memory, pinned by hold(m, obj) on another thread."""
+    x = ca.asarray(np.arange(100_000.0), manager=m)         # 800 KB of the 1 MiB
+    assert x.device == "fast"
+    assert _in_thread(lambda: hold(m, x.object)) is None
+    return x
+
+
+# what needs an array unpinned -> f(m, x): True when it moved or freed x
+_NEEDS_UNPINNED = {
+    "a new array makes room": lambda m, x: ca.zeros(100_000, manager=m).device == "fast"
+    and x.device == "slow",
+    "ca.evict": lambda m, x: (ca.evict(x), x.device == "slow")[1],
+    "ca.unsafe_free": lambda m, x: (ca.unsafe_free(x), x.object.freed)[1],
+    "m.pinned": lambda m, x: not m.pinned(x.object),
+    "m.pin_count": lambda m, x: m.pin_count(x.object) == 0,
+    "m.evictfrom": lambda m, x: m.evictfrom(
+        "fast", None, 900_000, lambda r: m.policy.evict(m.parent(r))) and x.device == "slow",
+}
+
+
+@pytest.mark.parametrize("needs", sorted(_NEEDS_UNPINNED))
+def test_what_a_thread_that_ended_left_pinned_is_released_when_the_manager_needs_it(m, needs):
+    x = _fast_and_pinned_by(m, lambda m, obj: m.pin(obj))   # ends without unpinning
+    assert _NEEDS_UNPINNED[needs](m, x)
+    assert x.object._pins == 0
+    if not x.object.freed:
+        np.testing.assert_array_equal(np.asarray(x), np.arange(100_000.0))
+    m.check()
+
+
+def test_a_defragmentation_moves_what_a_thread_that_ended_left_pinned(m):
+    gap = ca.zeros(1000, manager=m)
+    x = _fast_and_pinned_by(m, lambda m, obj: m.pin(obj))
+    at = x.object.primary.offset
+    ca.unsafe_free(gap)
+    assert m.defrag("fast") >= 1 and x.object.primary.offset < at
+    np.testing.assert_array_equal(np.asarray(x), np.arange(100_000.0))
+    m.check()
+
+
+@pytest.mark.parametrize("needs", sorted(set(_NEEDS_UNPINNED) - {"ca.unsafe_free"}))
+def test_the_pin_of_a_live_thread_still_holds_when_the_manager_needs_room(m, needs):
+    x = ca.asarray(np.arange(100_000.0), manager=m)
+    pinned, done = threading.Event(), threading.Event()
+
+    def hold():
+        m.pin(x.object)
+        pinned.set()
+        done.wait(30)
+        m.unpin(x.object)
+    t = threading.Thread(target=hold)
+    t.start()
+    pinned.wait(30)
+    try:
+        assert not _NEEDS_UNPINNED[needs](m, x)
+        assert x.device == "fast" and x.object._pins == 1
+    finally:
+        done.set()
+        t.join()
+    assert x.object._pins == 0

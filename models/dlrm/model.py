@@ -223,12 +223,41 @@ class _Dense:
         self.db = ca.zeros(fan_out, dtype=np.float32, manager=manager)
 
 
+def _cache_shares(size, table_bytes, rowbytes, what="cache", name="DLRM"):
+    """Each table's cache size for a model's ``size``: a fraction (a float) is every table's
+    own fraction; bytes (an int or "64MiB") are the whole model's, split evenly in whole rows,
+    a table smaller than its share cached whole and what it leaves split over the others (a
+    small table is not refused, and the shares never add up to more than ``size``)."""
+    if isinstance(size, (float, np.floating)):
+        return [size] * len(table_bytes)
+    try:
+        total = ca.parse_size(size)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"DLRM {name!r}: {what} must be a fraction of each table (float) or a "
+                         f"size in bytes for all tables together (int or '64MiB'), got "
+                         f"{size!r}") from e
+    whole = sum(table_bytes)
+    if total > whole:
+        raise ValueError(f"DLRM {name!r}: {what} of {total:,} bytes is more than all its tables "
+                         f"({len(table_bytes)} tables, {whole:,} bytes); the largest is "
+                         f"{whole:,} (or 1.0)")
+    shares = [0] * len(table_bytes)
+    left = total
+    order = sorted(range(len(table_bytes)), key=lambda t: table_bytes[t])
+    for k, t in enumerate(order):                 # smallest first: what they leave goes on
+        share = min(table_bytes[t], left // (len(order) - k))
+        shares[t] = share - share % rowbytes[t]
+        left -= shares[t]
+    return shares
+
+
 class DLRM:
     """DLRM whose tables are of ``table_kind`` ("fast", "simple", "static", "dynamic").
 
-    ``cache`` is each cached table's ``cachelower`` (fraction of the table), ``slack`` its
-    ``cacheslack`` and ``flush_policy`` its flush policy; ``backend`` "onednn" or "numpy" runs
-    the MLPs.
+    ``cache`` is the cached tables' ``cachelower``: a fraction (float) of each table, or bytes
+    (int or "64MiB") for all of them together (``_cache_shares``); ``slack`` their
+    ``cacheslack`` in the same way, and ``flush_policy`` their flush policy; ``backend``
+    "onednn" or "numpy" runs the MLPs.
     """
 
     def __init__(self, config, *, manager=None, table_kind="fast", cache=0.25, slack=0.05,
@@ -254,8 +283,14 @@ class DLRM:
         widths = (cfg.interaction_width,) + tuple(cfg.top)
         self.top = [_Dense(f"top.{i}", widths[i], widths[i + 1], i < len(cfg.top) - 1, rng, m)
                     for i in range(len(cfg.top))]
-        self.tables = [emb.make_table(table_kind, n, cfg.featuresize, manager=m, cache=cache,
-                                      slack=slack, page_rows=page_rows, seed=seed + 1 + t,
+        caches = slacks = [None] * cfg.ntables
+        if table_kind in ("static", "dynamic"):
+            rowbytes = [cfg.featuresize * np.dtype(np.float32).itemsize] * cfg.ntables
+            sizes = [n * r for n, r in zip(cfg.table_sizes, rowbytes)]
+            caches = _cache_shares(cache, sizes, rowbytes, "cache", cfg.name)
+            slacks = _cache_shares(slack, sizes, rowbytes, "slack", cfg.name)
+        self.tables = [emb.make_table(table_kind, n, cfg.featuresize, manager=m, cache=caches[t],
+                                      slack=slacks[t], page_rows=page_rows, seed=seed + 1 + t,
                                       name=f"emb.{t}", flush_policy=flush_policy)
                        for t, n in enumerate(cfg.table_sizes)]
         fs = cfg.featuresize
