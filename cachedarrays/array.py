@@ -56,6 +56,24 @@ def _caller_is_pandas():
     return name == "pandas" or name.startswith("pandas.")
 
 
+def _numba_compiles_nopython():
+    """True when the code reading an attribute of a CachedArray is numba typing it (numba.typeof)
+    for anything but an object-mode function (``jit(forceobj=True)``), which takes any Python
+    object and keeps no pointer."""
+    frame = sys._getframe(2)
+    name = frame.f_globals.get("__name__", "")
+    if name != "numba" and not name.startswith("numba."):
+        return False
+    for _ in range(8):                  # the dispatcher typing a call's argument, if it is one
+        if frame is None:
+            break
+        if frame.f_code.co_name == "typeof_pyval":
+            options = getattr(frame.f_locals.get("self"), "targetoptions", None) or {}
+            return not options.get("forceobj")
+        frame = frame.f_back
+    return True
+
+
 # ---- allocation ------------------------------------------------------------------------------
 
 def new_layout(shape, dtype, order="C"):
@@ -310,6 +328,29 @@ class CachedArray(ObjectView, NDArrayOperatorsMixin):
             self._m.count("asarray", self.nbytes, id=self._obj.id)
             return np.array(v, dtype=dtype, copy=True)
 
+    def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
+        """DLPack export of a copy, counted as np.asarray's (torch.as_tensor, torch.tensor,
+        torch.from_dlpack, np.from_dlpack): DLPack allows a copy unless copy=False, and the
+        array's own bytes can move. Without it torch reads a CachedArray as a sequence, one
+        element at a time (and a 0-d one not at all)."""
+        if self._dtype.kind not in "biufc":
+            raise BufferError(
+                f"DLPack carries booleans and numbers only; this CachedArray (shape "
+                f"{self._shape}) has dtype {self._dtype}: convert it first, e.g. "
+                "x.astype(np.float64), or pass np.asarray(x) for NumPy's own conversion")
+        if copy is False:
+            raise BufferError(
+                f"a CachedArray (shape {self._shape}, dtype {self._dtype}) cannot be exported "
+                "through DLPack without a copy: its data can move between devices; export a "
+                "copy (copy=None or True, as torch.as_tensor(x) does), or pass `a` of "
+                "`with ca.readable(x) as a:` and use the result inside the scope only")
+        return self.__array__().__dlpack__(stream=stream, max_version=max_version,
+                                           dl_device=dl_device, copy=copy)
+
+    def __dlpack_device__(self):
+        """The CPU (DLPack's kDLCPU, device 0): where __dlpack__'s copy lives."""
+        return (1, 0)
+
     # Until the dispatch layer installs its handlers (set_ufunc_handlers,
     # set_function_handler), NumPy calls on a CachedArray raise TypeError.
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
@@ -469,6 +510,12 @@ class CachedArray(ObjectView, NDArrayOperatorsMixin):
     def tobytes(self, order="C"):
         with readable(self) as v:
             return v.tobytes(order)
+
+    def __bytes__(self):
+        """bytes(x) as NumPy gives it (the elements' bytes in C order): without this, bytes()
+        would iterate x and keep each element's value as one byte."""
+        with readable(self) as v:
+            return bytes(v)
 
     def __reduce__(self):
         with readable(self) as v:
@@ -742,6 +789,20 @@ class CachedArray(ObjectView, NDArrayOperatorsMixin):
     @property
     def data(self):
         raise TypeError(_RAW_POINTER.format(name="data"))
+
+    @property
+    def _numba_type_(self):
+        """numba's typing hook (numba.typeof): refused with the fix, where numba would raise
+        a TypingError on a "pyobject". Compiled code keeps a raw pointer for the whole call,
+        which must be a pinned view; other code (object mode too) sees no such attribute."""
+        if not _numba_compiles_nopython():
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute "
+                                 "'_numba_type_'")
+        raise TypeError(
+            f"numba cannot take a CachedArray (shape {self._shape}, dtype {self._dtype}, object "
+            f"{self._obj.id}): compiled code would keep a raw pointer to bytes that an evict or "
+            "prefetch can move; pass it a pinned view: `with ca.readable(x) as a: f(a)`, or "
+            "`with ca.kernel(name, (x,), (y,)) as (a, b): f(a, b)` when f writes y")
 
     def __copy__(self):
         return self.copy(order="K")

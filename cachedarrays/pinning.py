@@ -215,12 +215,13 @@ class PinnedView:
     """Pinned ndarray access to one array: what ``ca.readable`` and ``ca.writable`` return
     (see cachedarrays.scopes), and what the type's own conversions read through."""
 
-    __slots__ = ("arr", "write", "opened")
+    __slots__ = ("arr", "write", "opened", "views")
 
     def __init__(self, arr, write):
         self.arr = arr
         self.write = write
         self.opened = 0                 # with-blocks entered and not yet exited
+        self.views = None               # thread id -> writable views of its open with-blocks
 
     def __enter__(self):
         a = self.arr
@@ -236,6 +237,10 @@ class PinnedView:
             m.release((a._obj,))
             raise
         self.opened += 1
+        if self.write:
+            if self.views is None:
+                self.views = {}
+            self.views.setdefault(threading.get_ident(), []).append(v)
         return v
 
     def __exit__(self, *exc):
@@ -246,6 +251,12 @@ class PinnedView:
                 "its pin is released once, by the __exit__ of its with-block; releasing it "
                 "again would unpin an array other scopes still use")
         self.opened -= 1
+        if self.write:                  # a kept view writes no more (this thread's newest)
+            stack = self.views.get(threading.get_ident())
+            if stack:
+                stack.pop().flags.writeable = False
+                if not stack:
+                    del self.views[threading.get_ident()]
         m = self.arr._m
         m.scope_closed(self)
         m.release((self.arr._obj,))

@@ -2,8 +2,9 @@
 
 With ``Manager(debug=True)`` (or ``CACHEDARRAYS_DEBUG=1``) every region that is freed, or left
 behind when its object moves, is filled with a poison byte and remembered with its former owner.
-Only a stale pointer writes there afterwards, typically an ndarray from ``ca.readable``,
-``ca.writable`` or ``ca.access`` used after its scope ended. Such writes are found when the
+Only a stale pointer writes there afterwards, typically an ndarray made inside a ``ca.writable``
+or ``ca.access`` scope from its view and used after the scope ended (the scope's own views
+refuse writes by then). Such writes are found when the
 memory is handed out again and by ``Manager.check()``.
 """
 

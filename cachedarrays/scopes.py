@@ -2,7 +2,8 @@
 
 ``readable`` and ``writable`` pin one array; ``access`` pins several at once, one use report per
 array. Nothing moves a pinned array, so the views stay valid inside the with-block; after it the
-array may move and a kept view would show (or overwrite) another array's bytes.
+array may move and a kept view would show another array's bytes. Writable views become
+read-only when their scope ends, so a kept one cannot overwrite those bytes.
 """
 
 from .array import CachedArray
@@ -52,8 +53,9 @@ def readable(x):
 def writable(x):
     """``with writable(x) as a``: a writable ndarray view of x, pinned; marks x dirty.
 
-    The view is valid inside the with-block only: once x moves, writes through it would land
-    in memory that belongs to another array (``Manager(debug=True)`` reports them).
+    The view is valid inside the with-block only, and read-only after it. Views made from it
+    inside the block stay writable: once x moves, writes through them land in memory that
+    belongs to another array (``Manager(debug=True)`` reports them).
     """
     return PinnedView(_checked(x), True)
 
@@ -65,10 +67,10 @@ class access:
     marks them dirty), taken together; ``views`` lists the read views then the write views,
     with None passed through for None entries. Read views are read-only. Arrays may belong to
     different managers; an array may appear in both lists. The views are valid inside the
-    with-block only.
+    with-block only; the write views become read-only when it ends.
     """
 
-    __slots__ = ("reads", "writes", "done", "name", "touched")
+    __slots__ = ("reads", "writes", "done", "name", "touched", "wviews")
 
     def __init__(self, reads=(), writes=()):
         if not (type(reads) in _SEQUENCES and type(writes) in _SEQUENCES):   # named only then:
@@ -82,6 +84,7 @@ class access:
         self.done = None
         self.name = "access"
         self.touched = None
+        self.wviews = None
 
     def __enter__(self):
         if self.done is not None:
@@ -96,8 +99,9 @@ class access:
         w = [a._obj for a in self.writes if a is not None]
         done = self.done = acquire_grouped(r, w, self.name, self.touched)
         try:
-            views = [None if a is None else a._view(readonly=True) for a in self.reads] + \
-                [None if a is None else a._view() for a in self.writes]
+            views = [None if a is None else a._view(readonly=True) for a in self.reads]
+            wviews = self.wviews = [None if a is None else a._view() for a in self.writes]
+            views += wviews
             arrays = [a for a in (*self.reads, *self.writes) if a is not None]
             for m, _ in self.done:
                 m.scope_opened(self, tuple((a._obj, a._shape) for a in arrays if a._m is m))
@@ -117,9 +121,20 @@ class access:
         if type(done) is tuple:
             _kernel_exit(self, *done)
             return
+        _close_views(self.wviews)
+        self.wviews = None
         for m, _ in done:
             m.scope_closed(self)
         release_grouped(done)
+
+
+def _close_views(views):
+    """Make a closing scope's writable views read-only: a view kept past its scope then
+    refuses writes (NumPy's ValueError) instead of writing into memory the array may have left
+    (views made from it inside the scope stay as they are: NumPy cannot reach them)."""
+    for v in views:
+        if v is not None:
+            v.flags.writeable = False
 
 
 def _reentered(scope):
@@ -219,7 +234,8 @@ def compute(name, fn, reads=(), writes=(), *, rng=None, touched=None):
     m.acquire(r, w, name, touched, recipe)
     try:
         views = [None if a is None else a._view(readonly=True) for a in reads]
-        views += [None if a is None else a._view() for a in writes]
+        wviews = [None if a is None else a._view() for a in writes]
+        views += wviews
         key = recipe                              # one per call: the scope's key
         m.scope_opened(key, tuple((a._obj, a._shape) for a in (*reads, *writes)
                                   if a is not None))
@@ -230,6 +246,7 @@ def compute(name, fn, reads=(), writes=(), *, rng=None, touched=None):
                 o.chain = (f"kernel {name!r} raised an exception while writing it",)
             raise
         finally:
+            _close_views(wviews)
             m.scope_closed(key)
     finally:
         m.release(r + w)

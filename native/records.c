@@ -3484,6 +3484,17 @@ operands_views(Operands *o, PyObject **views)
     return 0;
 }
 
+/* Make views[0:n] read-only (None entries skipped): a scope's writable views, when it ends,
+ * so that a view kept past its scope refuses writes instead of writing into memory the array
+ * may have left. */
+static void
+views_close(PyObject *const *views, Py_ssize_t n)
+{
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (PyArray_Check(views[i]))
+            PyArray_CLEARFLAGS((PyArrayObject *)views[i], NPY_ARRAY_WRITEABLE);
+}
+
 /* Manager.scope_opened(key, scope) for the calling thread: the scope recorded under the
  * thread's key, which the manager watches so that a thread that ends inside it is seen at
  * close (the Python scopes go through the same method). */
@@ -3597,9 +3608,11 @@ compute_fast(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 done:
     if (opened)
         scope_close(o.m, recipe);
-    if (have_views)
+    if (have_views) {
+        views_close(views + o.nr, o.n - o.nr);
         for (Py_ssize_t i = 0; i < o.n; i++)
             Py_DECREF(views[i]);
+    }
     Py_XDECREF(argl);
     Py_XDECREF(partial);
     Py_XDECREF(recipe);
@@ -3608,8 +3621,9 @@ done:
 
 /* kernel_enter(key, name, reads, writes): ca.kernel's __enter__ for the common call (no
  * touched; operands of one manager with nothing under way): pins and reports the operands,
- * breaks the lineage of the writes and opens the scope key. Returns (views, (manager, held))
- * with held the pinned objects, for kernel_exit, or None when not taken (nothing done). */
+ * breaks the lineage of the writes and opens the scope key. Returns (views, (manager, held,
+ * write views)) with held the pinned objects, for kernel_exit, or None when not taken
+ * (nothing done). */
 static PyObject *
 kernel_enter(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -3618,7 +3632,7 @@ kernel_enter(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     Operands o;
-    PyObject *views[COMPUTE_MAX], *res = NULL, *list = NULL, *held = NULL;
+    PyObject *views[COMPUTE_MAX], *res = NULL, *list = NULL, *held = NULL, *wviews = NULL;
     int got = operands_gather(&o, args[2], args[3]);
     if (got > 0)
         got = operands_acquire(&o, module, args[1], NULL);
@@ -3637,9 +3651,14 @@ kernel_enter(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         goto done;
     for (Py_ssize_t i = 0; i < o.n_held; i++)
         PyTuple_SET_ITEM(held, i, Py_NewRef(o.held[i]));
+    if ((wviews = PyList_GetSlice(list, o.nr, o.n)) == NULL)
+        goto done;
+    Py_SETREF(wviews, PyList_AsTuple(wviews));
+    if (wviews == NULL)
+        goto done;
     if (scope_open(o.m, args[0], o.scope) < 0)
         goto done;
-    PyObject *exit_args = PyTuple_Pack(2, o.m, held);
+    PyObject *exit_args = PyTuple_Pack(3, o.m, held, wviews);
     res = exit_args == NULL ? NULL : PyTuple_Pack(2, list, exit_args);
     Py_XDECREF(exit_args);
     if (res == NULL)
@@ -3647,21 +3666,26 @@ kernel_enter(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 done:
     Py_XDECREF(list);
     Py_XDECREF(held);
+    Py_XDECREF(wviews);
     return operands_done(&o, got, res != NULL, res);
 }
 
-/* kernel_exit(key, manager, held): ca.kernel's __exit__ after kernel_enter: closes the scope
- * and releases the pins (Manager.scope_closed and Manager.release). */
+/* kernel_exit(key, manager, held, write views): ca.kernel's __exit__ after kernel_enter:
+ * makes the write views read-only, closes the scope and releases the pins
+ * (Manager.scope_closed and Manager.release). */
 static PyObject *
 kernel_exit(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 3 || !PyTuple_CheckExact(args[2]) || PyTuple_GET_SIZE(args[2]) > COMPUTE_MAX) {
-        PyErr_SetString(PyExc_TypeError, "kernel_exit(key, manager, held: tuple)");
+    if (nargs != 4 || !PyTuple_CheckExact(args[2]) || PyTuple_GET_SIZE(args[2]) > COMPUTE_MAX ||
+            !PyTuple_CheckExact(args[3])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "kernel_exit(key, manager, held: tuple, write views: tuple)");
         return NULL;
     }
     PyObject *m = args[1], *lock = getf(m, K_MANAGER, M_LOCK, s_lock);
     if (lock == NULL)
         return NULL;
+    views_close(&PyTuple_GET_ITEM(args[3], 0), PyTuple_GET_SIZE(args[3]));
     scope_close(m, args[0]);
     Py_ssize_t n = PyTuple_GET_SIZE(args[2]);
     PyObject *held[COMPUTE_MAX];
@@ -3685,7 +3709,7 @@ static PyMethodDef records_methods[] = {
      "kernel_enter(key, name, reads, writes): ca.kernel's common __enter__; (views, (manager, "
      "held)), or None when not taken."},
     {"kernel_exit", (PyCFunction)(void (*)(void))kernel_exit, METH_FASTCALL,
-     "kernel_exit(key, manager, held): ca.kernel's __exit__ after kernel_enter."},
+     "kernel_exit(key, manager, held, write views): ca.kernel's __exit__ after kernel_enter."},
     {"free_fast", (PyCFunction)(void (*)(void))free_fast, METH_FASTCALL,
      "free_fast(manager, obj): Manager.free_object's common path; False when not taken."},
     {"create_fast", (PyCFunction)(void (*)(void))create_fast, METH_FASTCALL,

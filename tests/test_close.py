@@ -173,7 +173,7 @@ def test_views_used_after_close_do_not_crash():
         with ca.readable(x) as a:
             pass
         with ca.writable(s) as w:
-            pass
+            w = w[:]                    # made inside the scope: it stays writable
         m.close()
         assert a.sum() == 499500.0 and w.sum() == 499500.0
         w[:] = 1.0

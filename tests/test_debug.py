@@ -42,9 +42,11 @@ def test_debug_mode_reports_a_stale_write_when_the_memory_is_reused(caplog, debu
     x = ca.asarray(np.arange(1000.0), manager=debug_m)
     assert x.device == "fast"
     with ca.writable(x) as w:
-        pass
-    ca.evict(x)                                      # x moves; w still points at fast memory
-    w[3] = 7.0                                       # the bug: a view used after its scope
+        part = w[:]                                  # made inside: NumPy cannot close it
+    ca.evict(x)                                      # x moves; part still points at fast memory
+    with pytest.raises(ValueError, match="read-only"):
+        w[3] = 7.0                                   # the scope's own view refuses writes
+    part[3] = 7.0                                    # the bug: a view used after its scope
     assert stale_writes(debug_m) == 0
     with caplog.at_level(logging.WARNING, logger="cachedarrays.debug"):
         y = ca.zeros(1000, manager=debug_m)          # reuses the memory x left behind
@@ -61,7 +63,7 @@ def test_debug_check_finds_a_stale_write_before_reuse_and_names_the_object(debug
     x = ca.asarray(np.arange(1000.0), manager=debug_m)
     keep = ca.ones(10, manager=debug_m)
     with ca.writable(x) as w:
-        pass
+        w = w[:]                                     # made inside: NumPy cannot close it
     ca.unsafe_free(x)
     w[-1] = 1.0
     with pytest.raises(CachedArraysError, match=f"object {x.object.id} \\(7.8 KiB\\) was "
@@ -75,7 +77,7 @@ def test_debug_mode_follows_blocks_moved_by_defrag(debug_m):
     a = ca.zeros(1000, manager=debug_m)
     b = ca.ones(1000, manager=debug_m)
     with ca.writable(b) as w:
-        pass
+        w = w[:]                                     # made inside: NumPy cannot close it
     ca.unsafe_free(a)
     assert debug_m.defrag("fast") == 1               # b slides down over a's block
     w[-1] = 5.0
@@ -125,7 +127,7 @@ def test_debug_mode_from_the_environment(monkeypatch):
     with ca.Manager(fast="1MiB", slow="16MiB") as m:
         x = ca.zeros(100, manager=m)
         with ca.writable(x) as w:
-            pass
+            w = w[:]                                 # made inside: NumPy cannot close it
         ca.evict(x)
         w[0] = 1.0
         with pytest.raises(CachedArraysError, match=f"object {x.object.id} "):
@@ -133,7 +135,7 @@ def test_debug_mode_from_the_environment(monkeypatch):
     with ca.Manager(fast="1MiB", slow="16MiB", debug=False) as m:   # the argument wins
         x = ca.zeros(100, manager=m)
         with ca.writable(x) as w:
-            pass
+            w = w[:]                                 # made inside: NumPy cannot close it
         ca.evict(x)
         w[0] = 1.0
         m.check()

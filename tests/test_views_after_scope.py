@@ -1,0 +1,133 @@
+"""A writable view kept past its scope refuses writes: once the scope ends, the array may move
+and the view's memory may belong to another array, so every scope that hands out writable views
+(ca.writable, ca.access, ca.kernel, ca.compute, in C and in Python) makes them read-only when
+it ends. A write through a kept view raises NumPy's ValueError and changes no array."""
+
+import threading
+
+import numpy as np
+import pytest
+
+import cachedarrays as ca
+from cachedarrays import scopes
+from helpers import run_threads
+
+N = 4096                                  # 32 KiB of float64: two fill the tiny fast memory
+
+
+def _python_path(monkeypatch):
+    monkeypatch.setattr(scopes, "_compute_fast", lambda *args: None)
+    monkeypatch.setattr(scopes, "_kernel_enter", lambda *args: None)
+
+
+def _kept_by_writable(x, y):
+    with ca.writable(x) as w:
+        w[0] = 1.0
+    return w
+
+
+def _kept_by_access(x, y):
+    with ca.access((y,), (x,)) as (_, w):
+        w[0] = 1.0
+    return w
+
+
+def _kept_by_kernel(x, y):
+    with ca.kernel("k", [y], [None, x]) as (_, _none, w):
+        w[0] = 1.0
+    return w
+
+
+def _kept_by_compute(x, y):
+    kept = []
+
+    def fn(r, w):
+        w[...] = r
+        w[0] = 1.0
+        kept.append(w)
+    ca.compute("c", fn, (y,), (x,))
+    return kept[0]
+
+
+def _kept_by_nested_writable(x, y):
+    scope = ca.writable(x)
+    with scope as outer:
+        with scope as inner:
+            inner[0] = 1.0
+        with pytest.raises(ValueError, match="read-only"):
+            inner[1] = 2.0
+        outer[1] = 2.0                        # the outer block is still open
+    return outer
+
+
+KEPT = {"writable": _kept_by_writable, "access": _kept_by_access, "kernel": _kept_by_kernel,
+        "compute": _kept_by_compute, "nested writable": _kept_by_nested_writable}
+
+
+@pytest.mark.parametrize("path", ["C", "Python"])
+@pytest.mark.parametrize("keep", list(KEPT.values()), ids=list(KEPT))
+def test_a_view_kept_past_its_scope_refuses_writes_and_no_array_changes(tiny, monkeypatch,
+                                                                         keep, path):
+    if path == "Python":
+        _python_path(monkeypatch)
+    x = ca.zeros(N, manager=tiny, placement="fast")
+    y = ca.zeros(N, manager=tiny)
+    w = keep(x, y)
+    assert not w.flags.writeable
+    ca.evict(x)                               # x's fast memory is free...
+    z = ca.full(N, 7.0, manager=tiny, placement="fast")     # ...and may be z's now
+    before = np.asarray(x)
+    with pytest.raises(ValueError, match="read-only"):
+        w[:] = -1.0
+    with pytest.raises(ValueError, match="read-only"):
+        np.add(w, 1.0, out=w)
+    assert (np.asarray(z) == 7.0).all()
+    np.testing.assert_array_equal(np.asarray(x), before)
+    assert before[0] == 1.0                   # the write inside the scope was kept
+
+
+@pytest.mark.parametrize("path", ["C", "Python"])
+def test_read_views_stay_read_only_and_views_inside_the_scope_stay_writable(m, monkeypatch,
+                                                                            path):
+    if path == "Python":
+        _python_path(monkeypatch)
+    x, y = ca.zeros(8, manager=m), ca.ones(8, manager=m)
+    with ca.kernel("k", [y], [x]) as (r, w):
+        assert not r.flags.writeable and w.flags.writeable
+        w[:4] = r[:4]
+        part = w[4:]
+        part[:] = 2.0
+        assert part.flags.writeable
+    assert not r.flags.writeable and not w.flags.writeable
+    np.testing.assert_array_equal(np.asarray(x), [1, 1, 1, 1, 2, 2, 2, 2])
+
+
+def test_one_writable_scope_shared_by_threads_closes_each_threads_own_view(m):
+    x = ca.zeros(4, manager=m)
+    scope = ca.writable(x)
+    first_in, second_in, first_out = threading.Event(), threading.Event(), threading.Event()
+    views, errors = {}, []
+
+    def work(k):
+        try:
+            if k:
+                first_in.wait(10)
+            with scope as v:
+                views[k] = v
+                if k == 0:
+                    first_in.set()
+                    second_in.wait(10)
+                else:
+                    second_in.set()
+                    first_out.wait(10)
+                    v[1] = 2.0               # the first thread's exit left this view open
+            if k == 0:
+                first_out.set()
+        except BaseException as e:          # (reported by the assertion below)
+            errors.append(e)
+            first_in.set(), second_in.set(), first_out.set()
+    run_threads(work, 2)
+    assert errors == []
+    assert not views[0].flags.writeable and not views[1].flags.writeable
+    np.testing.assert_array_equal(np.asarray(x), [0.0, 2.0, 0.0, 0.0])
+    assert x.object._pins == 0
