@@ -221,7 +221,7 @@ class PinnedView:
         self.arr = arr
         self.write = write
         self.opened = 0                 # with-blocks entered and not yet exited
-        self.views = None               # thread id -> writable views of its open with-blocks
+        self.views = {} if write else None  # thread id -> writable views of its open blocks
 
     def __enter__(self):
         a = self.arr
@@ -238,8 +238,6 @@ class PinnedView:
             raise
         self.opened += 1
         if self.write:
-            if self.views is None:
-                self.views = {}
             self.views.setdefault(threading.get_ident(), []).append(v)
         return v
 
@@ -252,11 +250,12 @@ class PinnedView:
                 "again would unpin an array other scopes still use")
         self.opened -= 1
         if self.write:                  # a kept view writes no more (this thread's newest)
-            stack = self.views.get(threading.get_ident())
+            me = threading.get_ident()
+            stack = self.views.get(me)
             if stack:
-                stack.pop().flags.writeable = False
+                stack.pop().setflags(write=False)
                 if not stack:
-                    del self.views[threading.get_ident()]
+                    del self.views[me]
         m = self.arr._m
         m.scope_closed(self)
         m.release((self.arr._obj,))

@@ -134,7 +134,7 @@ def _close_views(views):
     (views made from it inside the scope stay as they are: NumPy cannot reach them)."""
     for v in views:
         if v is not None:
-            v.flags.writeable = False
+            v.setflags(write=False)
 
 
 def _reentered(scope):
