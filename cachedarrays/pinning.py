@@ -252,6 +252,11 @@ class PinnedView:
         if self.write:                  # a kept view writes no more (this thread's newest)
             me = threading.get_ident()
             stack = self.views.get(me)
+            if not stack and self.views:
+                # a with-block another thread entered (that thread may have ended) is the one
+                # ending: its pin goes, so its view writes no more either
+                me = next(reversed(self.views))
+                stack = self.views[me]
             if stack:
                 stack.pop().setflags(write=False)
                 if not stack:

@@ -131,3 +131,37 @@ def test_one_writable_scope_shared_by_threads_closes_each_threads_own_view(m):
     assert not views[0].flags.writeable and not views[1].flags.writeable
     np.testing.assert_array_equal(np.asarray(x), [0.0, 2.0, 0.0, 0.0])
     assert x.object._pins == 0
+
+
+SCOPE_OBJECTS = {"writable": lambda x: ca.writable(x), "access": lambda x: ca.access((), (x,)),
+                 "kernel": lambda x: ca.kernel("k", (), (x,))}
+
+
+def _writable_view(entered):
+    return entered if isinstance(entered, np.ndarray) else entered[-1]
+
+
+@pytest.mark.parametrize("path", ["C", "Python"])
+@pytest.mark.parametrize("make", list(SCOPE_OBJECTS.values()), ids=list(SCOPE_OBJECTS))
+def test_a_scope_entered_by_a_thread_that_ended_and_exited_here_closes_its_view(
+        tiny, monkeypatch, path, make):
+    """A with-block opened on a thread that ended, and exited from another (its pin may be):
+    the view it handed out refuses writes, and the array that reuses the memory keeps its
+    data."""
+    if path == "Python":
+        _python_path(monkeypatch)
+    x = ca.zeros(N, manager=tiny)
+    scope, entered = make(x), []
+    t = threading.Thread(target=lambda: entered.append(scope.__enter__()))
+    t.start()
+    t.join()
+    w = _writable_view(entered[0])
+    w[0] = 1.0
+    scope.__exit__(None, None, None)
+    assert not w.flags.writeable
+    ca.unsafe_free(x)
+    y = ca.full(N, 2.0, manager=tiny)
+    with pytest.raises(ValueError, match="read-only"):
+        w[...] = 7.0
+    np.testing.assert_array_equal(np.asarray(y), np.full(N, 2.0))
+    tiny.check()
