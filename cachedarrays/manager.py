@@ -967,9 +967,7 @@ class Manager(ManagerRecord):
                 self._check_open((obj,))
                 if obj._manager is not self._ref:
                     raise self._foreign(obj)
-                if obj._pins and self._ended:
-                    self._release_ended()
-                if obj._pins:
+                if self.pinned(obj):
                     raise PinnedError(f"object {obj.id} is pinned by a running kernel or an open "
                                       "access scope; free it after the scope ends")
                 if self._dependents and obj.id in self._dependents:
@@ -1081,9 +1079,7 @@ class Manager(ManagerRecord):
         """True while anything pins obj (a running kernel, an access scope, pin()): nothing
         moves or frees it then. The pin()s of threads that have ended are released first, so a
         policy making room may move what such a thread left pinned."""
-        if obj._pins and self._ended:
-            self._release_ended_locked()
-        return obj._pins > 0
+        return self.pin_count(obj) > 0
 
     def pin_count(self, obj):
         """How many pins obj holds now (each pin, acquire and new_pinned adds one; pin()s of
@@ -1611,9 +1607,7 @@ class Manager(ManagerRecord):
                 self._drain()
             if obj.dropped:
                 return False
-            if obj._pins and self._ended:
-                self._release_ended()
-            if obj._pins:
+            if self.pinned(obj):
                 raise PinnedError(f"cannot drop {_describe(obj)}: a running kernel or an open "
                                   "access scope pins it; drop it after the scope ends")
             why = self._why_not(obj, self._writing)
@@ -2120,9 +2114,7 @@ class Manager(ManagerRecord):
             if region.freed:
                 raise UseAfterFreeError(f"{region!r} was already freed (double free)")
             obj = self.object(region.owner)
-            if obj is not None and obj._pins and self._ended:
-                self._release_ended()
-            if obj is not None and obj._pins and obj.primary is region:
+            if obj is not None and obj.primary is region and self.pinned(obj):
                 raise PinnedError(f"object {obj.id} is pinned; its primary region cannot be "
                                   "freed until the access scope ends")
             self._free_region(region)
