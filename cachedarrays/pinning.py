@@ -12,6 +12,7 @@ import weakref
 
 import numpy as np
 
+from ._records import seal_view as _seal_view
 from .errors import CachedArraysError, UseAfterFreeError
 from .heap import HEADER
 from .sizes import format_size
@@ -258,7 +259,7 @@ class PinnedView:
                 me = next(reversed(self.views))
                 stack = self.views[me]
             if stack:
-                stack.pop().setflags(write=False)
+                _seal_view(stack.pop())
                 if not stack:
                     del self.views[me]
         m = self.arr._m

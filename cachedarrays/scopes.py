@@ -14,6 +14,7 @@ from .lineage import Recipe, capture_rng
 from ._records import compute_fast as _compute_fast
 from ._records import kernel_enter as _kernel_enter
 from ._records import kernel_exit as _kernel_exit
+from ._records import seal_view as _seal_view
 
 
 def _checked(x):
@@ -129,12 +130,13 @@ class access:
 
 
 def _close_views(views):
-    """Make a closing scope's writable views read-only: a view kept past its scope then
-    refuses writes (NumPy's ValueError) instead of writing into memory the array may have left
-    (views made from it inside the scope stay as they are: NumPy cannot reach them)."""
+    """Make a closing scope's writable views read-only for good (``seal_view``): a view kept
+    past its scope then refuses writes (NumPy's ValueError) instead of writing into memory the
+    array may have left, and cannot be made writable again (views made from it inside the
+    scope stay as they are: NumPy cannot reach them)."""
     for v in views:
         if v is not None:
-            v.setflags(write=False)
+            _seal_view(v)
 
 
 def _reentered(scope):

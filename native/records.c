@@ -3484,15 +3484,51 @@ operands_views(Operands *o, PyObject **views)
     return 0;
 }
 
-/* Make views[0:n] read-only (None entries skipped): a scope's writable views, when it ends,
- * so that a view kept past its scope refuses writes instead of writing into memory the array
- * may have left. */
+/* Make view v read-only for good: clear its WRITEABLE flag and put its base (the device's
+ * mapping, whose buffer is writable) in a 1-tuple. The tuple keeps the mapping alive but
+ * exports no buffer, so NumPy, which finds a writable buffer at the end of a view's bases
+ * before it sets WRITEABLE, refuses to make v (or a view made from it later) writable again.
+ * A view already sealed (its base a tuple) or without a base only loses the flag. Keeps any
+ * pending exception; if the tuple cannot be made, the flag alone is cleared. */
+static void
+view_seal(PyArrayObject *v)
+{
+    PyArray_CLEARFLAGS(v, NPY_ARRAY_WRITEABLE);
+    PyArrayObject_fields *f = (PyArrayObject_fields *)v;
+    PyObject *base = f->base;
+    if (base == NULL || PyTuple_CheckExact(base))
+        return;
+    PyObject *et, *ev, *etb;
+    PyErr_Fetch(&et, &ev, &etb);
+    PyObject *t = PyTuple_Pack(1, base);
+    if (t == NULL)
+        PyErr_Clear();
+    else {
+        f->base = t;
+        Py_DECREF(base);
+    }
+    PyErr_Restore(et, ev, etb);
+}
+
+/* Seal views[0:n] (None entries skipped): a scope's writable views, when it ends, so that a
+ * view kept past its scope refuses writes instead of writing into memory the array may have
+ * left. */
 static void
 views_close(PyObject *const *views, Py_ssize_t n)
 {
     for (Py_ssize_t i = 0; i < n; i++)
         if (PyArray_Check(views[i]))
-            PyArray_CLEARFLAGS((PyArrayObject *)views[i], NPY_ARRAY_WRITEABLE);
+            view_seal((PyArrayObject *)views[i]);
+}
+
+/* seal_view(v): view_seal for the scopes written in Python; anything but an ndarray is left
+ * alone. */
+static PyObject *
+seal_view(PyObject *module, PyObject *v)
+{
+    if (PyArray_Check(v))
+        view_seal((PyArrayObject *)v);
+    Py_RETURN_NONE;
 }
 
 /* Manager.scope_opened(key, scope) for the calling thread: the scope recorded under the
@@ -3710,6 +3746,8 @@ static PyMethodDef records_methods[] = {
      "held)), or None when not taken."},
     {"kernel_exit", (PyCFunction)(void (*)(void))kernel_exit, METH_FASTCALL,
      "kernel_exit(key, manager, held, write views): ca.kernel's __exit__ after kernel_enter."},
+    {"seal_view", (PyCFunction)seal_view, METH_O,
+     "seal_view(v): make a closing scope's writable ndarray view read-only for good."},
     {"free_fast", (PyCFunction)(void (*)(void))free_fast, METH_FASTCALL,
      "free_fast(manager, obj): Manager.free_object's common path; False when not taken."},
     {"create_fast", (PyCFunction)(void (*)(void))create_fast, METH_FASTCALL,

@@ -1,7 +1,8 @@
 """A writable view kept past its scope refuses writes: once the scope ends, the array may move
 and the view's memory may belong to another array, so every scope that hands out writable views
 (ca.writable, ca.access, ca.kernel, ca.compute, in C and in Python) makes them read-only when
-it ends. A write through a kept view raises NumPy's ValueError and changes no array."""
+it ends, for good: NumPy refuses to make such a view, or one made from it later, writable
+again. A write through a kept view raises NumPy's ValueError and changes no array."""
 
 import threading
 
@@ -64,6 +65,17 @@ KEPT = {"writable": _kept_by_writable, "access": _kept_by_access, "kernel": _kep
         "compute": _kept_by_compute, "nested writable": _kept_by_nested_writable}
 
 
+def _cannot_be_made_writable(w):
+    """Neither w nor a view made from it afterwards can be set writable again: NumPy finds no
+    writable buffer at the end of their bases."""
+    for v in (w, w[1:], w.reshape(-1), w.view(np.uint8)):
+        with pytest.raises(ValueError, match="WRITEABLE"):
+            v.setflags(write=True)
+        with pytest.raises(ValueError, match="WRITEABLE"):
+            v.flags.writeable = True
+        assert not v.flags.writeable
+
+
 @pytest.mark.parametrize("path", ["C", "Python"])
 @pytest.mark.parametrize("keep", list(KEPT.values()), ids=list(KEPT))
 def test_a_view_kept_past_its_scope_refuses_writes_and_no_array_changes(tiny, monkeypatch,
@@ -74,6 +86,7 @@ def test_a_view_kept_past_its_scope_refuses_writes_and_no_array_changes(tiny, mo
     y = ca.zeros(N, manager=tiny)
     w = keep(x, y)
     assert not w.flags.writeable
+    _cannot_be_made_writable(w)
     ca.evict(x)                               # x's fast memory is free...
     z = ca.full(N, 7.0, manager=tiny, placement="fast")     # ...and may be z's now
     before = np.asarray(x)
@@ -159,9 +172,45 @@ def test_a_scope_entered_by_a_thread_that_ended_and_exited_here_closes_its_view(
     w[0] = 1.0
     scope.__exit__(None, None, None)
     assert not w.flags.writeable
+    _cannot_be_made_writable(w)
     ca.unsafe_free(x)
     y = ca.full(N, 2.0, manager=tiny)
     with pytest.raises(ValueError, match="read-only"):
         w[...] = 7.0
     np.testing.assert_array_equal(np.asarray(y), np.full(N, 2.0))
     tiny.check()
+
+
+@pytest.mark.parametrize("path", ["C", "Python"])
+def test_a_kernel_that_raises_seals_its_views_and_its_error_comes_through(m, monkeypatch, path):
+    if path == "Python":
+        _python_path(monkeypatch)
+    x, y = ca.zeros(8, manager=m), ca.ones(8, manager=m)
+    kept = []
+
+    def fn(r, w):
+        kept.append(w)
+        w[0] = 5.0
+        raise KeyError("from the kernel")
+
+    with pytest.raises(KeyError, match="from the kernel"):
+        ca.compute("c", fn, (y,), (x,))
+    with pytest.raises(KeyError, match="from the kernel"):
+        with ca.kernel("k", (y,), (x,)) as (r, w):
+            fn(r, w)
+    for w in kept:
+        _cannot_be_made_writable(w)
+    m.check()
+
+
+def test_a_sealed_view_keeps_the_mapping_alive_after_the_manager_closes():
+    m = ca.Manager(fast="64KiB", slow="1MiB")
+    x = ca.full(8, 3.0, manager=m)
+    with ca.writable(x) as w:
+        w[0] = 4.0
+    m.close()
+    del x
+    import gc
+    gc.collect()
+    assert w.tolist() == [4.0] + [3.0] * 7    # read through the mapping the view keeps
+    _cannot_be_made_writable(w)

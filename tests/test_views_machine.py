@@ -156,12 +156,22 @@ class ViewsMachine(RuleBasedStateMachine):
         x[1][...] = v
         self.kept.append(w)
 
-    @rule(k=INDEX, v=st.floats(-5, 5), how=st.sampled_from(["setitem", "iadd", "out"]))
+    @rule(k=INDEX, v=st.floats(-5, 5),
+          how=st.sampled_from(["setitem", "iadd", "out", "setflags", "flags", "view"]))
     def write_through_kept_view(self, k, v, how):
-        """A write through a view its scope no longer covers raises, and changes nothing."""
+        """A write through a view its scope no longer covers raises, and changes nothing; so
+        does making it, or a view made from it now, writable again."""
         if not self.kept:
             return
         w = self.kept[k % len(self.kept)]
+        if how in ("setflags", "flags", "view"):
+            target = w[::-1] if how == "view" else w
+            with pytest.raises(ValueError, match="WRITEABLE"):
+                if how == "flags":
+                    target.flags.writeable = True
+                else:
+                    target.setflags(write=True)
+            return
         with pytest.raises(ValueError, match="read-only"):
             if how == "setitem":
                 w[...] = v
