@@ -7,10 +7,12 @@ through ``cachedarrays.routines.creation``.
 import numpy as np
 
 from ._records import new_array as _new_array
+from ._records import run_ufunc as _run_filled
 from .array import CachedArray, check_dtype, from_ndarray, new_layout, new_pinned, unpin
 from .defaults import default_manager
 from .layout import like_order, order_code, shape_tuple
 from .manager import Manager
+from .pinning import SHORT_BYTES
 from .scopes import readable
 from .sizes import MAX_SIZE
 
@@ -121,6 +123,33 @@ def empty(shape, dtype=float, order="C", *, manager=None, placement=None):
     return out
 
 
+def _fill_with(value, out):
+    np.copyto(out, value, casting="unsafe")
+
+
+def _zero_bytes(out):
+    # All bytes zero, padding of aligned structs included; a new array is contiguous, so its
+    # K-order ravel is a view.
+    out.ravel(order="K").view(np.uint8).fill(0)
+
+
+def _filled(m, shape, dtype, order, placement, fill, inputs):
+    """A new array of m written by fill(*inputs, out=its view) while it is pinned: in C (as a
+    ufunc's result is made) for the common call, else through new_pinned."""
+    if placement is None and order == "C" and not m.fast.virtual:
+        lay = _c_layout(shape, dtype)
+        if lay is not None and lay[3] <= MAX_SIZE:   # else new_pinned says it is too large
+            out = _run_filled(m, fill, inputs, (), *lay, lay[3] <= SHORT_BYTES)
+            if out is not None:                 # None: the manager is busy
+                return out
+    out = new_pinned(m, shape, dtype, order if order == "C" else _order(order), placement)
+    try:
+        fill(*inputs, out=out._view())
+    finally:
+        unpin(out)
+    return out
+
+
 def full(shape, fill_value, dtype=None, order="C", *, manager=None, placement=None):
     """A CachedArray filled with fill_value, which broadcasts to shape and is cast unsafely
     (as np.full: np.nan in an int array is INT_MIN, 1j in a float array is 0.0, warned)."""
@@ -130,26 +159,12 @@ def full(shape, fill_value, dtype=None, order="C", *, manager=None, placement=No
                         placement=placement)
     if dtype is None:
         dtype = np.asarray(fill_value).dtype
-    out = new_pinned(_manager(manager), shape, dtype, order if order == "C" else _order(order),
-                     placement)
-    try:
-        np.copyto(out._view(), fill_value, casting="unsafe")
-    finally:
-        unpin(out)
-    return out
+    return _filled(_manager(manager), shape, dtype, order, placement, _fill_with, (fill_value,))
 
 
 def zeros(shape, dtype=float, order="C", *, manager=None, placement=None):
     """A CachedArray of zeros (zero bytes, as np.zeros: '' for strings, 0 in every field)."""
-    out = new_pinned(_manager(manager), shape, dtype, order if order == "C" else _order(order),
-                     placement)
-    try:
-        # All bytes zero, padding of aligned structs included; the new array is contiguous,
-        # so its K-order ravel is a view.
-        out._view().ravel(order="K").view(np.uint8).fill(0)
-    finally:
-        unpin(out)
-    return out
+    return _filled(_manager(manager), shape, dtype, order, placement, _zero_bytes, ())
 
 
 def ones(shape, dtype=float, order="C", *, manager=None, placement=None):

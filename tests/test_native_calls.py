@@ -545,6 +545,76 @@ def test_empty_keeps_the_general_path_and_its_errors(m):
         _records.new_array(m, [3], np.dtype(float), (8,), 24)
 
 
+# ---- ca.zeros, ca.ones and ca.full in C ---------------------------------------------------------
+
+FILLED = {"zeros": (lambda s, d, m: ca.zeros(s, d, manager=m), lambda s, d: np.zeros(s, d)),
+          "ones": (lambda s, d, m: ca.ones(s, d, manager=m), lambda s, d: np.ones(s, d)),
+          "full": (lambda s, d, m: ca.full(s, 7, d, manager=m), lambda s, d: np.full(s, 7, d))}
+
+
+@pytest.mark.parametrize("how", list(FILLED))
+@pytest.mark.parametrize("shape, dtype", [(5, float), ((3, 4), np.float32), ((2, 0, 3), "i2"),
+                                          ((), np.complex128), ((4, 70_000), np.float64),
+                                          ((3,), np.dtype([("a", "u1"), ("b", "<f8")],
+                                                          align=True))])
+def test_filled_arrays_in_c_match_numpy_and_keep_the_rules(m, shape, dtype, how, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the new array took Manager.new_pinned, not the C step")
+
+    monkeypatch.setattr(m, "new_pinned", refuse)
+    ours, theirs = FILLED[how]
+    junk = ca.full(shape, 99, dtype, manager=m)      # leaves bytes behind for the next one
+    ca.unsafe_free(junk)
+    x, want = ours(shape, dtype, m), theirs(shape, dtype)
+    assert (x.shape, x.dtype, x.strides) == (want.shape, want.dtype, want.strides) or \
+        want.size == 0
+    np.testing.assert_array_equal(np.asarray(x), want)
+    if how == "zeros":
+        with ca.readable(x) as v:                     # every byte, padding too
+            assert not v.reshape(-1).view(np.uint8).any()
+    assert x.object._pins == 0 and x.object.primary._dirty is True
+    assert x.object.id in m.policy.recent
+    m.check()
+
+
+def test_filled_arrays_keep_the_general_path_numpys_casts_and_errors(m):
+    calls = []
+
+    class Watch(Observer):
+        def on_new(self, obj, placement):
+            calls.append(obj.id)
+
+    before = _heap_blocks(m)
+    with pytest.raises(ValueError):                   # does not broadcast
+        ca.full((2, 3), [1, 2], manager=m)
+    assert _heap_blocks(m) == before                  # the new array went with the error
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for fill, dtype in ((np.nan, np.int32), (1j, np.float64), (255.9, np.uint8)):
+            np.testing.assert_array_equal(np.asarray(ca.full(4, fill, dtype, manager=m)),
+                                          np.full(4, fill, dtype))
+    with pytest.raises(OverflowError):                # as np.full(4, 300, np.uint8)
+        ca.full(4, 300, np.uint8, manager=m)
+    assert _heap_blocks(m) == before
+    src = ca.asarray(np.arange(3.0), manager=m)
+    np.testing.assert_array_equal(np.asarray(ca.full((2, 3), src, manager=m)),
+                                  np.full((2, 3), np.arange(3.0)))
+    assert src.object._pins == 0
+    f = ca.zeros((3, 4), order="F", manager=m)        # F order: the general path
+    assert f.strides == np.zeros((3, 4), order="F").strides and not np.asarray(f).any()
+    assert ca.ones(2, manager=m, placement="slow").device == "slow"
+    rec = push_scope()
+    try:
+        z = ca.zeros(8, manager=m)
+    finally:
+        pop_scope(rec)
+    assert [r() for r in rec] == [z.object]
+    m.observe(Watch())                                # busy: Manager.new_pinned
+    g = ca.full(8, 2.5, manager=m)
+    assert calls == [g.object.id] and np.asarray(g).tolist() == [2.5] * 8
+    m.check()
+
+
 # ---- the entry points -------------------------------------------------------------------------
 
 def test_fast_ufunc_declines_what_it_does_not_handle(m):
