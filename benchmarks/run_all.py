@@ -23,6 +23,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 JOBS = [
     ("overhead", "overhead.py", ["--sizes", "10", "1000", "100000", "--repeats", "7"]),
     ("copy_engine", "copy_engine.py", ["--sizes", "1M,16M,64M", "--repeats", "5"]),
+    ("allocator", "allocator.py", ["--repeats", "5"]),
     ("matmul", "matmul.py", ["--size", "1500", "--repeats", "5"]),
     ("kernels", "kernels.py", ["--reps", "5", "--no-numpy"]),
     ("cnn", "cnn.py", ["--models", "resnet50,vgg16,densenet121", "--peer", "torch",

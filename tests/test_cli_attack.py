@@ -158,6 +158,8 @@ def test_list_types_refuse_empty_items_and_drop_repeats():
     ("embedding.py", ["--rows", "10000000000"], "needs about"),
     ("overhead.py", ["--sizes", "10", "100000000000"], "needs about"),
     ("dask_tiers.py", ["--workers", "1000000"], "needs about"),
+    ("allocator.py", ["--min-size", "2K", "--max-size", "1K"], "--min-size"),
+    ("allocator.py", ["--heap", "1K"], "--heap"),
 ])
 def test_bad_values_of_list_and_size_flags_are_usage_errors(script, args, needle):
     r = _run([str(BENCH / script), *args])
