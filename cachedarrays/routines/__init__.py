@@ -5,7 +5,7 @@ package's ``__init__`` imports this package); NumPy functions without one take t
 (``cachedarrays.dispatch._call_on_views``).
 
 - ``creation``: the *_like forms and ``like=`` (NEP 35)
-- ``joining``: concatenate
+- ``joining``: concatenate, stack, vstack, hstack
 - ``ordering``: sort, cumsum, cumprod
 - ``selection``: where
 - ``describing``: shape, ndim, size (read from the description, as the attributes are)
