@@ -195,6 +195,18 @@ def _writeable(view):
 
 # ---- the array type --------------------------------------------------------------------------
 
+def _copy_unsafe(v, out):
+    """astype's fill: v cast into out as NumPy casts by default."""
+    np.copyto(out, v, casting="unsafe")
+
+
+def _copy_casting(casting):
+    """astype's fill for another casting rule (NumPy names a bad rule when it runs)."""
+    def fill(v, out):
+        np.copyto(out, v, casting=casting)
+    return fill
+
+
 class CachedArray(ObjectView, NDArrayOperatorsMixin):
     """An n-dimensional array in tiered memory; behaves like numpy.ndarray."""
 
@@ -638,7 +650,20 @@ class CachedArray(ObjectView, NDArrayOperatorsMixin):
             return self
         if order in ("K", "A"):
             order = like_order(self._shape, self._strides, self.itemsize, order)
-        out = new_pinned(self._m, self._shape, dt, order)
+        m = self._m
+        if order == "C" and not dt.shape and not m.fast.virtual:
+            # the common copy: placed and filled in C, as a ufunc's result is
+            shape = self._shape
+            nbytes = dt.itemsize
+            for d in shape:
+                nbytes *= d
+            fill = _copy_unsafe if casting == "unsafe" else _copy_casting(casting)
+            res = _c_run_ufunc(m, fill, (self,), (self._obj,), shape, dt,
+                               c_strides(shape, dt.itemsize), nbytes,
+                               nbytes + self._obj.nbytes <= SHORT_BYTES)
+            if res is not None:                  # None: the manager is busy
+                return res
+        out = new_pinned(m, self._shape, dt, order)
         try:
             with readable(self) as v:
                 if out.ndim > v.ndim:        # a subarray dtype: each element fills a block

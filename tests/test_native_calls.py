@@ -615,6 +615,46 @@ def test_filled_arrays_keep_the_general_path_numpys_casts_and_errors(m):
     m.check()
 
 
+# ---- astype and copy in C -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("src, dtype", [(np.float64, np.float32), (np.float32, np.float64),
+                                        (np.float64, np.int16), (np.int64, np.uint8),
+                                        (np.complex128, np.float64), (np.float64, "U8"),
+                                        (np.int32, np.dtype(">i4")), (np.float16, np.bool_)])
+@pytest.mark.parametrize("view", [False, True])
+def test_astype_and_copy_in_c_match_numpy(m, src, dtype, view, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("astype took Manager.new_pinned, not the C step")
+
+    a = (np.arange(60) * 7.3 - 100).astype(src).reshape(6, 10)
+    x = ca.asarray(a, manager=m)
+    if view:
+        a, x = a[::2, 1::3], x[::2, 1::3]
+    monkeypatch.setattr(m, "new_pinned", refuse)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for got, want in ((x.astype(dtype), a.astype(dtype)), (x.copy(), a.copy())):
+            assert type(got) is ca.CachedArray and got.object is not x.object
+            assert (got.shape, got.dtype, got.strides) == (want.shape, want.dtype, want.strides)
+            np.testing.assert_array_equal(np.asarray(got), want)
+            assert got.object._pins == 0 and x.object._pins == 0
+    m.check()
+
+
+def test_astype_keeps_numpys_casting_errors_and_leaves_nothing_behind(m):
+    x = ca.asarray(np.linspace(0, 1, 100), manager=m)
+    before = _heap_blocks(m)
+    with pytest.raises(TypeError, match="'safe'"):
+        x.astype(np.int32, casting="safe")
+    with pytest.raises(ValueError, match="casting"):
+        x.astype(np.float32, casting="bogus")
+    assert _heap_blocks(m) == before and x.object._pins == 0
+    assert x.astype(np.float64, copy=False) is x
+    f = x.reshape(10, 10).T.astype(np.float32)          # order K of an F view: F, Python path
+    assert f.strides == np.linspace(0, 1, 100).reshape(10, 10).T.astype(np.float32).strides
+    m.check()
+
+
 # ---- the entry points -------------------------------------------------------------------------
 
 def test_fast_ufunc_declines_what_it_does_not_handle(m):
