@@ -7,11 +7,13 @@ package's ``__init__`` imports this package); NumPy functions without one take t
 - ``creation``: the *_like forms and ``like=`` (NEP 35)
 - ``joining``: concatenate, stack, vstack, hstack
 - ``clipping``: clip
+- ``elementwise``: round, around, diff
 - ``ordering``: sort, cumsum, cumprod
 - ``selection``: where
 - ``describing``: shape, ndim, size (read from the description, as the attributes are)
 """
 
-from . import clipping, creation, describing, joining, ordering, selection
+from . import clipping, creation, describing, elementwise, joining, ordering, selection
 
-__all__ = ["clipping", "creation", "describing", "joining", "ordering", "selection"]
+__all__ = ["clipping", "creation", "describing", "elementwise", "joining", "ordering",
+           "selection"]
