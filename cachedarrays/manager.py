@@ -788,6 +788,7 @@ class Manager(ManagerRecord):
         if was_closed:
             return
         self._inherited = True
+        self.telemetry.forsake_log()
         self._drop_records()
         self._debug = None
         for dev in self.devices.values():

@@ -159,6 +159,24 @@ class Telemetry(TelemetryRecord):
                     "log lacks the events since its last write: free space or pass another "
                     "event_log", self._log_path, getattr(e, "strerror", None) or e)
 
+    def forsake_log(self):
+        """In a forked child: let go of the parent's event log without writing to it. The
+        child's copy of the file holds the parent's unwritten events, which its flush at exit
+        would append a second time, so its descriptor is pointed at /dev/null first."""
+        self._log_lock = threading.Lock()         # held at the fork by a thread now gone
+        f, self._log = self._log, None
+        if f is None:
+            return
+        try:
+            null = os.open(os.devnull, os.O_WRONLY)
+            try:
+                os.dup2(null, f.fileno())
+            finally:
+                os.close(null)
+            f.close()
+        except (OSError, ValueError):
+            pass
+
     def close(self):
         """Close the event log; a failure to write its last events is logged, never raised."""
         with self._log_lock:
