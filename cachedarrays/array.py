@@ -13,6 +13,7 @@ that layer fills when imported; the public access scopes are in ``cachedarrays.s
 """
 
 import builtins
+import functools
 import operator
 import os
 import pickle
@@ -194,6 +195,11 @@ def _writeable(view):
 
 
 # ---- the array type --------------------------------------------------------------------------
+
+def _take_rows(idx, v, out):
+    """x[idx]'s fill: the rows idx names (each in range, checked first) gathered into out."""
+    np.take(v, idx, axis=0, out=out, mode="wrap")
+
 
 def _copy_unsafe(v, out):
     """astype's fill: v cast into out as NumPy casts by default."""
@@ -383,6 +389,10 @@ class CachedArray(ObjectView, NDArrayOperatorsMixin):
             if sel is not None and self._obj.primary is not None:
                 return self._view_of(type(self)._make(self._obj, self._m, sel[0], self._dtype,
                                                       sel[1], self._offset + sel[2]))
+        if type(key) is np.ndarray and self._shape:
+            res = self._gathered(key)
+            if res is not None:
+                return res
         key = plain_key(key)
         m, obj = self._m, self._obj
         m.acquire((obj,))
@@ -398,6 +408,26 @@ class CachedArray(ObjectView, NDArrayOperatorsMixin):
             return r
         finally:
             m.release((obj,))
+
+    def _gathered(self, idx):
+        """self[idx] for an integer ndarray idx whose entries are all in range (negative ones
+        counting from the end), as NumPy gives it: a new C-order array of idx.shape +
+        self.shape[1:], placed by the policy and filled in C by ``np.take`` (no copy in);
+        None for any other index, an index out of range (NumPy then raises its error) or a
+        busy manager."""
+        if idx.dtype.kind not in "iu" or idx.dtype.itemsize > 8 or not idx.ndim:
+            return None
+        n = self._shape[0]
+        if idx.size and (int(idx.min()) < -n or int(idx.max()) >= n):
+            return None
+        shape = idx.shape + self._shape[1:]
+        dt = self._dtype
+        nbytes = dt.itemsize
+        for d in shape:
+            nbytes *= d
+        return _c_run_ufunc(self._m, functools.partial(_take_rows, idx), (self,), (self._obj,),
+                            shape, dt, c_strides(shape, dt.itemsize), nbytes,
+                            nbytes + self._obj.nbytes <= SHORT_BYTES)
 
     def __setitem__(self, key, value):
         key = plain_key(key)

@@ -9,7 +9,7 @@ package's ``__init__`` imports this package); NumPy functions without one take t
 - ``clipping``: clip
 - ``elementwise``: round, around, diff
 - ``ordering``: sort, cumsum, cumprod
-- ``selection``: where
+- ``selection``: where, take
 - ``describing``: shape, ndim, size (read from the description, as the attributes are)
 """
 

@@ -1,4 +1,4 @@
-"""Picking elements: np.where(condition, x, y) on CachedArrays.
+"""Picking elements: np.where(condition, x, y) and np.take(x, indices, axis=0) on CachedArrays.
 
 The result is allocated by the policy first and filled by a branch-free select in C
 (``cachedarrays._records.select``, native/select.c), so it is never built in ordinary memory
@@ -102,3 +102,16 @@ def where(condition, *xy):
     if dt.hasobject or not dt.itemsize or (xs and xdt != dt) or (ys and ydt != dt):
         return _call_on_views(np.where, (condition, *xy), {})
     return into_new(m, select, (condition, x, y), tuple(reads), shape, dt, "where")
+
+
+@implements(np.take)
+def take(a, indices, axis=None, out=None, mode="raise"):
+    """np.take(a, indices, axis=0) of a CachedArray with an integer ndarray of indices in
+    range: the rows gathered into a policy-placed result (``CachedArray._gathered``, as
+    ``a[indices]``); every other call as NumPy makes it."""
+    if type(a) is CachedArray and type(indices) is np.ndarray and type(axis) is int and \
+            axis == 0 and out is None and mode == "raise" and a._shape:
+        res = a._gathered(indices)
+        if res is not None:
+            return res
+    return _call_on_views(np.take, (a, indices), dict(axis=axis, out=out, mode=mode))

@@ -1,0 +1,71 @@
+"""x[indices] and np.take(x, indices, axis=0) with an integer ndarray of indices: NumPy's
+result or NumPy's error for every index (negative, out of range, empty, several axes, every
+integer dtype), on arrays and views; indices in range gather into a policy-placed result in
+one step (no NumPy result copied in)."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import cachedarrays as ca
+from cachedarrays import dispatch
+
+
+def _outcome(f):
+    try:
+        return f()
+    except Exception as e:        # noqa: BLE001 - compared with NumPy's
+        return type(e), str(e)
+
+
+@settings(max_examples=300, deadline=None)
+@given(shape=st.lists(st.integers(0, 5), min_size=1, max_size=3).map(tuple),
+       dtype=st.sampled_from(["f8", "f4", "i2", "u1", "c8", "?", "S3",
+                              np.dtype([("a", "i4"), ("b", "f8")])]),
+       idx=st.lists(st.integers(-7, 7), min_size=0, max_size=6),
+       idx_dtype=st.sampled_from(["i8", "i4", "i1", "u1", "u8", "i2"]),
+       idx_shape=st.sampled_from(["flat", "column", "row"]), view=st.booleans(),
+       call=st.sampled_from(["index", "take", "take axis 1", "take wrap", "take flat"]))
+def test_gathers_give_numpys_result_or_error(shape, dtype, idx, idx_dtype, idx_shape, view, call):
+    a = np.arange(int(np.prod(shape)) * 7 % 256).astype(dtype)[:int(np.prod(shape))]
+    a = np.resize(a, shape) if a.size else np.zeros(shape, dtype)
+    key = np.array([i for i in idx if idx_dtype[0] == "i" or i >= 0], dtype=idx_dtype)
+    key = {"flat": key, "column": key[:, None], "row": key[None, :]}[idx_shape]
+    with ca.Manager(fast="1MiB", slow="4MiB") as m:
+        x = ca.asarray(a, manager=m)
+        if view and shape[0] > 1:
+            a, x = a[1:], x[1:]
+        if call == "take wrap" and not a.shape[0]:
+            return                     # NumPy's wrap over an empty axis never returns
+        calls = {"index": lambda v: v[key], "take": lambda v: np.take(v, key, axis=0),
+                 "take axis 1": lambda v: np.take(v, key, axis=1 if v.ndim > 1 else 0),
+                 "take wrap": lambda v: np.take(v, key, axis=0, mode="wrap"),
+                 "take flat": lambda v: np.take(v, key)}
+        want, got = _outcome(lambda: calls[call](a)), _outcome(lambda: calls[call](x))
+        if isinstance(want, tuple):
+            assert got == want
+        else:
+            assert isinstance(got, ca.CachedArray)
+            assert (got.shape, got.dtype) == (want.shape, want.dtype)
+            assert np.asarray(got).tobytes() == want.tobytes()
+        assert x.object._pins == 0
+        m.check()
+
+
+@pytest.mark.parametrize("call", [lambda x, k: x[k], lambda x, k: np.take(x, k, axis=0)])
+def test_indices_in_range_gather_into_a_placed_result(call, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("took the general path")
+
+    monkeypatch.setattr(dispatch, "_call_on_views", refuse)
+    with ca.Manager(fast="1MiB", slow="4MiB") as m:
+        a = np.arange(60.0).reshape(12, 5)
+        x = ca.asarray(a, manager=m)
+        monkeypatch.setattr(m, "acquire", refuse)        # x[k]'s general path pins through it
+        k = np.array([[0, -1], [11, -12], [3, 3]])
+        got = call(x, k)
+        monkeypatch.undo()
+        assert got.device == "fast" and got.flags.c_contiguous
+        np.testing.assert_array_equal(np.asarray(got), a[k])
+        m.check()
