@@ -128,8 +128,28 @@ def churn_module(folder):
 
 
 def random_sizes(rng, n, lo, hi):
-    """n sizes log-uniform in [lo, hi] (uint64)."""
-    return np.exp(rng.uniform(math.log(lo), math.log(hi), n)).astype(np.uint64)
+    """n sizes log-uniform in [lo, hi] (uint64); exp(log(lo)) may round below lo, and
+    truncating it would give lo - 1, so the sizes are clipped to the bounds."""
+    s = np.floor(np.exp(rng.uniform(math.log(lo), math.log(hi), n)))
+    return np.clip(s, lo, hi).astype(np.uint64)
+
+
+def check_churn_flags(p, args):
+    """p.error, before any work, when the churn cannot run: a block of --max-size larger than
+    the whole --heap, or --ops and --live arrays beyond the available memory."""
+    mm = mmap.mmap(-1, args.heap)             # not touched: only its first header is written
+    heap = Heap(mm, args.heap, name="churn")
+    try:
+        block, room = heap.block_size(args.max_size), heap.stats().capacity
+    finally:
+        heap.close()
+    if block > room:
+        p.error(f"--max-size ({args.max_size} bytes) takes a block of {block} bytes with its "
+                f"header, more than the whole --heap ({room} bytes); pass a larger --heap or "
+                "a smaller --max-size")
+    # sizes and slots (8 bytes each per step), the live blocks' offsets and pointers
+    _common.check_memory(p, 6 * max(args.sizes) + 2 * args.heap + 16 * args.ops +
+                         16 * args.live, "--sizes, --heap, --ops and --live")
 
 
 def new_array_calls(m, nbytes):
@@ -173,7 +193,10 @@ def section_new_arrays(args, bar):
     return rows
 
 
-def section_churn(args, lib, ffi):
+def churn_loops(args, lib, ffi):
+    """(ours, glibc, heap): the two C loops over one random sequence of --ops steps, each
+    returning seconds, or -1 when an allocation failed; the sequence is the same every time
+    and each loop frees what it made, so a first run that fits means every run fits."""
     rng = np.random.default_rng(args.seed)
     sizes = random_sizes(rng, args.ops, args.min_size, args.max_size)
     slot = rng.integers(0, args.live, args.ops, dtype=np.int64)
@@ -182,24 +205,40 @@ def section_churn(args, lib, ffi):
     mm = mmap.mmap(-1, args.heap)
     heap = Heap(mm, args.heap, name="churn")
     alloc_at, free_at = Heap.entry_points()
-    c_sizes = ffi.cast("uint64_t *", sizes.ctypes.data)
-    c_slot = ffi.cast("int64_t *", slot.ctypes.data)
-    c_live = ffi.cast("int64_t *", live.ctypes.data)
+
+    def arrays():                   # the pointers, taken where the closures keep the arrays
+        return (ffi.cast("uint64_t *", sizes.ctypes.data), ffi.cast("int64_t *", slot.ctypes.data),
+                ffi.cast("int64_t *", live.ctypes.data))
 
     def ours():
-        t = lib.churn_heap(heap._addr, alloc_at, free_at, c_sizes, c_slot, args.ops, c_live,
-                           args.live)
-        if t < 0:
-            raise SystemExit(f"allocator.py: the heap of {ca.format_size(args.heap)} ran out "
-                             f"of room for {args.live} live blocks of up to "
-                             f"{ca.format_size(args.max_size)}; pass a larger --heap or fewer "
-                             "--live")
-        return t
+        c_sizes, c_slot, c_live = arrays()
+        return lib.churn_heap(heap._addr, alloc_at, free_at, c_sizes, c_slot, args.ops, c_live,
+                              args.live)
 
     def glibc():
+        c_sizes, c_slot, _ = arrays()
         t = lib.churn_malloc(c_sizes, c_slot, args.ops, ptrs, args.live)
         if t < 0:
             raise SystemExit("allocator.py: malloc failed; pass a smaller --max-size")
+        return t
+
+    return ours, glibc, heap
+
+
+def heap_too_small(args):
+    """The usage error when the churn's --live blocks outgrow its --heap."""
+    return (f"--heap ({ca.format_size(args.heap)}) ran out of room for {args.live} live "
+            f"blocks of {ca.format_size(args.min_size)}-{ca.format_size(args.max_size)} in "
+            "the churn; pass a larger --heap, fewer --live or a smaller --max-size")
+
+
+def section_churn(args, loops):
+    heap_loop, glibc, heap = loops
+
+    def ours():
+        t = heap_loop()
+        if t < 0:
+            raise SystemExit(f"allocator.py: {heap_too_small(args)}")
         return t
 
     ours(), glibc()                                  # warm up: pages faulted in, bins filled
@@ -221,8 +260,10 @@ def section_churn(args, lib, ffi):
 
 
 def fill_until_fragmented(args):
-    """Share of the heap in use when an allocation first fails although the free bytes would
-    hold it (allocating random sizes, freeing a random live block every other step)."""
+    """(share of the heap in use, largest free block / free bytes) when an allocation first
+    fails although the free bytes would hold it (allocating random sizes, freeing a random
+    live block every other step); None when none failed that way in 4 * --heap / --min-size
+    allocations (equal sizes never do)."""
     rng = np.random.default_rng(args.seed + 1)
     mm = mmap.mmap(-1, args.heap)
     heap = Heap(mm, args.heap, name="fragmentation")
@@ -237,7 +278,7 @@ def fill_until_fragmented(args):
                 if st.free >= heap.block_size(n):
                     return st.used / st.capacity, st.largest_free / max(st.free, 1)
                 if not live:
-                    return st.used / st.capacity, 1.0
+                    return None                        # a block larger than the whole heap
                 k = int(rng.integers(len(live)))       # full, not fragmented: free and go on
                 heap.free(*live.pop(k))
                 continue
@@ -245,8 +286,7 @@ def fill_until_fragmented(args):
             if owner % 2 == 0 and live:
                 k = int(rng.integers(len(live)))
                 heap.free(*live.pop(k))
-        st = heap.stats()                       # never failed that way
-        return st.used / st.capacity, st.largest_free / max(st.free, 1)
+        return None                             # never failed that way
     finally:
         heap.close()
 
@@ -295,26 +335,35 @@ def main(argv=None):
         p.error("--repeats must be >= 3 (medians are of at least 3 samples)")
     if args.min_size > args.max_size:
         p.error(f"--min-size ({args.min_size}) must not exceed --max-size ({args.max_size})")
-    _common.check_memory(p, 6 * max(args.sizes) + 2 * args.heap, "--sizes and --heap")
+    check_churn_flags(p, args)
     _common.apply_threads(args.threads)
     print(machine())
     print(_common.thread_line())
     print(f"numpy {np.__version__}; speedup = numpy's (or malloc's) time / ours\n")
     with tempfile.TemporaryDirectory(prefix="cachedarrays-churn-") as folder:
         lib_mod = churn_module(folder)
+    loops = churn_loops(args, lib_mod.lib, lib_mod.ffi)
+    if loops[0]() < 0:                      # before any timing: the heap must hold the churn
+        loops[2].close()
+        p.error(heap_too_small(args))
     bar = _common.progress(total=4 * len(args.sizes), desc="new arrays",
                            disable=args.no_progress)
     rows = section_new_arrays(args, bar)
     bar.close()
-    churn = section_churn(args, lib_mod.lib, lib_mod.ffi)
-    used, largest = fill_until_fragmented(args)
+    churn = section_churn(args, loops)
+    frag = fill_until_fragmented(args)
     print(f"\nfragmentation ({ca.format_size(args.min_size)}-{ca.format_size(args.max_size)}, "
-          f"a random live block freed every other allocation): the first allocation that found "
-          f"no free block although the free bytes would hold it came with {used:.2%} of the heap "
-          f"in use; the largest free block was then {largest:.1%} of the free bytes")
+          f"a random live block freed every other allocation): ", end="")
+    if frag is None:
+        print(f"no allocation found the free bytes enough but no free block big enough in "
+              f"{4 * args.heap // args.min_size} allocations")
+    else:
+        print(f"the first allocation that found no free block although the free bytes would "
+              f"hold it came with {frag[0]:.2%} of the heap in use; the largest free block was "
+              f"then {frag[1]:.1%} of the free bytes")
     print()
     for name in ("empty", "empty, then written"):
-        for nbytes in (min(args.sizes), max(args.sizes)):
+        for nbytes in dict.fromkeys((min(args.sizes), max(args.sizes))):
             r = next(r for r in rows if r["name"] == name and r["nbytes"] == nbytes)
             _common.headline(f"{name} speedup vs numpy ({ca.format_size(nbytes)})",
                              r["speedup"].median, "x",
@@ -322,8 +371,9 @@ def main(argv=None):
                                     f"{r['ours'].median * 1e6:.2f} us per call")
     _common.headline("native heap speedup vs glibc malloc (churn)", churn.median, "x",
                      detail=f"{args.min_size}-{args.max_size} bytes, {args.live} live blocks")
-    _common.headline("heap in use at the first fragmentation failure", 100 * used, "%",
-                     detail="random sizes, frees at random")
+    if frag is not None:
+        _common.headline("heap in use at the first fragmentation failure", 100 * frag[0], "%",
+                         detail="random sizes, frees at random")
     if args.plot:
         plot(rows, args.plot)
     return 0

@@ -133,10 +133,22 @@ def _zero_bytes(out):
     out.ravel(order="K").view(np.uint8).fill(0)
 
 
-def _filled(m, shape, dtype, order, placement, fill, inputs):
+# fill values whose conversion runs no code of the caller's (no __array__, __float__...)
+_PLAIN_FILLS = frozenset((int, float, complex, bool, str, bytes))
+
+
+def _plain_fill(value):
+    """True if filling with value runs no Python code of the caller's: the C step holds the
+    manager's lock while it fills, so such code would stall every other thread's call."""
+    if type(value) in _PLAIN_FILLS or isinstance(value, np.generic):
+        return True
+    return type(value) is np.ndarray and not value.dtype.hasobject
+
+
+def _filled(m, shape, dtype, order, placement, fill, inputs, plain=True):
     """A new array of m written by fill(*inputs, out=its view) while it is pinned: in C (as a
-    ufunc's result is made) for the common call, else through new_pinned."""
-    if placement is None and order == "C" and not m.fast.virtual:
+    ufunc's result is made) for the common call and a plain fill, else through new_pinned."""
+    if plain and placement is None and order == "C" and not m.fast.virtual:
         lay = _c_layout(shape, dtype)
         if lay is not None and lay[3] <= MAX_SIZE:   # else new_pinned says it is too large
             out = _run_filled(m, fill, inputs, (), *lay, lay[3] <= SHORT_BYTES)
@@ -159,7 +171,8 @@ def full(shape, fill_value, dtype=None, order="C", *, manager=None, placement=No
                         placement=placement)
     if dtype is None:
         dtype = np.asarray(fill_value).dtype
-    return _filled(_manager(manager), shape, dtype, order, placement, _fill_with, (fill_value,))
+    return _filled(_manager(manager), shape, dtype, order, placement, _fill_with, (fill_value,),
+                   _plain_fill(fill_value))
 
 
 def zeros(shape, dtype=float, order="C", *, manager=None, placement=None):

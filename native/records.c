@@ -3484,28 +3484,62 @@ operands_views(Operands *o, PyObject **views)
     return 0;
 }
 
+/* The base a sealed view v gets in place of none: v is an empty view, whose (unused) data NumPy
+ * allocated, so v owns it, and NumPy lets an array that owns its data be made writable. The
+ * allocation goes to a holder array, which frees it as v would have; v then owns nothing and
+ * its base, a 1-tuple holding the holder, exports no buffer. NULL (an exception set) if the
+ * holder cannot be made; (None,) for a view that neither owns its data nor has a base. */
+static PyObject *
+view_disown(PyArrayObject *v)
+{
+    PyArrayObject_fields *f = (PyArrayObject_fields *)v;
+    if (!PyArray_CHKFLAGS(v, NPY_ARRAY_OWNDATA))
+        return PyTuple_Pack(1, Py_None);
+    if (f->mem_handler == NULL || PyArray_SIZE(v) != 0) {
+        PyErr_SetString(PyExc_TypeError, "seal_view: a view that owns data of its own");
+        return NULL;
+    }
+    npy_intp zero = 0;
+    Py_INCREF(f->descr);
+    PyObject *holder = PyArray_NewFromDescr(&PyArray_Type, f->descr, 1, &zero, NULL, f->data,
+                                            0, NULL);
+    if (holder == NULL)
+        return NULL;
+    PyObject *t = PyTuple_Pack(1, holder);
+    Py_DECREF(holder);
+    if (t == NULL)
+        return NULL;
+    PyArrayObject_fields *h = (PyArrayObject_fields *)holder;
+    h->mem_handler = f->mem_handler;          /* both empty: NumPy frees one byte either way */
+    f->mem_handler = NULL;
+    PyArray_ENABLEFLAGS((PyArrayObject *)holder, NPY_ARRAY_OWNDATA);
+    PyArray_CLEARFLAGS(v, NPY_ARRAY_OWNDATA);
+    return t;
+}
+
 /* Make view v read-only for good: clear its WRITEABLE flag and put its base (the device's
  * mapping, whose buffer is writable) in a 1-tuple. The tuple keeps the mapping alive but
  * exports no buffer, so NumPy, which finds a writable buffer at the end of a view's bases
  * before it sets WRITEABLE, refuses to make v (or a view made from it later) writable again.
- * A view already sealed (its base a tuple) or without a base only loses the flag. Keeps any
- * pending exception; if the tuple cannot be made, the flag alone is cleared. */
+ * An empty view, which has no base, gets one from view_disown; a view already sealed (its
+ * base a tuple) only loses the flag. Keeps any pending exception; if the tuple cannot be
+ * made, the flag alone is cleared. */
 static void
 view_seal(PyArrayObject *v)
 {
     PyArray_CLEARFLAGS(v, NPY_ARRAY_WRITEABLE);
     PyArrayObject_fields *f = (PyArrayObject_fields *)v;
     PyObject *base = f->base;
-    if (base == NULL || PyTuple_CheckExact(base))
+    if (base != NULL && PyTuple_CheckExact(base))
         return;
     PyObject *et, *ev, *etb;
     PyErr_Fetch(&et, &ev, &etb);
-    PyObject *t = PyTuple_Pack(1, base);
+    PyObject *t = base == NULL ? view_disown(v) : PyTuple_Pack(1, base);
     if (t == NULL)
         PyErr_Clear();
     else {
         f->base = t;
-        Py_DECREF(base);
+        Py_XDECREF(base);
     }
     PyErr_Restore(et, ev, etb);
 }

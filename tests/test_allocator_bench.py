@@ -7,6 +7,8 @@ import tempfile
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from cachedarrays.heap import Heap
 
@@ -62,13 +64,40 @@ def test_the_churn_loops_free_every_block_they_made(bench, churn):
     heap.close()
 
 
-def test_a_heap_too_small_for_the_churn_names_the_flags(bench, capsys):
-    with pytest.raises(SystemExit, match="--heap"):
+@settings(max_examples=200, deadline=None)
+@given(lo=st.integers(1, 1 << 40), span=st.integers(0, 1 << 20), seed=st.integers(0, 2**32))
+def test_churn_sizes_stay_within_min_size_and_max_size(bench, lo, span, seed):
+    hi = lo + span
+    sizes = bench.random_sizes(np.random.default_rng(seed), 64, lo, hi)
+    assert sizes.dtype == np.uint64
+    assert sizes.min() >= lo and sizes.max() <= hi
+    assert (bench.random_sizes(np.random.default_rng(seed), 8, lo, lo) == lo).all()
+
+
+def test_a_heap_too_small_for_the_churn_is_a_usage_error_before_any_timing(bench, capsys):
+    with pytest.raises(SystemExit) as e:
         bench.main(["--sizes", "64", "--repeats", "3", "--budget", "0.001", "--ops", "2000",
                     "--live", "500", "--max-size", "64K", "--heap", "1M", "--no-progress"])
+    assert e.value.code == 2
+    out, err = capsys.readouterr()
+    assert "--heap" in err and "--live" in err
+    assert "1. new arrays" not in out               # nothing was timed
 
 
 def test_a_fragmentation_run_stops_and_reports_a_share(bench):
     args = type("A", (), dict(seed=1, heap=1 << 20, min_size=256, max_size=32 << 10))()
     used, largest = bench.fill_until_fragmented(args)
     assert 0.5 < used <= 1.0 and 0.0 < largest <= 1.0
+
+
+def test_equal_sizes_never_fragment_and_the_run_says_so(bench, capsys):
+    args = type("A", (), dict(seed=1, heap=1 << 20, min_size=1000, max_size=1000))()
+    assert bench.fill_until_fragmented(args) is None
+    assert bench.main(["--sizes", "64", "--repeats", "3", "--budget", "0.001", "--ops", "2000",
+                       "--live", "10", "--min-size", "1000", "--max-size", "1000", "--heap",
+                       "1M", "--threads", "1", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "no allocation found the free bytes enough" in out
+    assert "first fragmentation failure" not in out
+    heads = [line for line in out.splitlines() if "speedup vs numpy (64 B)" in line]
+    assert len(heads) == len(set(heads)) == 2       # one size: each headline once

@@ -160,6 +160,10 @@ def test_list_types_refuse_empty_items_and_drop_repeats():
     ("dask_tiers.py", ["--workers", "1000000"], "needs about"),
     ("allocator.py", ["--min-size", "2K", "--max-size", "1K"], "--min-size"),
     ("allocator.py", ["--heap", "1K"], "--heap"),
+    ("allocator.py", ["--max-size", "1M", "--heap", "1M"], "--max-size"),
+    ("allocator.py", ["--max-size", "1T", "--heap", "1M"], "--max-size"),
+    ("allocator.py", ["--ops", "100000000000"], "needs about"),
+    ("allocator.py", ["--live", "100000000000"], "needs about"),
 ])
 def test_bad_values_of_list_and_size_flags_are_usage_errors(script, args, needle):
     r = _run([str(BENCH / script), *args])

@@ -1154,3 +1154,34 @@ def test_asarray_copies_any_layout_into_a_writable_array(m, a, placement):
         assert np.asarray(x)[(0,) * x.ndim] == a[(-1,) * a.ndim]
     assert x.object._pins == 0
     m.check()
+
+
+@pytest.mark.parametrize("kind", ["__array__", "__float__", "list of them"])
+def test_a_fill_value_running_python_code_does_not_stall_other_threads(m, kind):
+    """Code a fill value runs (its __array__, __float__) runs outside the manager's lock:
+    another thread's call completes meanwhile."""
+    y = ca.zeros(8, manager=m)
+    done = threading.Event()
+
+    def other():
+        ca.evict(y)
+        ca.full(4, 1.0, manager=m)
+        done.set()
+
+    class FloatFill:
+        def __float__(self):
+            threading.Thread(target=other).start()
+            done.wait(10)
+            return 2.0
+
+    class ArrayFill(FloatFill):
+        def __array__(self, dtype=None, copy=None):
+            return np.full(8, float(self), dtype)
+
+    fill = {"__array__": ArrayFill(), "__float__": FloatFill(),
+            "list of them": [FloatFill()] * 8}[kind]
+    x = ca.full(8, fill, float, manager=m)
+    assert done.is_set()                                # the other thread was not held up
+    assert np.asarray(x).tolist() == [2.0] * 8
+    assert x.object._pins == 0
+    m.check()

@@ -214,3 +214,41 @@ def test_a_sealed_view_keeps_the_mapping_alive_after_the_manager_closes():
     gc.collect()
     assert w.tolist() == [4.0] + [3.0] * 7    # read through the mapping the view keeps
     _cannot_be_made_writable(w)
+
+
+EMPTY_KEPT = {"writable": lambda x, y: _in_scope(ca.writable(x)),
+              "access": lambda x, y: _in_scope(ca.access((y,), (x,)))[1],
+              "kernel": lambda x, y: _in_scope(ca.kernel("k", [y], [None, x]))[2],
+              "compute": lambda x, y: _kept_by_empty_compute(x, y)}
+
+
+def _in_scope(scope):
+    with scope as views:
+        pass
+    return views
+
+
+def _kept_by_empty_compute(x, y):
+    kept = []
+    ca.compute("c", lambda r, w: kept.append(w), (y,), (x,))
+    return kept[0]
+
+
+@pytest.mark.parametrize("path", ["C", "Python"])
+@pytest.mark.parametrize("keep", list(EMPTY_KEPT.values()), ids=list(EMPTY_KEPT))
+@pytest.mark.parametrize("shape", [(0,), (0, 3), (3, 0)])
+def test_an_empty_view_kept_past_its_scope_cannot_be_made_writable_either(
+        tiny, monkeypatch, path, keep, shape):
+    """An empty view owns the (unused) bytes NumPy gave it, which NumPy would let be made
+    writable; sealed, it owns nothing and holds them through its base."""
+    if path == "Python":
+        _python_path(monkeypatch)
+    x, y = ca.zeros(shape, manager=tiny), ca.zeros(shape, manager=tiny)
+    w = keep(x, y)
+    assert w.shape == shape and not w.flags.owndata
+    _cannot_be_made_writable(w)
+    del x, y
+    import gc
+    gc.collect()
+    assert w.tolist() == np.zeros(shape).tolist()
+    tiny.check()
