@@ -10,10 +10,12 @@ package's ``__init__`` imports this package); NumPy functions without one take t
 - ``elementwise``: round, around, diff
 - ``ordering``: sort, cumsum, cumprod
 - ``selection``: where, take
+- ``tiling``: roll, tile
 - ``describing``: shape, ndim, size (read from the description, as the attributes are)
 """
 
-from . import clipping, creation, describing, elementwise, joining, ordering, selection
+from . import (clipping, creation, describing, elementwise, joining, ordering, selection,
+               tiling)
 
 __all__ = ["clipping", "creation", "describing", "elementwise", "joining", "ordering",
-           "selection"]
+           "selection", "tiling"]

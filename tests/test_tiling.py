@@ -1,0 +1,81 @@
+"""np.roll and np.tile of CachedArrays give NumPy's results (values, dtype, shape, layout) and
+errors for every form of call; the common forms fill a policy-placed result in place."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import cachedarrays as ca
+from cachedarrays import dispatch
+
+
+def _outcome(f):
+    try:
+        return f()
+    except Exception as e:        # noqa: BLE001 - compared with NumPy's
+        return type(e)
+
+
+def _same(got, want):
+    if isinstance(want, type):
+        assert got is want
+        return
+    assert isinstance(got, ca.CachedArray)
+    assert (got.shape, got.dtype) == (want.shape, want.dtype)
+    if want.size:
+        assert [t for t, d in zip(got.strides, got.shape) if d > 1] == \
+            [t for t, d in zip(want.strides, want.shape) if d > 1]
+    assert np.asarray(got).tobytes() == want.tobytes()
+
+
+_SHAPES = st.lists(st.integers(0, 4), min_size=0, max_size=3).map(tuple)
+_DTYPES = st.sampled_from(["f8", "i2", "u1", "?", "c8", "S2", ">i4"])
+
+
+def _array(shape, dtype, layout):
+    a = np.asarray(np.arange(int(np.prod(shape))).reshape(shape) % 7).astype(dtype)
+    return {"C": a, "F": np.asfortranarray(a), "view": a[..., ::2] if a.ndim else a}[layout]
+
+
+@settings(max_examples=300, deadline=None)
+@given(shape=_SHAPES, dtype=_DTYPES, layout=st.sampled_from(["C", "F", "view"]),
+       shift=st.one_of(st.integers(-9, 9), st.sampled_from([np.int8(3), 2.0, (1, 2), True])),
+       axis=st.one_of(st.none(), st.integers(-4, 3), st.sampled_from([(0, 1), np.int64(0)])))
+def test_roll_gives_numpys_result_or_error(shape, dtype, layout, shift, axis):
+    a = _array(shape, dtype, layout)
+    with ca.Manager(fast="1MiB", slow="4MiB") as m:
+        x = ca.asarray(a, manager=m) if layout != "view" else \
+            ca.asarray(np.ascontiguousarray(_array(shape, dtype, "C")), manager=m)[..., ::2] \
+            if len(shape) else ca.asarray(a, manager=m)
+        _same(_outcome(lambda: np.roll(x, shift, axis)), _outcome(lambda: np.roll(a, shift, axis)))
+        assert x.object._pins == 0
+        m.check()
+
+
+@settings(max_examples=300, deadline=None)
+@given(shape=_SHAPES, dtype=_DTYPES, layout=st.sampled_from(["C", "F"]),
+       reps=st.one_of(st.integers(-1, 3), st.lists(st.integers(0, 3), max_size=4).map(tuple),
+                      st.sampled_from([np.int64(2), [2, 1], 1.5, (2, -1), ()])))
+def test_tile_gives_numpys_result_or_error(shape, dtype, layout, reps):
+    a = _array(shape, dtype, layout)
+    with ca.Manager(fast="1MiB", slow="4MiB") as m:
+        x = ca.asarray(a, manager=m)
+        _same(_outcome(lambda: np.tile(x, reps)), _outcome(lambda: np.tile(a, reps)))
+        assert x.object._pins == 0
+        m.check()
+
+
+@pytest.mark.parametrize("call", [lambda x: np.roll(x, 3), lambda x: np.roll(x, -1, 1),
+                                  lambda x: np.tile(x, 2), lambda x: np.tile(x, (2, 1, 3))])
+def test_the_common_forms_fill_a_placed_result(call, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("took the general path")
+
+    monkeypatch.setattr(dispatch, "_call_on_views", refuse)
+    with ca.Manager(fast="1MiB", slow="4MiB") as m:
+        a = np.arange(20.0).reshape(4, 5)
+        got = call(ca.asarray(a, manager=m))
+        assert got.device == "fast"
+        np.testing.assert_array_equal(np.asarray(got), call(a))
+        m.check()
