@@ -122,6 +122,34 @@ def where_on_a_random_mask(m, n, args, clock):
                 speedup=_common.speedups(t_np, t_ca))
 
 
+def placed_results(m, n, args, clock):
+    """NumPy functions and methods whose result the library writes in place (placed by the
+    policy, filled by NumPy through out= or assignments, never built in ordinary memory and
+    copied in), on n float64 elements: rows of (name, numpy Stat, ours Stat, speedup Stat)."""
+    rng = np.random.default_rng(3)
+    na, nb = rng.random(n), rng.random(n)
+    rows2d = rng.random((max(1, n // 64), 64))
+    idx = rng.integers(0, rows2d.shape[0], max(1, rows2d.shape[0] // 10))
+    x, y, r2 = (ca.asarray(v, manager=m) for v in (na, nb, rows2d))
+    calls = [("x.copy()", lambda: na.copy(), lambda: x.copy()),
+             ("x.astype(float32)", lambda: na.astype(np.float32),
+              lambda: x.astype(np.float32)),
+             ("np.clip(x, .2, .8)", lambda: np.clip(na, .2, .8), lambda: np.clip(x, .2, .8)),
+             ("np.round(x, 2)", lambda: np.round(na, 2), lambda: np.round(x, 2)),
+             ("np.diff(x)", lambda: np.diff(na), lambda: np.diff(x)),
+             ("np.roll(x, 3)", lambda: np.roll(na, 3), lambda: np.roll(x, 3)),
+             ("np.tile(x, 2)", lambda: np.tile(na, 2), lambda: np.tile(x, 2)),
+             ("np.stack((x, y))", lambda: np.stack((na, nb)), lambda: np.stack((x, y))),
+             ("rows[idx] (10% of rows)", lambda: rows2d[idx], lambda: r2[idx])]
+    out = []
+    for name, f_np, f_ca in calls:
+        number = _common.calls_for(f_np, args.budget)
+        t_np, t_ca = samples_of([f_np, f_ca], args.repeats, number, clock)
+        out.append((name, _common.Stat(t_np), _common.Stat(t_ca),
+                    _common.speedups(t_np, t_ca)))
+    return out
+
+
 def kernel_calls(m, args, clock):
     """The cost of running a kernel through the library: fn(a, b, out) on ndarrays, against
     ``ca.compute`` and ``ca.kernel`` on CachedArrays of 10 elements (two reads, one write).
@@ -239,6 +267,7 @@ def main(argv=None):
         bar.close()
         checks = dispatch_entries(dispatch_checks(x, y))
         where_row = where_on_a_random_mask(m, max(args.sizes), args, clock)
+        placed = placed_results(m, max(args.sizes), args, clock)
         kernel_rows = kernel_calls(m, args, clock)
 
     print("\nsummary (median over the 20 operations):")
@@ -254,6 +283,15 @@ def main(argv=None):
     _common.headline(f"np.where speedup vs numpy, random mask (n={where_row['n']})",
                      where_row["speedup"].median, "x",
                      detail="a branch-free select against NumPy's loop")
+    print(f"\nresults written in place (n={max(args.sizes)} float64; rows: "
+          f"{max(1, max(args.sizes) // 64)} x 64):")
+    for name, t_np, t_ours, sp in placed:
+        print(f"  {name:24} numpy {t_np.fmt(1e6, 'us'):28} ours {t_ours.fmt(1e6, 'us'):28} "
+              f"speedup {sp.median:.2f}x")
+    _common.headline(f"results written in place, speedup vs numpy (n={max(args.sizes)}, "
+                     f"median of {len(placed)} calls)",
+                     statistics.median(sp.median for *_, sp in placed), "x",
+                     detail="copy, astype, clip, round, diff, roll, tile, stack, row gather")
     print("\na kernel through the library (fn(a, b, out) = np.add, n=10, two reads and one "
           "write):")
     for name, (t_np, t_ours, extra) in kernel_rows.items():
