@@ -201,6 +201,10 @@ def _take_rows(idx, v, out):
     np.take(v, idx, axis=0, out=out, mode="wrap")
 
 
+#: The casting rules np.copyto takes (astype's fills use it).
+_COPYTO_RULES = ("no", "equiv", "safe", "same_kind", "unsafe")
+
+
 def _copy_unsafe(v, out):
     """astype's fill: v cast into out as NumPy casts by default."""
     np.copyto(out, v, casting="unsafe")
@@ -389,7 +393,8 @@ class CachedArray(ObjectView, NDArrayOperatorsMixin):
             if sel is not None and self._obj.primary is not None:
                 return self._view_of(type(self)._make(self._obj, self._m, sel[0], self._dtype,
                                                       sel[1], self._offset + sel[2]))
-        if type(key) is np.ndarray and self._shape:
+        if type(key) is np.ndarray and self._shape and (key.ndim < 2 or key.flags.c_contiguous):
+            # (NumPy lays x[key] out in the order of a key of other layouts: its general path)
             res = self._gathered(key)
             if res is not None:
                 return res
@@ -681,6 +686,16 @@ class CachedArray(ObjectView, NDArrayOperatorsMixin):
         if order in ("K", "A"):
             order = like_order(self._shape, self._strides, self.itemsize, order)
         m = self._m
+        if casting not in _COPYTO_RULES:
+            # 'same_value', which np.copyto lacks, or a rule NumPy refuses: NumPy's own cast
+            with readable(self) as v:
+                cast = v.astype(dt, order, casting)
+            out = new_pinned(m, self._shape, dt, order)
+            try:
+                np.copyto(out._view(), cast)
+            finally:
+                unpin(out)
+            return out
         if order == "C" and not dt.shape and not m.fast.virtual:
             # the common copy: placed and filled in C, as a ufunc's result is
             shape = self._shape

@@ -9,6 +9,7 @@ import operator
 import os
 import threading
 import time
+import weakref
 from collections import defaultdict
 
 from ._records import TelemetryRecord
@@ -66,6 +67,8 @@ class Telemetry(TelemetryRecord):
         self._log = _open_event_log(event_log) if event_log else None
         self.log_error = None                    # why the event log stopped, if it did
         self._log_lock = threading.Lock()
+        if self._log is not None:
+            _LOGGING.add(self)
         self.t0 = time.perf_counter()
         self.reset()
 
@@ -163,7 +166,7 @@ class Telemetry(TelemetryRecord):
         """In a forked child: let go of the parent's event log without writing to it. The
         child's copy of the file holds the parent's unwritten events, which its flush at exit
         would append a second time, so its descriptor is pointed at /dev/null first."""
-        self._log_lock = threading.Lock()         # held at the fork by a thread now gone
+        self._log_lock = threading.Lock()         # the child's own
         f, self._log = self._log, None
         if f is None:
             return
@@ -212,6 +215,29 @@ class Telemetry(TelemetryRecord):
 
 
 _RECORD_START = '{"t": '          # how every record's line begins (json.dumps of rec in emit)
+
+
+#: Telemetry with an event log open: a fork waits until no thread is writing to one, so a
+#: forked child never inherits a file whose internal lock a thread now gone holds (closing it
+#: there would wait forever).
+_LOGGING = weakref.WeakSet()
+_held_at_fork = []
+
+
+def _before_fork():
+    for t in list(_LOGGING):
+        lock = t._log_lock
+        lock.acquire()
+        _held_at_fork.append(lock)
+
+
+def _after_fork():
+    while _held_at_fork:
+        _held_at_fork.pop().release()
+
+
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork,
+                    after_in_child=_after_fork)
 
 
 def _open_event_log(path):

@@ -69,3 +69,31 @@ def test_indices_in_range_gather_into_a_placed_result(call, monkeypatch):
         assert got.device == "fast" and got.flags.c_contiguous
         np.testing.assert_array_equal(np.asarray(got), a[k])
         m.check()
+
+
+def _long_strides(a):
+    return [s for s, d in zip(a.strides, a.shape) if d > 1]
+
+
+@settings(max_examples=200, deadline=None)
+@given(rest=st.sampled_from([(), (1,), (1, 1), (3,), (2, 1)]),
+       idx_shape=st.sampled_from([(2, 3), (3, 1, 2), (1, 4), (2, 2, 2)]),
+       layout=st.sampled_from(["C", "F", "transposed", "strided", "reversed"]),
+       call=st.sampled_from(["index", "take"]))
+def test_gathers_lay_out_their_result_as_numpy_does(rest, idx_shape, layout, call):
+    """x[key] follows the memory order of a key of several axes where x has no other axes of
+    more than one element; np.take is always C-ordered: both as NumPy lays them out."""
+    base = np.arange(int(np.prod(idx_shape)) * 2).reshape((-1,) + idx_shape[1:]) % 5
+    key = {"C": base[:idx_shape[0]], "F": np.asfortranarray(base[:idx_shape[0]]),
+           "transposed": base[:idx_shape[0]].T, "strided": base[::2],
+           "reversed": base[::-1]}[layout]
+    a = np.arange(5 * int(np.prod(rest)), dtype="f8").reshape((5,) + rest)
+    with ca.Manager(fast="1MiB", slow="4MiB") as m:
+        x = ca.asarray(a, manager=m)
+        f = (lambda v: v[key]) if call == "index" else (lambda v: np.take(v, key, axis=0))
+        want, got = f(a), f(x)
+        assert (got.shape, got.dtype) == (want.shape, want.dtype)
+        assert _long_strides(got) == _long_strides(want)
+        np.testing.assert_array_equal(np.asarray(got), want)
+        assert x.object._pins == 0
+        m.check()

@@ -124,6 +124,51 @@ def test_a_forked_child_that_exits_normally_keeps_the_parents_files_and_log(tmp_
     assert rc == 0 and out.strip() == "ok", err
 
 
+def test_a_fork_while_threads_write_the_event_log_leaves_a_child_that_exits(tmp_path):
+    """A fork waits for the event log's writers: a child never inherits the log's file in the
+    middle of a write (closing it then waited forever), and writes none of the parent's events."""
+    code = f"""
+        import json, os, sys, threading, time
+        import cachedarrays as ca
+        log = {str(tmp_path / "events.jsonl")!r}
+        m = ca.Manager(fast="1MiB", slow="4MiB", event_log=log)
+        stop = []
+
+        def write():
+            while not stop:
+                m.telemetry.count("spin", nbytes=1, pad="x" * 3000)
+        threads = [threading.Thread(target=write) for _ in range(2)]
+        for t in threads:
+            t.start()
+        hung = 0
+        for _ in range(30):
+            pid = os.fork()
+            if pid == 0:
+                sys.exit(0)                       # flushes what the child holds at exit
+            start = time.monotonic()
+            while not os.waitpid(pid, os.WNOHANG)[0]:
+                if time.monotonic() - start > 20:
+                    hung += 1
+                    os.kill(pid, 9)
+                    os.waitpid(pid, 0)
+                    break
+                time.sleep(0.01)
+            if hung:
+                break
+        stop.append(1)
+        for t in threads:
+            t.join()
+        spins = m.telemetry.events["spin"]
+        m.close()
+        lines = [json.loads(line) for line in open(log)]
+        assert hung == 0, "a forked child hung"
+        assert sum(e["event"] == "spin" for e in lines) == spins, (len(lines), spins)
+        print("ok")
+    """
+    rc, out, err = run_script(code, timeout=300)
+    assert rc == 0 and out.strip() == "ok", err
+
+
 def _sum_of_inherited(i):
     return float(_INHERITED[i].sum())
 

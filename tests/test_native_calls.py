@@ -655,6 +655,33 @@ def test_astype_keeps_numpys_casting_errors_and_leaves_nothing_behind(m):
     m.check()
 
 
+def _cast_outcome(f):
+    try:
+        r = f()
+    except Exception as e:        # noqa: BLE001 - compared with NumPy's
+        return type(e), str(e)
+    return r.dtype, r.shape, r.strides, np.asarray(r).tobytes()
+
+
+@pytest.mark.parametrize("casting", ["no", "equiv", "safe", "same_kind", "unsafe",
+                                     "same_value", "bogus", None])
+@pytest.mark.parametrize("values, dtype", [(np.array([1.0, -2.0, 3.0]), np.int8),
+                                           (np.array([1.5, 300.0]), np.int16),
+                                           (np.array([1.0, 2.0]), np.float32),
+                                           (np.arange(6.0).reshape(2, 3).T, np.int64),
+                                           (np.array([7, -1]), np.uint8)])
+def test_astype_takes_every_casting_rule_numpy_takes(m, casting, values, dtype):
+    """Each rule NumPy's astype knows gives NumPy's result or its error (and its message)."""
+    x = ca.asarray(values, manager=m)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        want = _cast_outcome(lambda: values.astype(dtype, casting=casting))
+        got = _cast_outcome(lambda: x.astype(dtype, casting=casting))
+    assert got == want
+    assert x.object._pins == 0
+    m.check()
+
+
 # ---- the entry points -------------------------------------------------------------------------
 
 def test_fast_ufunc_declines_what_it_does_not_handle(m):
