@@ -201,6 +201,30 @@ def _fast_general(ufunc, inputs, out=None):
     return _new_result(ufunc, inputs, m, shape, plan, tuple(objs))
 
 
+def _outer_new(ufunc, inputs):
+    """ufunc.outer(a, b) of two CachedArrays of one manager written into a new, policy-placed
+    C-order result in C, as a ufunc's result is (NumPy's result is C-ordered too); None for any
+    other call or a busy manager (the general path then runs it)."""
+    m, objs = None, []
+    for x in inputs:             # (NumPy's outer makes arrays of Python scalars: strong types;
+        #                           its result follows the inputs' layout: C inputs only)
+        if type(x) is not CachedArray or (m is not None and x._m is not m) or \
+                x._strides != c_strides(x._shape, x._dtype.itemsize):
+            return None
+        m = x._m
+        objs.append(x._obj)
+    shape = inputs[0]._shape + inputs[1]._shape
+    dt = _resolve(ufunc, inputs, "same_kind")
+    if not shape or dt is None or dt.hasobject:
+        return None
+    nbytes = dt.itemsize
+    for d in shape:
+        nbytes *= d
+    return _run_ufunc(m, ufunc.outer, inputs, tuple(objs), shape, dt,
+                      c_strides(shape, dt.itemsize), nbytes,
+                      nbytes + sum(o.nbytes for o in objs) <= SHORT_BYTES)
+
+
 def _array_ufunc(self, ufunc, method, *inputs, **kwargs):
     """CachedArray.__array_ufunc__ (NEP 13)."""
     if method == "__call__" and ufunc.nout == 1 and ufunc.signature is None:
@@ -212,6 +236,11 @@ def _array_ufunc(self, ufunc, method, *inputs, **kwargs):
             res = _fast_call(ufunc, inputs, kwargs["out"][0])
             if res is not _SLOW:
                 return kwargs["out"][0]
+    if method == "outer" and not kwargs and len(inputs) == 2 and ufunc.nout == 1 and \
+            ufunc.signature is None:
+        res = _outer_new(ufunc, inputs)
+        if res is not None:
+            return res
     out = kwargs.pop("out", None)
     for x in inputs + (out or ()):
         if x is not None and not isinstance(x, _HANDLED_TYPES) and \

@@ -21,9 +21,14 @@ def _same(got, want):
     if isinstance(want, type):
         assert got is want
         return
+    if not isinstance(want, np.ndarray):          # a scalar result
+        assert not isinstance(got, ca.CachedArray) and got == want and \
+            np.asarray(got).dtype == np.asarray(want).dtype
+        return
     assert isinstance(got, ca.CachedArray)
     assert (got.shape, got.dtype) == (want.shape, want.dtype)
-    if want.size:
+    if want.size and (want.flags.c_contiguous or want.flags.f_contiguous):
+        # (a CachedArray is laid out in C or F order: other layouts NumPy gives come out C)
         assert [t for t, d in zip(got.strides, got.shape) if d > 1] == \
             [t for t, d in zip(want.strides, want.shape) if d > 1]
     assert np.asarray(got).tobytes() == want.tobytes()
@@ -78,4 +83,44 @@ def test_the_common_forms_fill_a_placed_result(call, monkeypatch):
         got = call(ca.asarray(a, manager=m))
         assert got.device == "fast"
         np.testing.assert_array_equal(np.asarray(got), call(a))
+        m.check()
+
+
+@settings(max_examples=300, deadline=None)
+@given(sa=_SHAPES, sb=_SHAPES, da=_DTYPES, db=_DTYPES,
+       ufunc=st.sampled_from([np.multiply, np.add, np.subtract, np.maximum, np.less,
+                              np.logical_and, np.power]),
+       form=st.sampled_from(["np.outer", "ufunc.outer", "scalar", "ndarray", "view"]),
+       layout=st.sampled_from(["C", "F"]))
+def test_outer_gives_numpys_result_or_error(sa, sb, da, db, ufunc, form, layout):
+    a, b = _array(sa, da, layout), _array(sb, db, "C")
+    with ca.Manager(fast="1MiB", slow="4MiB") as m:
+        x, y = ca.asarray(a, manager=m), ca.asarray(b, manager=m)
+        if form == "view" and a.ndim:
+            a, x = a[..., ::-1], x[..., ::-1]
+        calls = {"np.outer": lambda p, q: np.outer(p, q),
+                 "ufunc.outer": lambda p, q: ufunc.outer(p, q),
+                 "scalar": lambda p, q: ufunc.outer(p, 3),
+                 "ndarray": lambda p, q: ufunc.outer(p, b),
+                 "view": lambda p, q: np.outer(p, q)}
+        with np.errstate(all="ignore"):
+            _same(_outcome(lambda: calls[form](x, y)), _outcome(lambda: calls[form](a, b)))
+        assert x.object._pins == 0 and y.object._pins == 0
+        m.check()
+
+
+def test_outer_of_arrays_of_one_manager_is_placed_in_one_step(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("took the general path")
+
+    monkeypatch.setattr(dispatch, "_call_on_views", refuse)
+    with ca.Manager(fast="1MiB", slow="4MiB") as m:
+        a, b = np.arange(5.0), np.arange(7.0) - 3
+        x, y = ca.asarray(a, manager=m), ca.asarray(b, manager=m)
+        monkeypatch.setattr(m, "acquire", refuse)       # the general ufunc path pins through it
+        got, got_u = np.outer(x, y), np.subtract.outer(x, y)
+        monkeypatch.undo()
+        np.testing.assert_array_equal(np.asarray(got), np.outer(a, b))
+        np.testing.assert_array_equal(np.asarray(got_u), np.subtract.outer(a, b))
+        assert got.device == "fast" and got.flags.c_contiguous
         m.check()

@@ -10,7 +10,7 @@ package's ``__init__`` imports this package); NumPy functions without one take t
 - ``elementwise``: round, around, diff
 - ``ordering``: sort, cumsum, cumprod
 - ``selection``: where, take
-- ``tiling``: roll, tile
+- ``tiling``: roll, tile, outer
 - ``describing``: shape, ndim, size (read from the description, as the attributes are)
 """
 

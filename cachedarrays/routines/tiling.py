@@ -1,8 +1,8 @@
-"""np.roll and np.tile of CachedArrays: the result is placed by the policy and filled in place by
-slice and broadcast assignments, instead of being built in ordinary memory and copied in. Other
-forms take NumPy's path. (np.repeat and np.outer keep it: a broadcast assignment repeating
-each element a few times, or the broadcast multiply, ran slower than NumPy's own loop plus the
-copy.)"""
+"""np.roll, np.tile and np.outer of CachedArrays: the result is placed by the policy and filled in
+place (slice and broadcast assignments; np.outer through the multiply ufunc's outer method),
+instead of being built in ordinary memory and copied in. Other forms take NumPy's path.
+(np.repeat keeps it: a broadcast assignment repeating each element a few times ran slower than
+NumPy's own loop plus the copy.)"""
 
 import functools
 import operator
@@ -76,3 +76,13 @@ def tile(A, reps):
             return into_new(A._m, functools.partial(_tiled_into, shape, counts), (A,),
                             (A._obj,), out_shape, A._dtype, "tile")
     return dispatch._call_on_views(np.tile, (A, reps), {})
+
+
+@implements(np.outer)
+def outer(a, b, out=None):
+    """np.outer of two CachedArrays of one manager: the multiply ufunc's outer method on their
+    raveled arrays, as NumPy computes it, whose result is placed as a ufunc's is."""
+    if out is None and type(a) is CachedArray and type(b) is CachedArray and a._m is b._m:
+        return np.multiply.outer(a if len(a._shape) == 1 else a.ravel(),
+                                 b if len(b._shape) == 1 else b.ravel())
+    return dispatch._call_on_views(np.outer, (a, b), dict(out=out))
