@@ -196,6 +196,29 @@ def _writeable(view):
 
 # ---- the array type --------------------------------------------------------------------------
 
+def fill_layout(shape, dt, objs=()):
+    """(C strides, bytes, short) of a new C-order array of shape and dt filled from objs:
+    short when it and they hold at most SHORT_BYTES (the C step then keeps the manager's
+    lock while it fills)."""
+    nbytes = dt.itemsize
+    for d in shape:
+        nbytes *= d
+    total = nbytes
+    for o in objs:
+        total += o.nbytes
+    return c_strides(shape, dt.itemsize), nbytes, total <= SHORT_BYTES
+
+
+def new_filled(m, fill, operands, objs, shape, dt):
+    """A new C-order CachedArray of shape and dt placed by m's policy and filled by
+    ``fill(*operands, out=its view)``, each CachedArray operand replaced by its view and objs
+    (their objects, at most 8) pinned and reported read: one C step (``run_ufunc``), as a
+    ufunc's result is made; None when the manager is busy. A short fill runs under the
+    manager's lock, so fill must run no code of the caller's."""
+    strides, nbytes, short = fill_layout(shape, dt, objs)
+    return _c_run_ufunc(m, fill, operands, objs, shape, dt, strides, nbytes, short)
+
+
 def _take_rows(idx, v, out):
     """x[idx]'s fill: the rows idx names (each in range, checked first) gathered into out."""
     np.take(v, idx, axis=0, out=out, mode="wrap")
@@ -425,14 +448,8 @@ class CachedArray(ObjectView, NDArrayOperatorsMixin):
         n = self._shape[0]
         if idx.size and (int(idx.min()) < -n or int(idx.max()) >= n):
             return None
-        shape = idx.shape + self._shape[1:]
-        dt = self._dtype
-        nbytes = dt.itemsize
-        for d in shape:
-            nbytes *= d
-        return _c_run_ufunc(self._m, functools.partial(_take_rows, idx), (self,), (self._obj,),
-                            shape, dt, c_strides(shape, dt.itemsize), nbytes,
-                            nbytes + self._obj.nbytes <= SHORT_BYTES)
+        return new_filled(self._m, functools.partial(_take_rows, idx), (self,), (self._obj,),
+                          idx.shape + self._shape[1:], self._dtype)
 
     def __setitem__(self, key, value):
         key = plain_key(key)
@@ -698,14 +715,8 @@ class CachedArray(ObjectView, NDArrayOperatorsMixin):
             return out
         if order == "C" and not dt.shape and not m.fast.virtual:
             # the common copy: placed and filled in C, as a ufunc's result is
-            shape = self._shape
-            nbytes = dt.itemsize
-            for d in shape:
-                nbytes *= d
             fill = _copy_unsafe if casting == "unsafe" else _copy_casting(casting)
-            res = _c_run_ufunc(m, fill, (self,), (self._obj,), shape, dt,
-                               c_strides(shape, dt.itemsize), nbytes,
-                               nbytes + self._obj.nbytes <= SHORT_BYTES)
+            res = new_filled(m, fill, (self,), (self._obj,), self._shape, dt)
             if res is not None:                  # None: the manager is busy
                 return res
         out = new_pinned(m, self._shape, dt, order)

@@ -13,7 +13,7 @@ import numpy as np
 from ._records import bind_plans as _bind_plans
 from ._records import array_ufunc as _c_array_ufunc
 from ._records import run_ufunc as _run_ufunc
-from .array import _PY_SCALARS, _SLOW, CachedArray, new_pinned, set_ufunc_handlers
+from .array import _PY_SCALARS, _SLOW, CachedArray, new_filled, new_pinned, set_ufunc_handlers
 from .heap import HEADER
 from .layout import c_strides, like_order
 from .pinning import (OPEN_SCOPES, SHORT_BYTES, acquire_grouped, first_manager, record_new,
@@ -217,12 +217,7 @@ def _outer_new(ufunc, inputs):
     dt = _resolve(ufunc, inputs, "same_kind")
     if not shape or dt is None or dt.hasobject:
         return None
-    nbytes = dt.itemsize
-    for d in shape:
-        nbytes *= d
-    return _run_ufunc(m, ufunc.outer, inputs, tuple(objs), shape, dt,
-                      c_strides(shape, dt.itemsize), nbytes,
-                      nbytes + sum(o.nbytes for o in objs) <= SHORT_BYTES)
+    return new_filled(m, ufunc.outer, inputs, tuple(objs), shape, dt)
 
 
 def _array_ufunc(self, ufunc, method, *inputs, **kwargs):

@@ -1,9 +1,7 @@
 """One step the routines share: a new, policy-placed CachedArray that a NumPy call fills."""
 
-from .._records import run_ufunc
-from ..array import CachedArray
-from ..layout import c_strides
-from ..pinning import SHORT_BYTES, record_new
+from ..array import CachedArray, fill_layout, new_filled
+from ..pinning import record_new
 
 
 def into_new(m, fill, operands, objs, shape, dt, name):
@@ -12,18 +10,11 @@ def into_new(m, fill, operands, objs, shape, dt, name):
     view and objs (their objects) pinned and reported read: in C (``run_ufunc``, up to 8
     operands) unless the manager is busy, else through Manager.run (traced as ``name``). Short (under
     the manager's lock) when the new array and the operands hold at most SHORT_BYTES."""
-    nbytes = dt.itemsize
-    for d in shape:
-        nbytes *= d
-    total = nbytes
-    for o in objs:
-        total += o.nbytes
-    short = total <= SHORT_BYTES
-    strides = c_strides(shape, dt.itemsize)
     if len(operands) <= 8 and len(objs) <= 8:
-        res = run_ufunc(m, fill, operands, objs, shape, dt, strides, nbytes, short)   # in C
+        res = new_filled(m, fill, operands, objs, shape, dt)     # in C
         if res is not None:
             return res
+    strides, nbytes, short = fill_layout(shape, dt, objs)
 
     def kernel(obj):                     # the same, while the manager is busy
         record_new(obj)
