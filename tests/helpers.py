@@ -7,13 +7,15 @@ test modules and conftest.py (the default "prepend" import mode).
 import importlib.util
 import pathlib
 import threading
+import warnings
 
 import numpy as np
 
 import cachedarrays as ca
 
-__all__ = ["assert_eq", "same", "RTOL", "load_benchmark", "layered_program", "layered_steps", "traced_training",
-           "beside_fast_only", "built_trace", "run_threads", "close_while_calling"]
+__all__ = ["assert_eq", "same", "numpy_outcome", "same_outcome", "RTOL", "load_benchmark",
+           "layered_program", "layered_steps", "traced_training", "beside_fast_only",
+           "built_trace", "run_threads", "close_while_calling"]
 
 
 def run_threads(work, n=4):
@@ -166,6 +168,43 @@ def same(got, want):
         assert not isinstance(got, ca.CachedArray)
         assert type(got) is type(want), (type(got), type(want))
         np.testing.assert_array_equal(got, want)
+
+
+def numpy_outcome(f):
+    """f()'s result, or the type of the exception it raised (warnings ignored): a call on
+    CachedArrays and the same call on ndarrays must have equal outcomes (same_outcome)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return f()
+    except Exception as e:        # noqa: BLE001 - compared with NumPy's
+        return type(e)
+
+
+def same_outcome(got, want, exact=False):
+    """got (numpy_outcome of a call on CachedArrays) against want (NumPy's): the same
+    exception type; for an array, a CachedArray of its shape and dtype with equal values; for a
+    scalar, an equal value. exact: bytes equal too, a scalar no CachedArray and of want's
+    dtype, and an array laid out as NumPy's (strides of the axes longer than 1, where NumPy's
+    is in C or F order: a CachedArray has no other layout)."""
+    if isinstance(want, type):
+        assert got is want
+        return
+    if not isinstance(want, np.ndarray):
+        if exact:
+            assert not isinstance(got, ca.CachedArray) and got == want and \
+                np.asarray(got).dtype == np.asarray(want).dtype
+        np.testing.assert_array_equal(got, want)
+        return
+    assert isinstance(got, ca.CachedArray)
+    assert (got.shape, got.dtype) == (want.shape, want.dtype)
+    if not exact:
+        np.testing.assert_array_equal(np.asarray(got), want)
+        return
+    if want.size and (want.flags.c_contiguous or want.flags.f_contiguous):
+        assert [t for t, d in zip(got.strides, got.shape) if d > 1] == \
+            [t for t, d in zip(want.strides, want.shape) if d > 1]
+    assert np.asarray(got).tobytes() == want.tobytes()
 
 
 def built_trace(objects, resident, items, steps=3, devices=("fast", "slow"), pure=False):

@@ -1,8 +1,6 @@
 """np.round, np.around, x.round and np.diff on CachedArrays give NumPy's results and errors for
 every form of call; the common forms write a policy-placed result in place (no copy in)."""
 
-import warnings
-
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -10,26 +8,7 @@ from hypothesis import strategies as st
 
 import cachedarrays as ca
 from cachedarrays import dispatch
-
-
-def _outcome(f):
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return f()
-    except Exception as e:        # noqa: BLE001 - compared with NumPy's
-        return type(e)
-
-
-def _same(got, want):
-    if isinstance(want, type):
-        assert got is want
-        return
-    if isinstance(want, np.ndarray):
-        assert isinstance(got, ca.CachedArray)
-        assert (got.shape, got.dtype) == (want.shape, want.dtype)
-        got = np.asarray(got)
-    np.testing.assert_array_equal(got, want)
+from helpers import numpy_outcome, same_outcome
 
 
 _DTYPES = st.sampled_from(["f8", "f4", "f2", "i1", "u2", "i8", "c16", "?"])
@@ -40,15 +19,18 @@ _SHAPES = st.lists(st.integers(0, 4), min_size=0, max_size=3).map(tuple)
 @given(dtype=_DTYPES, shape=_SHAPES, decimals=st.sampled_from([0, 1, 2, -1, -2, 1.5, "x"]),
        form=st.sampled_from(["round", "around", "method", "keyword", "out", "view"]))
 def test_round_gives_numpys_result_or_error(dtype, shape, decimals, form):
-    a = np.asarray(np.arange(int(np.prod(shape)), dtype=float).reshape(shape) * 13.37 - 20).astype(dtype)
+    a = np.asarray(np.arange(int(np.prod(shape)), dtype=float).reshape(shape) * 13.37 - 20)
+    a = a.astype(dtype)
     with ca.Manager(fast="1MiB", slow="4MiB") as m:
         x = ca.asarray(a, manager=m)
-        calls = {"round": lambda v: np.round(v, decimals), "around": lambda v: np.around(v, decimals),
+        calls = {"round": lambda v: np.round(v, decimals),
+                 "around": lambda v: np.around(v, decimals),
                  "method": lambda v: v.round(decimals),
                  "keyword": lambda v: np.round(v, decimals=decimals),
                  "out": lambda v: np.round(v, decimals, out=v),
                  "view": lambda v: np.round(v.T, decimals)}
-        _same(_outcome(lambda: calls[form](x)), _outcome(lambda: calls[form](a.copy())))
+        same_outcome(numpy_outcome(lambda: calls[form](x)),
+                     numpy_outcome(lambda: calls[form](a.copy())))
         assert x.object._pins == 0
         m.check()
 
@@ -61,9 +43,10 @@ def test_diff_gives_numpys_result_or_error(dtype, shape, n, axis, extra):
     kwargs = {extra: 0} if extra else {}
     with ca.Manager(fast="1MiB", slow="4MiB") as m:
         x = ca.asarray(a, manager=m)
-        _same(_outcome(lambda: np.diff(x, n, axis, **kwargs)),
-              _outcome(lambda: np.diff(a, n, axis, **kwargs)))
-        _same(_outcome(lambda: np.diff(x, n=n, axis=axis)), _outcome(lambda: np.diff(a, n=n, axis=axis)))
+        same_outcome(numpy_outcome(lambda: np.diff(x, n, axis, **kwargs)),
+                     numpy_outcome(lambda: np.diff(a, n, axis, **kwargs)))
+        same_outcome(numpy_outcome(lambda: np.diff(x, n=n, axis=axis)),
+                     numpy_outcome(lambda: np.diff(a, n=n, axis=axis)))
         assert x.object._pins == 0
         m.check()
 

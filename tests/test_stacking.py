@@ -9,22 +9,16 @@ from hypothesis import strategies as st
 
 import cachedarrays as ca
 from cachedarrays.routines import joining
+from helpers import numpy_outcome
 
 FUNCS = {"stack": np.stack, "vstack": np.vstack, "hstack": np.hstack,
          "concatenate": np.concatenate}
 
 
-def _outcome(f):
-    try:
-        return f()
-    except Exception as e:        # noqa: BLE001 - compared with NumPy's
-        return type(e)
-
-
 def _check(name, arrays, kwargs, m):
     ours = [ca.asarray(a, manager=m) if isinstance(a, np.ndarray) else a for a in arrays]
-    want = _outcome(lambda: FUNCS[name](arrays, **kwargs))
-    got = _outcome(lambda: FUNCS[name](ours, **kwargs))
+    want = numpy_outcome(lambda: FUNCS[name](arrays, **kwargs))
+    got = numpy_outcome(lambda: FUNCS[name](ours, **kwargs))
     if isinstance(want, type):
         assert got is want, (name, kwargs, [np.shape(a) for a in arrays])
         return
