@@ -16,26 +16,32 @@ from .pinning import SHORT_BYTES
 from .scopes import readable
 from .sizes import MAX_SIZE
 
-# (shape, dtype) as given -> new_layout(shape, dtype), for the spellings that hash safely
+# (shape, dtype spelling) -> (new_layout(shape, dtype), dtype), for the spellings that hash
+# safely. A dtype object is keyed by identity (and kept alive by its entry): dtypes that differ
+# only in metadata (a field's too) compare equal, and each must get a layout of its own.
 _LAYOUTS = {}
-_KEY_DTYPES = (type, np.dtype, str)
+_KEY_DTYPES = (type, str)
 
 
 def _c_layout(shape, dtype):
     """new_layout(shape, dtype) of a C-order array, cached per (shape, dtype) as given; None
     for spellings that are not cached (a list shape, an unusual dtype argument)."""
     ts = type(shape)
-    # isinstance: a dtype object's type is a subclass of np.dtype (np.dtypes.Float32DType...)
-    if not (ts is int or (ts is tuple and all(type(d) is int for d in shape))) or \
-            not isinstance(dtype, _KEY_DTYPES):
+    if not (ts is int or (ts is tuple and all(type(d) is int for d in shape))):
         return None
-    key = (shape, dtype)
-    lay = _LAYOUTS.get(key)
-    if lay is None:
-        lay = new_layout(shape, dtype)
+    # isinstance: a dtype object's type is a subclass of np.dtype (np.dtypes.Float32DType...)
+    if isinstance(dtype, np.dtype):
+        key = (shape, id(dtype))
+    elif isinstance(dtype, _KEY_DTYPES):
+        key = (shape, dtype)
+    else:
+        return None
+    entry = _LAYOUTS.get(key)
+    if entry is None:
+        entry = (new_layout(shape, dtype), dtype)
         if len(_LAYOUTS) < 1024:
-            _LAYOUTS[key] = lay
-    return lay
+            _LAYOUTS[key] = entry
+    return entry[0]
 
 
 def _manager(manager, like=None):

@@ -42,21 +42,29 @@ def _fast_call(ufunc, inputs, out=None):
             if tb is CachedArray:
                 m = a._m
                 shape = a._shape
-                if b._m is not m or b._shape != shape:
+                da, db = a._dtype, b._dtype
+                if b._m is not m or b._shape != shape or da.metadata is not None or \
+                        db.metadata is not None:
                     return _SLOW
-                plan = _PLANS.get((ufunc, a._dtype, b._dtype))
+                plan = _PLANS.get((ufunc, da, db))
                 objs = (a._obj, b._obj)
             elif tb in _PY_SCALARS:
                 m = a._m
                 shape = a._shape
-                plan = _PLANS.get((ufunc, a._dtype, tb))
+                da = a._dtype
+                if da.metadata is not None:
+                    return _SLOW
+                plan = _PLANS.get((ufunc, da, tb))
                 objs = (a._obj,)
             else:
                 return _fast_general(ufunc, inputs, out)
         elif tb is CachedArray and ta in _PY_SCALARS:
             m = b._m
             shape = b._shape
-            plan = _PLANS.get((ufunc, ta, b._dtype))
+            db = b._dtype
+            if db.metadata is not None:
+                return _SLOW
+            plan = _PLANS.get((ufunc, ta, db))
             objs = (b._obj,)
         else:
             return _fast_general(ufunc, inputs, out)
@@ -64,7 +72,10 @@ def _fast_call(ufunc, inputs, out=None):
         a = inputs[0]
         m = a._m
         shape = a._shape
-        plan = _PLANS.get((ufunc, a._dtype))
+        da = a._dtype
+        if da.metadata is not None:
+            return _SLOW
+        plan = _PLANS.get((ufunc, da))
         objs = (a._obj,)
     else:
         return _fast_general(ufunc, inputs, out)
@@ -130,7 +141,8 @@ def _f_ordered(inputs):
 
 
 # (ufunc, operand dtypes or scalar types) -> (result dtype, itemsize, name, {shape: (strides,
-# nbytes)}), or False when the shortcut does not apply
+# nbytes)}), or False when the shortcut does not apply. A dtype with metadata equals the same
+# dtype without it, so such operands never look up or add a plan (the general path serves them).
 _PLANS = {}
 
 
@@ -169,11 +181,15 @@ def _fast_general(ufunc, inputs, out=None):
                 shape = x._shape
             elif x._m is not m or x._shape != shape:
                 return _SLOW
+            if x._dtype.metadata is not None:
+                return _SLOW
             objs.append(x._obj)
             key.append(x._dtype)
         elif tx in _PY_SCALARS:
             key.append(tx)
         elif isinstance(x, np.generic):
+            if x.dtype.metadata is not None:
+                return _SLOW
             key.append(x.dtype)
         else:
             return _SLOW
@@ -337,15 +353,20 @@ _RESOLVED = {}
 
 
 def _resolve(ufunc, args, casting):
-    key = (ufunc, casting) + tuple(_dtype_of(a) for a in args)
-    dt = _RESOLVED.get(key)
+    """The result dtype of ufunc on args (None when NumPy cannot resolve it), cached per
+    operand kinds: not for dtypes with metadata, which compare equal to those without it and
+    which NumPy's result keeps."""
+    kinds = tuple(_dtype_of(a) for a in args)
+    plain = all(type(k) is type or k.metadata is None for k in kinds)
+    key = (ufunc, casting) + kinds
+    dt = _RESOLVED.get(key) if plain else None
     if dt is None:
         try:
-            dts = ufunc.resolve_dtypes(key[2:] + (None,), casting=casting)
+            dts = ufunc.resolve_dtypes(kinds + (None,), casting=casting)
             dt = dts[-1]
         except Exception:
             return None
-        if len(_RESOLVED) < 4096:
+        if plain and len(_RESOLVED) < 4096:
             _RESOLVED[key] = dt
     return dt
 

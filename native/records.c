@@ -2252,6 +2252,23 @@ plan_cache_clear(void)
     }
 }
 
+/* 1 when an operand kind (a dtype, or a Python scalar's type) may key PLANS: not a dtype with
+ * metadata, which compares equal to the same dtype without it (its results carry the metadata,
+ * so it must not share a plain dtype's plan); 0 when it may not, -1 on error. Asked only on the
+ * way to PLANS: a kind's object is in the identity cache only if it passed. */
+static int
+plain_kind(PyObject *k)
+{
+    if (PyType_Check(k))
+        return 1;
+    PyObject *meta = PyObject_GetAttrString(k, "metadata");
+    if (meta == NULL)
+        return -1;
+    int plain = meta == Py_None;
+    Py_DECREF(meta);
+    return plain;
+}
+
 /* The plan and layout (borrowed) of ufunc on operands of kinds ka, kb (NULL: one operand) and
  * shape: 1 found, 0 not for fast_ufunc, -1 on error. */
 static int
@@ -2264,6 +2281,11 @@ find_plan(PyObject *ufunc, PyObject *ka, PyObject *kb, PyObject *shape, PyObject
         *lay = e->lay;
         return 1;
     }
+    int plain = plain_kind(ka);
+    if (plain > 0 && kb != NULL)
+        plain = plain_kind(kb);
+    if (plain <= 0)
+        return plain;
     PyObject *key = kb != NULL ? PyTuple_Pack(3, ufunc, ka, kb) : PyTuple_Pack(2, ufunc, ka);
     if (key == NULL)
         return -1;

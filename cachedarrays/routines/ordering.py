@@ -36,12 +36,18 @@ def sort(a, axis=-1, kind=None, order=None, *, stable=None):
 _ACC_DTYPES = {}       # (ufunc, input dtype, dtype argument) -> the running total's dtype
 
 
+def _plain(dtype):
+    """False for a dtype object with metadata (it compares equal to the one without)."""
+    return not isinstance(dtype, np.dtype) or dtype.metadata is None
+
+
 def _accumulated(func, ufunc, a, axis, dtype, out):
     if type(a) is not CachedArray or out is not None or not a._shape or a._dtype.hasobject:
         return _call_on_views(func, (a,), dict(axis=axis, dtype=dtype, out=out))
-    key = (ufunc, a._dtype, dtype)
+    # (no entry for a dtype with metadata: it equals the one without, and NumPy's total keeps it)
+    key = (ufunc, a._dtype, dtype) if _plain(a._dtype) and _plain(dtype) else None
     try:
-        dt = _ACC_DTYPES.get(key)
+        dt = _ACC_DTYPES.get(key) if key is not None else None
     except TypeError:                   # an unhashable spelling of a dtype (a list of fields)
         key = dt = None
     if dt is None:
