@@ -297,6 +297,70 @@ def report(args, dist, r):
     return {lab: _common.speedups(look[0], look[k]).median for k, lab in enumerate(labels) if k}
 
 
+def small_batches(args, init, bar):
+    """Per-call lookup and update times at the small batch sizes of --small-batches (uniform
+    indices, --bag per bag): SimpleTable in fast memory and the cached table holding every row
+    (its lookups all hit) against torch. Each repetition draws fresh indices
+    and times the implementations in turn (``_common.turn_order``); an update's lookup is
+    untimed, as in ``bench``. Such calls are mostly fixed costs: a kernel this small runs on
+    the calling thread (``kernels.SERIAL_INDICES``), as waking a sleeping thread pool costs
+    more than the work."""
+    rows, fs = init.shape
+    with ca.Manager(fast=int(init.nbytes * 2.6), slow=int(init.nbytes * 1.2)) as m:
+        impls = [Torch(init, args.lr),
+                 Ours("SimpleTable fast", E.SimpleTable(rows, fs, manager=m, init=init,
+                                                        placement="fast", name="small_fast")),
+                 every_row(init, m)]
+        rng = np.random.default_rng(5)
+        print(f"\nsmall batches (uniform indices, {args.bag} per bag; medians of "
+              f"{args.small_calls} calls, each a fresh batch, speedups paired per call)")
+        print(f"{'implementation':<20} {'bags':>5} {'lookup':>30} {'speedup':>8} "
+              f"{'update':>30} {'speedup':>8}")
+        for nbags in args.small_batches:
+            for impl in impls[1:]:
+                impl.out = ca.empty((nbags, fs), dtype=np.float32, manager=m)
+            look, upd = [[] for _ in impls], [[] for _ in impls]
+            for rep in range(args.small_calls + 1):
+                idx = rng.integers(0, rows, nbags * args.bag)
+                off = np.arange(0, nbags * args.bag, args.bag, dtype=np.int64)
+                dout = rng.standard_normal((nbags, fs), dtype=np.float32)
+                for k in _common.turn_order(len(impls), rep):
+                    impl = impls[k]
+                    gc.disable()
+                    try:
+                        t = time.perf_counter()
+                        impl.lookup(idx, off)
+                        dl = time.perf_counter() - t
+                        impl.before_update(idx, off)
+                        t = time.perf_counter()
+                        impl.update(idx, off, dout, 1e-3)
+                        du = time.perf_counter() - t
+                    finally:
+                        gc.enable()
+                    if isinstance(impl, Torch):
+                        impl.after_update()
+                    if rep:                     # the first call of a size warms up
+                        look[k].append(dl)
+                        upd[k].append(du)
+            for k, impl in enumerate(impls):
+                sl = _common.speedups(look[0], look[k]).median
+                su = _common.speedups(upd[0], upd[k]).median
+                print(f"{impl.label:<20} {nbags:>5} {_common.Stat(look[k]).fmt(1e6, 'us', 1):>30} "
+                      f"{sl:7.2f}x {_common.Stat(upd[k]).fmt(1e6, 'us', 1):>30} {su:7.2f}x")
+            for k in (1, 2):
+                s = _common.speedups(look[0], look[k])
+                _common.headline(f"small lookup speedup vs torch, {impls[k].label}, {nbags} "
+                                 f"bag{'s' if nbags > 1 else ''} of {args.bag}", s.median,
+                                 detail=f"ours {_common.Stat(look[k]).median * 1e6:.1f} us, "
+                                        f"torch {_common.Stat(look[0]).median * 1e6:.1f} us")
+            s = _common.speedups(upd[0], upd[1])
+            _common.headline(f"small update speedup vs torch, SimpleTable fast, {nbags} "
+                             f"bag{'s' if nbags > 1 else ''} of {args.bag}", s.median,
+                             detail=f"ours {_common.Stat(upd[1]).median * 1e6:.1f} us, torch "
+                                    f"{_common.Stat(upd[0]).median * 1e6:.1f} us")
+            bar.update(1)
+
+
 def plot(results, path):
     import matplotlib
     matplotlib.use("Agg")
@@ -336,10 +400,17 @@ def main(argv=None):
     p.add_argument("--warmup", type=_common.whole(0), default=8,
                    help="untimed lookups that fill the cached tables before timing")
     p.add_argument("--lr", type=_common.positive, default=1e-3, help="SGD learning rate")
+    p.add_argument("--small-batches", type=_common.whole(), nargs="*", action=_common.Unique,
+                   default=[1, 16, 256],
+                   help="bag counts of the small-batch section (none: skip it)")
+    p.add_argument("--small-calls", type=_common.whole(), default=200,
+                   help="timed calls per small batch size")
     _common.add_standard(p)
     args = p.parse_args(argv)
     if args.repeats < 3:
         p.error("--repeats must be >= 3 (medians of at least 3 samples)")
+    if args.small_calls < 3:
+        p.error("--small-calls must be >= 3 (medians of at least 3 samples)")
     # the initial weights in float64 and float32, and a few tables of them
     _common.check_memory(p, 16 * args.rows * args.fs, "--rows and --fs")
 
@@ -353,12 +424,15 @@ def main(argv=None):
     rng = np.random.default_rng(0)
     init = rng.uniform(-0.05, 0.05, (args.rows, args.fs)).astype(np.float32)
     results = {}
-    with _common.progress(total=2 * (args.repeats + 1) * len(args.distributions),
-                          desc="embedding", disable=args.no_progress) as bar:
+    with _common.progress(total=2 * (args.repeats + 1) * len(args.distributions)
+                          + len(args.small_batches), desc="embedding",
+                          disable=args.no_progress) as bar:
         for dist in args.distributions:
             r = run(args, init, dist, bar)
             bar.clear()
             results[dist] = report(args, dist, r)
+        if args.small_batches:
+            small_batches(args, init, bar)
     if args.plot:
         plot(results, args.plot)
 

@@ -650,9 +650,12 @@ def test_specialised_lookup_and_update_write_nothing_under_home(tmp_path):
 _LOOKUP_FS5 = """
 import numpy as np
 from cachedarrays.models.dlrm import kernels as K
+n = K.SERIAL_INDICES + 1       # a parallel lookup, then a small one (the serial twin)
+K.lookup_sum(np.ones((10, 5), np.float32), np.arange(n) % 10, np.array([0, 4]))
 K.lookup_sum(np.ones((10, 5), np.float32), np.arange(10), np.array([0, 4]))
-stats = K.specialised_kernel("bag_sum", 5).stats
-print(sum(stats.cache_hits.values()), sum(stats.cache_misses.values()))
+for serial in (False, True):
+    stats = K.specialised_kernel("bag_sum", 5, serial).stats
+    print(sum(stats.cache_hits.values()), sum(stats.cache_misses.values()))
 """
 
 
@@ -665,10 +668,10 @@ def test_kernels_compile_once_then_load_from_numbas_cache_in_later_processes(tmp
                              text=True, timeout=600)
         assert run.returncode == 0, run.stderr
         seen.append((run.stdout.split(), sorted(p.name for p in cache.rglob("*"))))
-    (hits1, misses1), files1 = seen[0]
-    (hits2, misses2), files2 = seen[1]
-    assert (hits1, misses1) == ("0", "1")  # compiled and saved
-    assert (hits2, misses2) == ("1", "0")  # loaded: the cache key is the same in every process
+    first, files1 = seen[0]
+    second, files2 = seen[1]
+    assert first == ["0", "1"] * 2  # each kernel (parallel, serial twin) compiled and saved
+    assert second == ["1", "0"] * 2  # loaded: the cache key is the same in every process
     assert files2 == files1  # and nothing was added
 
 
@@ -1011,3 +1014,118 @@ def test_updates_of_shrinking_and_growing_batches_reuse_scratch_correctly(rng):
         np.testing.assert_allclose(table, expect, rtol=1e-5, atol=1e-5)
         kept.append((rows, rows.copy()))
     assert all(np.array_equal(a, b) for a, b in kept)
+
+
+# --- small calls on the calling thread --------------------------------------------------------
+
+
+def _kernels_run(monkeypatch, mode, work):
+    """work() with every kernel in a parallel region ("parallel") or on the calling thread
+    ("serial", the kernels' serial twins)."""
+    with monkeypatch.context() as mp:
+        if mode == "parallel":
+            mp.setattr(K, "SERIAL_INDICES", -1)
+        else:
+            mp.setattr(K, "SERIAL_INDICES", 1 << 62)
+            mp.setattr(K, "SERIAL_BAGS", 1 << 62)
+        return work()
+
+
+def _indirect_tables(rng, nrows, fs, ncached, wdtype=np.int64):
+    base = rng.standard_normal((nrows, fs)).astype(np.float32)
+    cache = np.zeros((ncached + 3, fs), dtype=np.float32)
+    where = np.full(nrows, -1, dtype=wdtype)
+    rows = rng.choice(nrows, ncached, replace=False)
+    where[rows] = np.arange(ncached) + 3
+    cache[3:] = base[rows] + 0.5      # a cached row differs from its base row
+    return base, cache, where
+
+
+def _every_kernel(seed):
+    """Results of every public kernel entry on one random batch, as a list of arrays."""
+    rng = np.random.default_rng(seed)
+    fs, nrows = 9, 120
+    table = rng.standard_normal((nrows, fs)).astype(np.float32)
+    idx, off = make_bags(rng, 40, nrows, 7)
+    dout = rng.standard_normal((40, fs)).astype(np.float32)
+    got = [K.lookup(table, idx), K.lookup_sum(table, idx, off)]
+    out = np.zeros((40, fs), np.float32)
+    got.append(K.lookup_sum_plain(table, idx, off, out).copy())
+    updated = table.copy()
+    got += [K.sgd_update(updated, idx, off, dout, 0.1), updated]
+    got += list(K.accumulate_grad(idx, off, dout, nrows))
+    for wdtype in (np.int64, np.int32):
+        base, cache, where = _indirect_tables(rng, nrows, fs, 50, wdtype)
+        missed = np.zeros(idx.shape[0], np.int64)
+        refs = np.zeros(nrows, np.uint8)
+        out, hits = K.lookup_sum_indirect_hits(base, cache, where, idx, off, None, missed,
+                                               refs=refs)
+        got += [out, np.array(hits), missed[:idx.shape[0] - hits], refs]
+        look = K.lookup_caching_begin(base, cache, where, idx, off, np.zeros((40, fs), np.float32),
+                                      check=K.IN_KERNEL)
+        if look is not None:
+            slots = np.arange(min(3, look.nrows), dtype=np.int64)
+            backedge = np.full(cache.shape[0], -1, np.int64)
+            got += [K.lookup_caching_end(look, cache, backedge, slots), where.copy(),
+                    cache.copy(), backedge]
+        dirty = np.zeros(cache.shape[0], np.uint8)
+        rows, hits = K.sgd_update_indirect_hits(base, cache, where, idx, off, dout, 0.1, dirty)
+        got += [rows, np.array(hits), base, cache, dirty]
+    sizes, fss = [30, 70], [9, 9]
+    tables = [rng.standard_normal((n, f)).astype(np.float32) for n, f in zip(sizes, fss)]
+    bags = [make_bags(rng, 25, n, 5) for n in sizes]
+    ones = [(rng.integers(0, n, 25), np.arange(25)) for n in sizes]
+    wide = rng.standard_normal((25, sum(fss))).astype(np.float32)
+    for b in (bags, ones):
+        got.append(K.lookup_many(tables, [x[0] for x in b], [x[1] for x in b]))
+        copies = [t.copy() for t in tables]
+        got += K.update_many(copies, [x[0] for x in b], [x[1] for x in b], wide, 0.1)
+        got += copies
+    ens = [_indirect_tables(rng, n, 9, 10, np.int32) for n in sizes]
+    bases, caches, wheres = ([e[k] for e in ens] for k in range(3))
+    out = np.zeros((25, sum(fss)), np.float32)
+    res = K.lookup_cached_many(bases, caches, wheres, [x[0] for x in bags],
+                               [x[1] for x in bags], out)
+    assert res is not None
+    got += [out, *map(np.asarray, res)]
+    res = K.update_cached_many(bases, caches, wheres, [x[0] for x in bags],
+                               [x[1] for x in bags], wide, 0.1)
+    assert res is not None
+    got += [*res[0], np.asarray(res[1]), *bases, *caches]
+    return got
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_kernels_on_the_calling_thread_give_the_parallel_kernels_results_bit_for_bit(
+        monkeypatch, seed):
+    parallel = _kernels_run(monkeypatch, "parallel", lambda: _every_kernel(seed))
+    serial = _kernels_run(monkeypatch, "serial", lambda: _every_kernel(seed))
+    assert len(parallel) == len(serial)
+    for k, (a, b) in enumerate(zip(parallel, serial)):
+        assert np.array_equal(np.asarray(a), np.asarray(b)), f"result {k} differs"
+
+
+def test_small_calls_run_on_the_calling_thread_and_large_ones_in_parallel(monkeypatch):
+    picked = []
+    pick = K._pick
+
+    def spy(name, fs, serial=False):
+        picked.append((name, serial))
+        return pick(name, fs, serial)
+
+    monkeypatch.setattr(K, "_pick", spy)
+    table = np.ones((K.SERIAL_INDICES + 10, 6), np.float32)
+    small, large = np.arange(K.SERIAL_INDICES), np.arange(K.SERIAL_INDICES + 1)
+    many_bags = np.arange(K.SERIAL_BAGS + 1)
+    K.lookup_sum(table, small, np.array([0]))
+    K.lookup_sum(table, large, np.array([0]))
+    K.lookup_sum(table, many_bags, many_bags)   # few indices, too many bags
+    K.lookup(table, small)                      # a gather: the index count decides
+    K.lookup(table, large)
+    dout = np.ones((1, 6), np.float32)
+    K.sgd_update(table, small, np.array([0]), dout, 0.1)     # unique rows decide
+    K.sgd_update(table, large, np.array([0]), dout, 0.1)
+    K.sgd_update(table, large % 7, np.array([0]), dout, 0.1)
+    assert picked == [("bag_sum", True), ("bag_sum", False), ("bag_sum", False),
+                      ("gather", True), ("gather", False),
+                      ("apply_sgd", True), ("apply_sgd", False), ("apply_sgd", True)]

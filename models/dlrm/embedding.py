@@ -33,7 +33,6 @@ import functools
 import logging
 import math
 import threading
-import types
 from collections import deque
 
 import numpy as np
@@ -46,7 +45,7 @@ from cachedarrays.copyengine import check_switch
 from . import kernels
 from ._fs_kernels import PPI as _PLACE_PER_ITEM
 from ._fs_kernels import SCAN_AHEAD as _SCAN_AHEAD
-from ._fs_kernels import at, place_misses, span
+from ._fs_kernels import at, place_misses, serial_twin, span
 from ._intrinsics import prefetch_write
 
 __all__ = [
@@ -71,23 +70,6 @@ DEFAULT_PAGE_ROWS = 1024
 
 
 # ---- numba helpers for the cache (kernels.py owns lookup and SGD) -------------------------
-
-
-def _serial_twin(kernel, name):
-    """``kernel``'s function compiled without ``parallel=True``, as ``name``.
-
-    numba names a cached kernel's files after its function's qualified name and first line.
-    A twin made from the same function object would share the parallel kernel's cache
-    entries, and whichever of the two compiled first would then serve both: the parallel
-    kernel loaded the serial code and ran on one thread.  A copy of the function under its
-    own name gets its own files."""
-    f = kernel.py_func
-    twin = types.FunctionType(f.__code__.replace(co_name=name, co_qualname=name), f.__globals__,
-                              name, f.__defaults__, f.__closure__)
-    twin.__qualname__ = name
-    twin.__module__ = f.__module__
-    twin.__doc__ = f.__doc__
-    return njit(cache=True, nogil=True)(twin)
 
 
 @njit(cache=True, nogil=True)
@@ -126,7 +108,7 @@ def _place_rows(base, cache, where, backedge, rows, slots):
 
 
 #: The same copy on one thread: for a few rows, starting the thread pool costs more than the copy.
-_place_rows_serial = _serial_twin(_place_rows, "_place_rows_serial")
+_place_rows_serial = serial_twin(_place_rows, "_place_rows_serial")
 #: Rows below which the cache's copies run on one thread.
 SERIAL_ROWS = 4096
 #: The slots of a caching lookup that caches nothing.
@@ -152,7 +134,7 @@ def _drop_slots(base, cache, where, backedge, dirty, slots):
     return copied
 
 
-_drop_slots_serial = _serial_twin(_drop_slots, "_drop_slots_serial")
+_drop_slots_serial = serial_twin(_drop_slots, "_drop_slots_serial")
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -226,7 +208,7 @@ def _copy_slots(src, src_slots, dst, dst_slots):
                 dflat[b + uf] = sflat[a + uf]
 
 
-_copy_slots_serial = _serial_twin(_copy_slots, "_copy_slots_serial")
+_copy_slots_serial = serial_twin(_copy_slots, "_copy_slots_serial")
 
 
 @njit(cache=True, nogil=True)

@@ -18,7 +18,7 @@ import numpy as np
 from numba.typed import List as TypedList
 
 from ._fs_kernels import BAGS_PER_ITEM as _BAGS_PER_ITEM
-from ._fs_kernels import NO_BOUND, make_kernels, mark_refs, reindex
+from ._fs_kernels import NO_BOUND, make_kernels, mark_refs, reindex, serial_twin
 
 __all__ = [
     "lookup",
@@ -69,22 +69,50 @@ def _kernels_for(fs):
     return ks
 
 
-def _pick(name, fs):
-    """The kernel ``name`` for feature size ``fs`` (0: any size): specialised if it may be."""
+#: Work a kernel does on the calling thread (its serial twin) instead of in a parallel region:
+#: at most SERIAL_INDICES indices (or unique rows) in at most SERIAL_BAGS bags. Starting a
+#: region wakes the pool's threads, which sleep between regions (``OMP_WAIT_POLICY=PASSIVE``):
+#: 40-60 us on a 2-core VM, against 2-3 us spinning. A bag lookup in a 1M x 64 table took 40 us
+#: in a region whatever its size up to 64 bags of 40, 1.5 us on the caller for one bag and
+#: 15-18 us for 256 bags of one index or 64 bags of 40 (the region won from about 1,000 bags
+#: of one index and 30,000 indices in bags of 40).
+SERIAL_INDICES = 2048
+SERIAL_BAGS = 256
+_serial_cache = {}
+
+
+def _small(nidx, nbags=0):
+    """True when a kernel over nidx indices (or unique rows) in nbags bags runs serially."""
+    return nidx <= SERIAL_INDICES and nbags <= SERIAL_BAGS
+
+
+def _pick(name, fs, serial=False):
+    """The kernel ``name`` for feature size ``fs`` (0: any size): specialised if it may be;
+    its serial twin (``_fs_kernels.serial_twin``, built on first use) if ``serial``."""
     fs = int(fs)
     if not _USE_SPECIALISED or fs < 1 or fs > MAX_SPECIALISED_FS:
         fs = 0
-    return _kernels_for(fs)[name]
+    kernel = _kernels_for(fs)[name]
+    if not serial:
+        return kernel
+    twin = _serial_cache.get((fs, name))
+    if twin is None:
+        with _specialised_lock:
+            twin = _serial_cache.get((fs, name))
+            if twin is None:
+                twin = _serial_cache[(fs, name)] = serial_twin(kernel, name + "_serial")
+    return twin
 
 
-def specialised_kernel(name, fs):
+def specialised_kernel(name, fs, serial=False):
     """The kernel ``name`` specialised for feature size ``fs`` (built once per process and
-    size), or None where the generic one is used (``fs > MAX_SPECIALISED_FS``, or
-    specialisation turned off).  Both variants take the same arguments."""
+    size; its serial twin if ``serial``), or None where the generic one is used
+    (``fs > MAX_SPECIALISED_FS``, or specialisation turned off).  Both variants take the same
+    arguments."""
     fs = int(fs)
     if not _USE_SPECIALISED or fs < 1 or fs > MAX_SPECIALISED_FS:
         return None
-    return _kernels_for(fs)[name]
+    return _pick(name, fs, serial)
 
 
 def set_specialised(enabled: bool) -> bool:
@@ -425,7 +453,8 @@ def lookup(table, indices, out=None, *, name="table", check=True):
     idx = _indices(indices, table.shape[0], name, check)
     out, flat, stride, scratch = _output(out, idx.shape[0], table.shape[1], table.dtype, name)
     if idx.size and table.shape[1]:
-        _pick("gather", table.shape[1])(_readonly(table), idx, flat, stride, 0)
+        gather = _pick("gather", table.shape[1], _small(idx.shape[0]))
+        gather(_readonly(table), idx, flat, stride, 0)
     if scratch is not None:
         out[...] = scratch
     return out
@@ -525,8 +554,8 @@ def _lookup_bags(base, cache, where, indices, offsets, out, name, check, missed=
         b = _readonly(base)
         bad = np.zeros(1, dtype=np.uint8)
         if where is None:
-            hits = _pick("bag_sum", fs)(b, b, None, idx, off, nbags, flat, stride, 0, _NO_MARKS,
-                                        bound, bad)
+            bag_sum = _pick("bag_sum", fs, _small(idx.shape[0], nbags))
+            hits = bag_sum(b, b, None, idx, off, nbags, flat, stride, 0, _NO_MARKS, bound, bad)
         else:
             hits = _indirect_bags(b, _readonly(cache), where, idx, off, nbags, flat, stride,
                                   missed, refs, bound, bad, name)
@@ -573,9 +602,9 @@ def lookup_sum_plain(table, indices, offsets, out, name="table"):
     through them: each layer of the general path costs several microseconds there."""
     nbags = out.shape[0]
     bad = np.zeros(1, dtype=np.uint8)
-    _pick("bag_sum", table.shape[1])(table, table, None, indices, offsets, nbags,
-                                     out.reshape(-1), table.shape[1], 0, _NO_MARKS,
-                                     np.uint64(table.shape[0]), bad)
+    bag_sum = _pick("bag_sum", table.shape[1], _small(indices.shape[0], nbags))
+    bag_sum(table, table, None, indices, offsets, nbags, out.reshape(-1), table.shape[1], 0,
+            _NO_MARKS, np.uint64(table.shape[0]), bad)
     if bad[0]:
         _raise_flagged(indices, offsets, table.shape[0], nbags, name)
     return out
@@ -588,18 +617,19 @@ def _indirect_bags(b, c, where, idx, off, nbags, flat, stride, missed, refs, bou
     fs = b.shape[1]
     delta = _distance(b, c) if _INDIRECT_LOOKUP == "bag_sum_cached" else None
     if delta is not None:
-        hits, _ = _pick("bag_sum_cached", fs)(b, where, idx, off, nbags, flat, stride, 0,
-                                              _NO_ROWS if missed is None else missed, delta,
-                                              scratch("positions", idx.shape[0], np.uint64),
-                                              _NO_MARKS if refs is None else refs, bound, bad)
+        bag_sum_cached = _pick("bag_sum_cached", fs, _small(idx.shape[0], nbags))
+        hits, _ = bag_sum_cached(b, where, idx, off, nbags, flat, stride, 0,
+                                 _NO_ROWS if missed is None else missed, delta,
+                                 scratch("positions", idx.shape[0], np.uint64),
+                                 _NO_MARKS if refs is None else refs, bound, bad)
         return hits
     if bound != NO_BOUND:
         check_indices(idx, b.shape[0], name)
     if refs is not None:    # the one-pass kernel does not mark: a pass of its own
         mark_refs(where, idx, refs)
     marks = _NO_MARKS if missed is None else np.zeros(idx.shape[0], dtype=np.uint8)
-    hits = _pick("bag_sum", fs)(b, c, where, idx, off, nbags, flat, stride, 0, marks, bound,
-                                bad)
+    bag_sum = _pick("bag_sum", fs, _small(idx.shape[0], nbags))
+    hits = bag_sum(b, c, where, idx, off, nbags, flat, stride, 0, marks, bound, bad)
     if missed is not None:
         listed = idx[np.flatnonzero(marks.view(np.bool_))]
         missed[:listed.shape[0]] = listed
@@ -648,7 +678,7 @@ def lookup_caching_begin(base, cache, where, indices, offsets, out, refs=None, *
     look.kof = scratch("missed_rank", nidx, np.int64)
     look.rows = scratch("miss_rows", nidx, np.int64)
     bad = np.zeros(1, dtype=np.uint8)
-    hits, nmissed, nrows = _pick("translate_cached", fs)(
+    hits, nmissed, nrows = _pick("translate_cached", fs, _small(nidx))(
         look.base, look.where, idx, look.missed, delta, look.pos,
         _NO_MARKS if refs is None else refs, bound, bad, look.rows, look.kof)
     if bad[0]:
@@ -666,9 +696,10 @@ def lookup_caching_end(look, cache, backedge, slots):
     fs = look.base.shape[1]
     if cache is None:
         cache = np.empty((0, fs), dtype=look.base.dtype)
-    _pick("bag_sum_placed", fs)(look.base, cache, look.where, backedge, look.off, look.nbags,
-                                look.flat, look.stride, 0, look.pos, look.delta, look.missed,
-                                look.kof, look.nmissed, look.rows, look.nrows, slots)
+    bag_sum_placed = _pick("bag_sum_placed", fs, _small(look.pos.shape[0], look.nbags))
+    bag_sum_placed(look.base, cache, look.where, backedge, look.off, look.nbags, look.flat,
+                   look.stride, 0, look.pos, look.delta, look.missed, look.kof, look.nmissed,
+                   look.rows, look.nrows, slots)
     if look.scratch is not None:
         look.out[...] = look.scratch
     return look.out
@@ -715,8 +746,9 @@ def sgd_update(table, indices, offsets, dout, lr, *, name="table", check=True):
                                                       table.dtype, table.shape[1], name, check)
     rows, bounds, occ, nu = _reindexed(table.shape[0], idx, off, nbags)
     if nu and table.shape[1]:
-        _pick("apply_sgd", table.shape[1])(table, table, None, rows, bounds, occ, nu, gflat,
-                                           gstride, 0, table.dtype.type(lr))
+        apply_sgd = _pick("apply_sgd", table.shape[1], _small(nu))
+        apply_sgd(table, table, None, rows, bounds, occ, nu, gflat, gstride, 0,
+                  table.dtype.type(lr))
     return rows[:nu]
 
 
@@ -746,13 +778,15 @@ def sgd_update_indirect_hits(base, cache, where, indices, offsets, dout, lr, dir
     fs = base.shape[1]
     delta = _distance(base, cache) if nu and fs else None
     if delta is not None:
-        hits = _pick("apply_sgd_cached", fs)(base, where, rows, bounds, occ, nu, gflat, gstride,
-                                             0, base.dtype.type(lr), delta,
-                                             _NO_MARKS if dirty is None else dirty)
+        apply_sgd_cached = _pick("apply_sgd_cached", fs, _small(nu))
+        hits = apply_sgd_cached(base, where, rows, bounds, occ, nu, gflat, gstride, 0,
+                                base.dtype.type(lr), delta,
+                                _NO_MARKS if dirty is None else dirty)
         return rows[:nu], int(hits)
     if nu and fs:
-        _pick("apply_sgd", fs)(base, cache, where, rows, bounds, occ, nu, gflat, gstride, 0,
-                               base.dtype.type(lr))
+        apply_sgd = _pick("apply_sgd", fs, _small(nu))
+        apply_sgd(base, cache, where, rows, bounds, occ, nu, gflat, gstride, 0,
+                  base.dtype.type(lr))
     slots = where[rows[:nu]]
     slots = slots[slots >= 0]
     if dirty is not None:
@@ -771,7 +805,7 @@ def accumulate_grad(indices, offsets, dout, nrows, *, name="table"):
     rows, bounds, occ, nu = _reindexed(int(nrows), idx, off, nbags)
     grads = np.empty((nu, dout.shape[1]), dtype=dout.dtype)
     if nu and dout.shape[1]:
-        _pick("grad", dout.shape[1])(rows, bounds, occ, nu, gflat, gstride, 0, grads)
+        _pick("grad", dout.shape[1], _small(nu))(rows, bounds, occ, nu, gflat, gstride, 0, grads)
     return rows[:nu].copy(), grads
 
 
@@ -974,15 +1008,18 @@ def lookup_many(tables, indices_list, offsets_list, out=None, column_offsets=Non
             # bags of one index (DLRM's): a gather, each work item streaming through a table
             chunk = max(1, min(nbags, max(1024, -(-nbags * len(tl) // (4 * nthreads)))))
             widths = np.array([t.shape[1] for t in tl], dtype=np.int64)
-            _pick("gather_many", fs)(_readonly(tl[0]), deltas, widths, np.concatenate(il),
-                                     nbags, flat, stride, cols, chunk)
+            gather_many = _pick("gather_many", fs, _small(nbags * len(tl), nbags * len(tl)))
+            gather_many(_readonly(tl[0]), deltas, widths, np.concatenate(il), nbags, flat,
+                        stride, cols, chunk)
         else:
             # read-only views: every array in a typed list then has one numba type
             chunk = max(1, min(_BAGS_PER_ITEM, -(-nbags * len(tables) // (8 * nthreads))))
-            _pick("bag_sum_many", fs)(TypedList([_readonly(t) for t in tl]),
-                                      TypedList([_readonly(i) for i in il]),
-                                      TypedList([_readonly(o) for o in ol]), nbags, flat,
-                                      stride, cols, chunk)
+            bag_sum_many = _pick("bag_sum_many", fs,
+                                 _small(sum(i.shape[0] for i in il), nbags * len(tl)))
+            bag_sum_many(TypedList([_readonly(t) for t in tl]),
+                         TypedList([_readonly(i) for i in il]),
+                         TypedList([_readonly(o) for o in ol]), nbags, flat, stride, cols,
+                         chunk)
     if scratch is not None:
         out[...] = scratch
     return out
@@ -1069,7 +1106,8 @@ def lookup_cached_many(bases, caches, wheres, indices_list, offsets_list, out,
     chunk = max(64, min(nbags, -(-nbags * n // (4 * nthreads))))
     bad = np.zeros(1, dtype=np.uint8)
     nmissed = np.zeros(n, dtype=np.int64)
-    hits = _pick("bag_sum_cached_many", fs)(
+    small = _small(sum(i.shape[0] for i in il), nbags * n)
+    hits = _pick("bag_sum_cached_many", fs, small)(
         _readonly(tl[0]), TypedList([_readonly(w) for w in wheres]),
         TypedList([_readonly(i) for i in il]), TypedList([_readonly(o) for o in ol]), nbags,
         flat, stride, cols, origins, np.array(deltas, dtype=np.uint64),
@@ -1119,7 +1157,7 @@ def update_cached_many(bases, caches, wheres, indices_list, offsets_list, dout, 
     if idx_base[-1]:
         nworkers = max(1, min(numba.get_num_threads(), n))
         slots = _slots.take(nworkers, max(t.shape[0] for t in tl))
-        _pick("apply_sgd_cached_many", fs)(
+        _pick("apply_sgd_cached_many", fs, _small(int(idx_base[-1])))(
             TypedList(tl), TypedList([_readonly(w) for w in wheres]), np.concatenate(il),
             np.concatenate(ol), obase, idx_base, nbags, gflat, gstride, cols, dtype.type(lr),
             np.array(deltas, dtype=np.uint64),
@@ -1206,12 +1244,12 @@ def update_many(tables, indices_list, offsets_list, dout, lr, column_offsets=Non
     widths = np.array([t.shape[1] for t in tl], dtype=np.int64)
     dense = _dense_tables(tl, il)
     if deltas is not None:      # the tables through the first's buffer: no typed list
-        nus, rows = _pick("update_many_flat", fs)(
+        nus, rows = _pick("update_many_flat", fs, _small(int(idx_base[-1])))(
             tl[0], deltas, widths, icat, ocat, obase, nbags, gflat, gstride, cols,
             dtype.type(lr), slots, nworkers, idx_base, _NO_MARKS, dense)
     else:
-        nus, rows = _pick("update_many", fs)(TypedList(tl), icat, ocat, obase, nbags, gflat,
-                                             gstride, cols, dtype.type(lr), slots, nworkers,
-                                             idx_base, dense, widths)
+        update_many = _pick("update_many", fs, _small(int(idx_base[-1])))
+        nus, rows = update_many(TypedList(tl), icat, ocat, obase, nbags, gflat, gstride, cols,
+                                dtype.type(lr), slots, nworkers, idx_base, dense, widths)
     _slots.give(slots)
     return [rows[idx_base[t]:idx_base[t] + nus[t]] for t in range(len(tables))]
