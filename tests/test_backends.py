@@ -459,6 +459,46 @@ def test_onednn_small_primitives_run_on_one_thread_and_restore_the_count(dnnl, m
         dnnl.set_threads(old)
 
 
+def test_onednn_small_dense_layers_run_on_one_thread(dnnl, monkeypatch):
+    """A dense layer of at most SERIAL_FLOPS of arithmetic (forward and both gradients) runs on
+    one OpenMP thread, a larger one on the caller's count; results match the reference."""
+    from cachedarrays.models.backend import onednn
+    old = dnnl.get_threads()
+    dnnl.set_threads(2)
+    monkeypatch.setattr(onednn, "SERIAL_BYTES", 0)     # the dense rule alone
+    monkeypatch.setattr(onednn, "_dense_impl", "onednn")
+    try:
+        seen = []
+        real = onednn._primitive_execute
+
+        def spy(*args):
+            seen.append(onednn.get_threads())
+            return real(*args)
+
+        monkeypatch.setattr(onednn, "_primitive_execute", spy)
+        rng = np.random.default_rng(3)
+        for n, threads in ((4, 1), (onednn.SERIAL_FLOPS // (2 * 64 * 48) + 1, 2)):
+            x = rng.standard_normal((n, 64), dtype=F32)
+            w = rng.standard_normal((48, 64), dtype=F32)
+            b = rng.standard_normal(48, dtype=F32)
+            dy = rng.standard_normal((n, 48), dtype=F32)
+            seen.clear()
+            out = dnnl.dense_forward(x, w, b, np.empty((n, 48), F32))
+            close(out, ref.dense_forward(x, w, b, np.empty((n, 48), F32)))
+            dx = dnnl.dense_backward_data(dy, w, np.empty((n, 64), F32))
+            close(dx, ref.dense_backward_data(dy, w, np.empty((n, 64), F32)))
+            dw, db = np.empty((48, 64), F32), np.empty(48, F32)
+            dnnl.dense_backward_weights(x, dy, dw, db)
+            dw_ref, db_ref = np.empty((48, 64), F32), np.empty(48, F32)
+            ref.dense_backward_weights(x, dy, dw_ref, db_ref)
+            close(dw, dw_ref)
+            close(db, db_ref)
+            assert seen and set(seen) == {threads}, (n, seen)
+        assert dnnl.get_threads() == 2
+    finally:
+        dnnl.set_threads(old)
+
+
 @pytest.mark.parametrize("shape", [(3, 130, 2, 2), (16, 64, 4, 4), (2, 65, 3, 1), (1, 1, 1, 1),
                                    (4, 200, 5, 6)])
 def test_batchnorm_small_plane_kernels_agree_with_the_per_channel_ones(monkeypatch, shape):

@@ -470,3 +470,71 @@ def test_output_layer_backward_refuses_bad_arguments():
                  dx=np.empty((0, h), np.float32))
     output_layer_backward(**empty)
     assert (empty["dw"] == 0).all() and (empty["db"] == 0).all() and (empty["dbp"] == 0).all()
+
+
+# ---- small batches on the calling thread -----------------------------------------------------
+
+
+@pytest.mark.parametrize("specialise", [True, False], ids=["specialised", "generic"])
+@pytest.mark.parametrize("n", [1, 63, 64, 65, 200])
+def test_interaction_on_the_calling_thread_is_bit_identical_to_the_parallel_kernel(
+        monkeypatch, specialise, n):
+    """Batches of at most SERIAL_SAMPLES run the kernels' serial twins: forward and backward
+    give the parallel kernels' results bit for bit, on both sides of the threshold."""
+    from cachedarrays.models.dlrm import model
+
+    f, d = 4, 3                        # a shape other tests compile too
+    rng = np.random.default_rng(n)
+    t = rng.standard_normal((n, f * d)).astype(np.float32)
+    dr = rng.standard_normal((n, d + f * (f - 1) // 2)).astype(np.float32)
+    old = model.set_specialised(specialise)
+    try:
+        got = {}
+        for serial in (0, 1 << 40):
+            monkeypatch.setattr(model, "SERIAL_SAMPLES", serial)
+            got[serial] = (dot_interaction(t, f, d), dot_interaction_backward(t, dr, f, d))
+    finally:
+        model.set_specialised(old)
+    for a, b in zip(got[0], got[1 << 40]):
+        assert np.array_equal(a, b)
+
+
+def test_small_batches_pick_the_serial_interaction_kernels(specialised):
+    from cachedarrays.models.dlrm import model
+
+    small = np.ones((model.SERIAL_SAMPLES, 12), np.float32)
+    big = np.ones((model.SERIAL_SAMPLES + 1, 12), np.float32)
+    dot_interaction(small, 4, 3)                       # builds the shape's kernels
+    forward, backward, forward_serial, backward_serial = model._kernels[(4, 3)]
+    for t, want in ((small, forward_serial), (big, forward)):
+        assert model._specialised(4, 3, t, dot_interaction(t, 4, 3)) is want
+    dr = np.ones((small.shape[0], 3 + 6), np.float32)
+    assert model._specialised(4, 3, small, dr, np.empty_like(small),
+                              backward=True) is backward_serial
+
+
+@pytest.mark.parametrize("n", [1, 256, 257, 700])
+def test_output_layer_backward_on_the_calling_thread_matches_the_parallel_kernel(monkeypatch, n):
+    from cachedarrays.models.dlrm import _head
+
+    rng = np.random.default_rng(n)
+    h = 24
+    dz = rng.standard_normal((n, 1)).astype(np.float32)
+    y = np.maximum(rng.standard_normal((n, h)), 0).astype(np.float32)
+    w = rng.standard_normal((1, h)).astype(np.float32)
+    got = []
+    for kernel in (_head._output_layer_backward, _head._output_layer_backward_serial):
+        dx, dw = np.empty((n, h), np.float32), np.empty(h, np.float32)
+        db, dbp = np.empty(1, np.float32), np.empty(h, np.float32)
+        kernel(dz.reshape(n), y, w.reshape(h), dx, dw, db, dbp)
+        got.append((dx, dw, db, dbp))
+    for a, b in zip(*got):
+        assert np.array_equal(a, b)
+    used = []
+    for name in ("_output_layer_backward", "_output_layer_backward_serial"):
+        monkeypatch.setattr(_head, name, lambda *a, name=name: used.append(name))
+    _head.output_layer_backward(dz, y, w, np.empty((n, h), np.float32),
+                                np.empty((1, h), np.float32), np.empty(1, np.float32),
+                                np.empty(h, np.float32))
+    assert used == ["_output_layer_backward_serial" if n <= _head.CHUNK_ROWS
+                    else "_output_layer_backward"]

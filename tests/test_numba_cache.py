@@ -51,10 +51,14 @@ def test_each_cached_kernel_has_its_own_cache_files():
 
 
 def test_a_serial_twin_is_a_kernel_of_its_own():
+    from cachedarrays.models.dlrm import _head
     from cachedarrays.models.dlrm import embedding as E
+    from cachedarrays.models.dlrm import model as M
 
-    for name in ("_place_rows", "_drop_slots", "_copy_slots"):
-        parallel, serial = getattr(E, name), getattr(E, name + "_serial")
+    pairs = [(E, "_place_rows"), (E, "_drop_slots"), (E, "_copy_slots"), (M, "_dot_forward"),
+             (M, "_dot_backward"), (_head, "_output_layer_backward")]
+    for module, name in pairs:
+        parallel, serial = getattr(module, name), getattr(module, name + "_serial")
         assert parallel.targetoptions.get("parallel") and not serial.targetoptions.get("parallel")
         assert serial.py_func.__qualname__ == name + "_serial"
         assert serial.py_func.__code__.co_code == parallel.py_func.__code__.co_code

@@ -15,7 +15,11 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-#: Rows per parallel work item (float64 partial sums each).
+from ._fs_kernels import serial_twin
+
+#: Rows per parallel work item (float64 partial sums each); a batch of at most this many rows
+#: is one item and runs on the calling thread (a parallel region would only add the wake of a
+#: sleeping thread pool).
 CHUNK_ROWS = 256
 
 
@@ -56,6 +60,10 @@ def _output_layer_backward(dz, y, w, dx, dw, db, dbp):
     db[0] = s
 
 
+_output_layer_backward_serial = serial_twin(_output_layer_backward,
+                                            "_output_layer_backward_serial")
+
+
 def output_layer_backward(dz, y, w, dx, dw, db, dbp):
     """Backward through ``z = y @ w.T + b`` (one output) and the ReLU that made ``y``.
 
@@ -92,6 +100,7 @@ def output_layer_backward(dz, y, w, dx, dw, db, dbp):
         db[...] = 0
         dbp[...] = 0
         return dx
-    _output_layer_backward(dz.reshape(n), y, w.reshape(h), dx, dw.reshape(h), db, dbp)
+    kernel = _output_layer_backward_serial if n <= CHUNK_ROWS else _output_layer_backward
+    kernel(dz.reshape(n), y, w.reshape(h), dx, dw.reshape(h), db, dbp)
     return dx
 

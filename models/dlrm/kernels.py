@@ -1008,7 +1008,7 @@ def lookup_many(tables, indices_list, offsets_list, out=None, column_offsets=Non
             # bags of one index (DLRM's): a gather, each work item streaming through a table
             chunk = max(1, min(nbags, max(1024, -(-nbags * len(tl) // (4 * nthreads)))))
             widths = np.array([t.shape[1] for t in tl], dtype=np.int64)
-            gather_many = _pick("gather_many", fs, _small(nbags * len(tl), nbags * len(tl)))
+            gather_many = _pick("gather_many", fs, _small(nbags * len(tl)))
             gather_many(_readonly(tl[0]), deltas, widths, np.concatenate(il), nbags, flat,
                         stride, cols, chunk)
         else:

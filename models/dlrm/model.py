@@ -23,7 +23,8 @@ from cachedarrays.models.backend import get_backend
 from . import embedding as emb
 from . import kernels
 from ._head import output_layer_backward
-from ._interaction_kernels import make_backward, make_forward
+from ._fs_kernels import serial_twin
+from ._interaction_kernels import LANES, BLOCKS_PER_ITEM, make_backward, make_forward
 from ._intrinsics import fma
 from .configs import DLRMConfig, get_config
 from .data import Batch, SyntheticDataset
@@ -84,11 +85,19 @@ def _dot_backward(t, dr, nfeat, fs, dt):
                 p += 1
 
 
+_dot_forward_serial = serial_twin(_dot_forward, "_dot_forward_serial")
+_dot_backward_serial = serial_twin(_dot_backward, "_dot_backward_serial")
+
+#: Batches of at most this many samples run the interaction on the calling thread (the kernels'
+#: serial twins): the specialised kernels hand out this many samples per parallel work item,
+#: so a smaller batch is one item, and a parallel region would only add the wake of a
+#: sleeping thread pool (40-60 us on a 2-core VM under OMP_WAIT_POLICY=PASSIVE).
+SERIAL_SAMPLES = LANES * BLOCKS_PER_ITEM
 #: Shapes up to these sizes get interaction kernels specialised per (nfeat, fs).
 MAX_SPECIALISED_NFEAT = 128
 MAX_SPECIALISED_FS = 512
 _use_specialised = True
-_kernels = {}             # (nfeat, fs) -> (jitted forward, jitted backward)
+_kernels = {}             # (nfeat, fs) -> (forward, backward, their serial twins)
 _kernels_lock = threading.Lock()
 
 
@@ -121,8 +130,10 @@ def _specialised(nfeat, fs, t, *arrays, backward=False):
         with _kernels_lock:
             k = _kernels.get(key)
             if k is None:
-                k = _kernels[key] = (make_forward(nfeat, fs), make_backward(nfeat, fs))
-    return k[1] if backward else k[0]
+                f, b = make_forward(nfeat, fs), make_backward(nfeat, fs)
+                k = _kernels[key] = (f, b, serial_twin(f, "forward_serial"),
+                                     serial_twin(b, "backward_serial"))
+    return k[(1 if backward else 0) + (2 if t.shape[0] <= SERIAL_SAMPLES else 0)]
 
 
 def _check_interaction(t, nfeat, fs, what):
@@ -165,6 +176,8 @@ def dot_interaction(t, nfeat, fs, out=None):
     k = _specialised(nfeat, fs, t, out)
     if k is not None:
         k(t, out)
+    elif t.shape[0] <= SERIAL_SAMPLES:
+        _dot_forward_serial(t, nfeat, fs, out)
     else:
         _dot_forward(t, nfeat, fs, out)
     return out
@@ -181,6 +194,8 @@ def dot_interaction_backward(t, dr, nfeat, fs, dt=None):
     k = _specialised(nfeat, fs, t, dr, dt, backward=True)
     if k is not None:
         k(t, dr, dt)
+    elif t.shape[0] <= SERIAL_SAMPLES:
+        _dot_backward_serial(t, dr, nfeat, fs, dt)
     else:
         _dot_backward(t, dr, nfeat, fs, dt)
     return dt
