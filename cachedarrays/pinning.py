@@ -250,21 +250,25 @@ class PinnedView:
                 "its pin is released once, by the __exit__ of its with-block; releasing it "
                 "again would unpin an array other scopes still use")
         self.opened -= 1
-        if self.write:                  # a kept view writes no more (this thread's newest)
-            me = threading.get_ident()
-            stack = self.views.get(me)
-            if not stack and self.views:
-                # a with-block another thread entered (that thread may have ended) is the one
-                # ending: its pin goes, so its view writes no more either
-                me = next(reversed(self.views))
-                stack = self.views[me]
-            if stack:
-                _seal_view(stack.pop())
-                if not stack:
-                    del self.views[me]
         m = self.arr._m
-        m.scope_closed(self)
-        m.release((self.arr._obj,))
+        try:                            # an exception (KeyboardInterrupt) here still unpins
+            if self.write:              # a kept view writes no more (this thread's newest)
+                me = threading.get_ident()
+                stack = self.views.get(me)
+                if not stack and self.views:
+                    # a with-block another thread entered (that thread may have ended) is the
+                    # one ending: its pin goes, so its view writes no more either
+                    me = next(reversed(self.views))
+                    stack = self.views[me]
+                if stack:
+                    _seal_view(stack.pop())
+                    if not stack:
+                        del self.views[me]
+        finally:
+            try:
+                m.scope_closed(self)
+            finally:
+                m.release((self.arr._obj,))
 
 
 def readable(x):

@@ -122,11 +122,15 @@ class access:
         if type(done) is tuple:
             _kernel_exit(self, *done)
             return
-        _close_views(self.wviews)
-        self.wviews = None
-        for m, _ in done:
-            m.scope_closed(self)
-        release_grouped(done)
+        try:                    # an exception (KeyboardInterrupt) anywhere here unpins all
+            _close_views(self.wviews)
+        finally:
+            self.wviews = None
+            try:
+                for m, _ in done:
+                    m.scope_closed(self)
+            finally:
+                release_grouped(done)
 
 
 def _close_views(views):
@@ -248,8 +252,10 @@ def compute(name, fn, reads=(), writes=(), *, rng=None, touched=None):
                 o.chain = (f"kernel {name!r} raised an exception while writing it",)
             raise
         finally:
-            _close_views(wviews)
-            m.scope_closed(key)
+            try:
+                _close_views(wviews)
+            finally:
+                m.scope_closed(key)
     finally:
         m.release(r + w)
 

@@ -252,3 +252,31 @@ def test_an_empty_view_kept_past_its_scope_cannot_be_made_writable_either(
     gc.collect()
     assert w.tolist() == np.zeros(shape).tolist()
     tiny.check()
+
+
+@pytest.mark.parametrize("keep", list(KEPT.values()), ids=list(KEPT))
+def test_an_interrupt_while_a_scope_seals_its_views_still_unpins_the_arrays(
+        tiny, monkeypatch, keep):
+    """A KeyboardInterrupt that lands while a Python scope seals its writable views (between
+    the seals and the release) propagates, and the scope still ends: nothing stays pinned, so
+    the arrays can leave fast memory and the manager closes clean."""
+    from cachedarrays import pinning
+    _python_path(monkeypatch)
+
+    def interrupted(view):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(scopes, "_seal_view", interrupted)
+    monkeypatch.setattr(pinning, "_seal_view", interrupted)
+    x = ca.asarray(np.zeros(N), manager=tiny)
+    y = ca.asarray(np.ones(N), manager=tiny)
+    with pytest.raises(KeyboardInterrupt):
+        keep(x, y)
+    for a in (x, y):
+        assert not tiny.pinned(a._obj)
+    assert not tiny._scopes                  # close() would name a scope still open
+    monkeypatch.undo()
+    for a in (x, y):
+        ca.evict(a)
+        assert not ca.in_fast(a)
+    tiny.check()
