@@ -97,6 +97,21 @@ class TorchDLRM:
         self.loss_fn = nn.BCELoss()
         self.timings = {p: [] for p in PHASES}
 
+    def predict(self, batch):
+        """Click probabilities (B,) without gradients, as ``DLRM.predict``."""
+        torch, cfg = self.torch, self.cfg
+        with torch.no_grad():
+            x = self.bottom(torch.from_numpy(batch.dense))
+            ly = [bag(torch.from_numpy(i), torch.from_numpy(o))
+                  for bag, i, o in zip(self.tables, batch.indices, batch.offsets)]
+            if cfg.interaction == "dot":
+                tt = torch.cat([x] + ly, dim=1).view(x.shape[0], -1, cfg.featuresize)
+                z = torch.bmm(tt, tt.transpose(1, 2))
+                r = torch.cat([x, z[:, self.li, self.lj]], dim=1)
+            else:
+                r = torch.cat([x] + ly, dim=1)
+            return torch.sigmoid(self.top(r)).view(-1).numpy()
+
     def train_step(self, batch, lr=None):
         """One SGD step; returns the loss. Phases are timed like ours (forward + backward)."""
         torch, cfg = self.torch, self.cfg
@@ -369,6 +384,54 @@ def plot(results, path, peer=None, slow_profile="optane"):
     plt.close(fig)
 
 
+def predictions(cfg, sizes, calls, backend, seed, peer, bar):
+    """Per-call prediction time (``DLRM.predict``, SimpleTables) at the small batch sizes
+    ``sizes``, against the peer's forward pass without gradients when a peer is given: each
+    call a fresh batch, the implementations in turn (``_common.turn_order``). Such calls are
+    mostly fixed costs (Python around 26 tables, kernels too small to share between threads:
+    they run on the calling thread)."""
+    print(f"\npredictions (simple tables; medians of {calls} calls, each a fresh batch"
+          f"{', speedups paired per call' if peer else ''})")
+    for size in sizes:
+        c = cfg.with_(batch_size=size)
+        data = synthetic_dataset(c, "uniform", seed=seed, num_batches=calls + 1)
+        with _manager_for(c, "simple", 0.0) as m:
+            model = DLRM(c, manager=m, table_kind="simple", backend=backend, seed=seed)
+            impls = [model.predict]
+            if peer == "torch":
+                impls.append(TorchDLRM(c, model.state_dict()).predict)
+            times = [[] for _ in impls]
+            worst = 0.0
+            gc.disable()
+            try:
+                for i in range(calls + 1):
+                    b = data.batch(i)
+                    got = []
+                    for k in _common.turn_order(len(impls), i):
+                        t = time.perf_counter()
+                        got.append((k, impls[k](b)))
+                        if i:                           # the first call compiles and allocates
+                            times[k].append(time.perf_counter() - t)
+                    if len(got) > 1:
+                        (_, a), (_, z) = got
+                        worst = max(worst, float(np.max(np.abs(a - z))))
+            finally:
+                gc.enable()
+        line = f"  batch {size:>5}: ours {_common.Stat(times[0]).fmt(1e6, 'us', 0)}"
+        if len(impls) > 1:
+            sp = _common.speedups(times[1], times[0])
+            line += (f", {peer} {_common.Stat(times[1]).fmt(1e6, 'us', 0)}, speedup "
+                     f"{sp.fmt(1, 'x')}; max |ours - {peer}| {worst:.1e}")
+            print(line)
+            _common.headline(f"dlrm predict speedup vs {peer}, batch {size}", sp.median,
+                             detail=f"ours {_common.Stat(times[0]).median * 1e6:.0f} us, {peer} "
+                                    f"{_common.Stat(times[1]).median * 1e6:.0f} us")
+        else:
+            print(line)
+        if bar is not None:
+            bar.update(1)
+
+
 def main(argv=None):
     p = _common.parser(__doc__)
     p.add_argument("--config", default="small", choices=sorted(configs.CONFIGS),
@@ -405,10 +468,17 @@ def main(argv=None):
                    help="also train the same model in this framework, interleaved")
     p.add_argument("--slow-profile", default="optane", choices=sorted(costmodel.PROFILES),
                    help="device profile of slow memory for the modelled table traffic")
+    p.add_argument("--predict-batches", type=_common.whole(), nargs="*", action=_common.Unique,
+                   default=[1, 16], help="batch sizes of the prediction-time section (none: "
+                                         "skip it)")
+    p.add_argument("--predict-calls", type=_common.whole(), default=60,
+                   help="timed predictions per batch size")
     _common.add_standard(p)
     args = p.parse_args(argv)
     if args.iterations < 3:
         p.error("--iterations must be at least 3 (medians of >= 3 samples)")
+    if args.predict_calls < 3:
+        p.error("--predict-calls must be at least 3 (medians of >= 3 samples)")
     d = dict(DEFAULTS[args.config])
     for key in ("scale", "width_scale", "batch_size"):
         if getattr(args, key) is not None:
@@ -441,6 +511,11 @@ def main(argv=None):
                  slow_profile=args.slow_profile, flush_policy=args.flush_policy)
         report(rs, dist, args.peer, args.slow_profile)
         results.extend(rs)
+    if args.predict_batches:
+        with _common.progress(total=len(args.predict_batches), desc="dlrm predictions",
+                              disable=args.no_progress) as bar:
+            predictions(cfg, args.predict_batches, args.predict_calls, args.backend, args.seed,
+                        args.peer, bar)
     if args.plot:
         plot(results, args.plot, args.peer, args.slow_profile)
     return results

@@ -78,3 +78,23 @@ def test_help_lists_defaults_and_choices(bench, capsys, monkeypatch):
                  "{fast,simple,static,dynamic}", "(default: ['simple', 'static', 'dynamic'])",
                  "(default: small)", "{torch}"):
         assert text in out
+
+
+@pytest.mark.parametrize("peer", [None, "torch"])
+def test_predictions_time_each_batch_size_and_agree_with_the_peer(bench, capsys, peer):
+    """The prediction section: one line per batch size with our median, and with a peer its
+    median, the paired speedup headline and the largest difference between the two models'
+    probabilities (the same weights and batches)."""
+    if peer:
+        pytest.importorskip("torch")
+    from cachedarrays.models.dlrm import configs
+    cfg = configs.get_config("tiny", scale=0.01, width_scale=0.25, batch_size=8)
+    bench.predictions(cfg, [1, 3], 4, "numpy", 0, peer, None)
+    out = capsys.readouterr().out
+    for size in (1, 3):
+        line = next(x for x in out.splitlines() if x.startswith(f"  batch {size:>5}: ours "))
+        assert "n=4]" in line
+        if peer:
+            assert float(line.split("max |ours - torch| ")[1]) < 1e-5
+            assert f"dlrm predict speedup vs torch, batch {size}: " in out
+    assert ("speedup" in out) == bool(peer)

@@ -2,6 +2,8 @@
 table that holds every row hits on every lookup, caches nothing more and is reported against
 SimpleTable (the cost of the indirection alone)."""
 
+import re
+
 import numpy as np
 import pytest
 
@@ -19,7 +21,7 @@ def test_a_tiny_run_reports_the_every_row_table_with_every_lookup_a_hit(bench, c
     pytest.importorskip("torch")
     bench.main(["--rows", "3000", "--fs", "16", "--batch", "64", "--bag", "4", "--repeats", "3",
                 "--warmup", "2", "--cache", "0.5", "1.0", "--distributions", "uniform", "zipf",
-                "--threads", "1", "--no-progress"])
+                "--small-calls", "5", "--threads", "1", "--no-progress"])
     out = capsys.readouterr().out
     for dist in ("uniform", "zipf"):
         section = out.split(f"{dist} indices")[1]
@@ -28,6 +30,13 @@ def test_a_tiny_run_reports_the_every_row_table_with_every_lookup_a_hit(bench, c
         assert f"cached lookup vs SimpleTable, every row cached ({dist}): " in out
         agreement = section.split("lookup ")[1].split(",")[0]
         assert float(agreement) < 1e-5              # outputs agree with torch
+    small = out.split("\nsmall batches")[1]           # per-call times at small batch sizes
+    for nbags in (1, 16, 256):
+        rows = [line for line in small.splitlines()
+                if re.match(rf"(torch EmbeddingBag|SimpleTable fast|{bench.EVERY_ROW})\s+{nbags} ",
+                            line)]
+        assert len(rows) == 3, small                # torch, SimpleTable, every-row table
+        assert f"small lookup speedup vs torch, SimpleTable fast, {nbags} bag" in out
 
 
 def test_the_every_row_table_caches_nothing_and_never_flushes(bench):
