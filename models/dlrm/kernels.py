@@ -1169,12 +1169,16 @@ def update_cached_many(bases, caches, wheres, indices_list, offsets_list, dout, 
 
 def _deltas(tables):
     """Each table's start, in elements from the first's (``_distance``), or None."""
+    if numba.config.BOUNDSCHECK:
+        return None
     out = np.empty(len(tables), dtype=np.uint64)
+    itemsize = tables[0].itemsize
+    first = tables[0].__array_interface__["data"][0]      # (see _distance) once, not per table
     for t, table in enumerate(tables):
-        d = _distance(tables[0], table)
-        if d is None:
+        gap = table.__array_interface__["data"][0] - first
+        if gap % itemsize:
             return None
-        out[t] = d
+        out[t] = (gap // itemsize) % (1 << 64)
     return out
 
 

@@ -24,7 +24,7 @@ from . import embedding as emb
 from . import kernels
 from ._head import output_layer_backward
 from ._fs_kernels import serial_twin
-from ._interaction_kernels import LANES, BLOCKS_PER_ITEM, make_backward, make_forward
+from ._interaction_kernels import BLOCKS_PER_ITEM, LANES, make_backward, make_forward
 from ._intrinsics import fma
 from .configs import DLRMConfig, get_config
 from .data import Batch, SyntheticDataset
