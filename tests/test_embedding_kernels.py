@@ -1129,3 +1129,32 @@ def test_small_calls_run_on_the_calling_thread_and_large_ones_in_parallel(monkey
     assert picked == [("bag_sum", True), ("bag_sum", False), ("bag_sum", False),
                       ("gather", True), ("gather", False),
                       ("apply_sgd", True), ("apply_sgd", False), ("apply_sgd", True)]
+
+
+_FORKED_CHILD = """
+import os
+import numpy as np
+from cachedarrays.models.dlrm import kernels as K
+K.set_specialised(False)                       # the kernels the suite compiles (numba's cache)
+table = np.random.default_rng(0).standard_normal((5000, 16)).astype(np.float32)
+idx = np.random.default_rng(1).integers(0, 5000, 4 * K.SERIAL_INDICES)
+off = np.arange(0, idx.shape[0], 8)
+want = K.lookup_sum(table, idx[:40], np.array([0, 8, 16]))
+K.lookup_sum(table, idx, off)                  # a parallel region: the OpenMP pool exists
+pid = os.fork()
+if pid == 0:                                   # small calls run on the child's own thread
+    got = K.lookup_sum(table, idx[:40], np.array([0, 8, 16]))
+    t = table.copy()
+    K.sgd_update(t, idx[:40], np.array([0, 8, 16]), np.ones((3, 16), np.float32), 0.1)
+    os._exit(0 if np.array_equal(got, want) else 3)
+print(os.waitpid(pid, 0)[1])
+"""
+
+
+def test_small_kernels_work_in_a_child_forked_after_parallel_ones():
+    """GNU OpenMP is not fork-safe (numba terminates a child that starts a parallel region
+    after its parent ran one), but small calls run no region: they work in such a child."""
+    run = subprocess.run([sys.executable, "-c", _FORKED_CHILD], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split()[-1] == "0", (run.stdout, run.stderr)
