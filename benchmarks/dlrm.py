@@ -19,6 +19,10 @@ modelled bandwidths (fast DRAM, slow ``--slow-profile``) over the winner's, pair
 iteration. The measured embedding time is printed beside it; on a machine whose slow memory is
 DRAM behind a file mapping a cached row is no faster to read, so there only the traffic differs.
 
+The run ends with predictions at small batches (``--predict-batches``, ``--predict-calls``):
+``DLRM.predict`` of the simple-table model, and the peer's forward pass without gradients,
+per call (see ``predictions``).
+
 Two OpenMP runtimes share the process (PyTorch's bundled libgomp, and the system one under numba
 and oneDNN); both wait passively (see cachedarrays/threads.py) and run on ``--threads``.
 """

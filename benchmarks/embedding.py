@@ -23,6 +23,10 @@ Goals: SimpleTable (in fast memory, as torch's table is in DRAM) looks up >= 1.2
 torch under uniform and Zipf indices; a cached table whose timed hit rate is >= 80% (the
 smallest such cache of --cache) looks up at >= 0.8x SimpleTable's speed.
 
+The run ends with small batches (``--small-batches``, ``--small-calls``): per-call lookup and
+update times of SimpleTable, the every-row table and torch at a few bags (see
+``small_batches``), where fixed costs rule.
+
 "Cached, every row" is a cached table whose pool holds every row from the start
 (static caching, ``prepopulate`` with all rows, never flushed): every lookup hits and caches
 nothing, so its time against SimpleTable's is the cost of the indirection alone (finding each
