@@ -57,6 +57,70 @@ def _count(threads) -> int:
     return n
 
 
+# ---- forked children and kernels on the calling thread -------------------------------------
+
+#: True in a process forked after its parent started the system OpenMP runtime's thread pool
+#: (numba's OpenMP threading layer launched, or a oneDNN primitive ran on several threads).
+#: GNU OpenMP cannot start a parallel region there: numba terminates the process ("fork()
+#: called from a process already using GNU OpenMP") and oneDNN's primitive never returns. The
+#: library's kernels then run on the calling thread (serial twins, one OpenMP thread).
+FORKED_AFTER_POOL = False
+_POOL = [False]         # a oneDNN primitive ran on several threads in this process
+
+
+def pool_started() -> None:
+    """Note that the system OpenMP runtime's pool may be running (oneDNN's backend calls it
+    when a primitive runs on more than one thread)."""
+    _POOL[0] = True
+
+
+def _openmp_pool_started() -> bool:
+    if _POOL[0]:
+        return True
+    parallel = sys.modules.get("numba.np.ufunc.parallel")
+    if parallel is None or not getattr(parallel, "_is_initialized", False):
+        return False
+    try:
+        return sys.modules["numba"].threading_layer() == "omp"
+    except Exception:       # the layer unknown: assume the unsafe one
+        return True
+
+
+def _after_fork_in_child() -> None:
+    global FORKED_AFTER_POOL
+    if not FORKED_AFTER_POOL and _openmp_pool_started():
+        FORKED_AFTER_POOL = True
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def serial_twin(kernel, name):
+    """A numba ``parallel=True`` kernel's twin without ``parallel`` (its ``prange`` loops run
+    on the calling thread), compiled on first use as ``name`` with the kernel's other options:
+    the same computation in the same order. The library runs twins where a parallel region
+    would cost more than it saves (waking a sleeping pool for little work) or cannot run (in
+    ``FORKED_AFTER_POOL`` children).
+
+    numba names a cached kernel's files after its function's qualified name and first line.
+    A twin made from the same function object would share the parallel kernel's cache
+    entries, and whichever of the two compiled first would then serve both: the parallel
+    kernel loaded the serial code and ran on one thread.  A copy of the function under its
+    own name gets its own files."""
+    import types
+
+    from numba import njit
+    f = kernel.py_func
+    twin = types.FunctionType(f.__code__.replace(co_name=name, co_qualname=name), f.__globals__,
+                              name, f.__defaults__, f.__closure__)
+    twin.__qualname__ = name
+    twin.__module__ = f.__module__
+    twin.__doc__ = f.__doc__
+    options = {k: v for k, v in kernel.targetoptions.items()
+               if k in ("nogil", "fastmath", "boundscheck", "error_model")}
+    return njit(cache=type(kernel._cache).__name__ != "NullCache", **options)(twin)
+
+
 def limit(threads: int) -> dict:
     """Run every pool in this process (BLAS, OpenMP, numba, PyTorch if loaded) on `threads`
     threads; return :func:`settings`. The limit stays until changed. numba's count is the

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from cachedarrays import threads as _threads
+
 CHUNK_ROWS = 256               # rows per work item (a float64 partial row each)
 PARALLEL_MIN = 1 << 16         # elements; below this NumPy's serial passes are faster than a launch
 
@@ -82,7 +84,8 @@ def relu_backward_bias(dy: np.ndarray, y: np.ndarray, dx: np.ndarray, db: np.nda
     """dx = dy where y > 0 else 0, and db = the column sums of dx (float32 (N,O) arrays,
     C-contiguous, checked by the caller; dx may be dy, or overlap it)."""
     inplace = dx is dy or dx.ctypes.data == dy.ctypes.data
-    if numba is None or dy.size < PARALLEL_MIN or (not inplace and np.may_share_memory(dx, dy)):
+    if numba is None or dy.size < PARALLEL_MIN or _threads.FORKED_AFTER_POOL or \
+            (not inplace and np.may_share_memory(dx, dy)):
         np.multiply(dy, y > 0, out=dx)         # NumPy buffers a partly overlapping dx itself
         np.sum(dx, axis=0, out=db)
     elif inplace:
@@ -93,7 +96,7 @@ def relu_backward_bias(dy: np.ndarray, y: np.ndarray, dx: np.ndarray, db: np.nda
 
 def bias_grad(dy: np.ndarray, db: np.ndarray) -> None:
     """db = the column sums of dy (float32 (N,O), C-contiguous, checked by the caller)."""
-    if numba is None or dy.size < PARALLEL_MIN:
+    if numba is None or dy.size < PARALLEL_MIN or _threads.FORKED_AFTER_POOL:
         np.sum(dy, axis=0, out=db)
         return
     _sums(dy, db)

@@ -18,6 +18,9 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from cachedarrays import threads as _threads
+from cachedarrays.threads import serial_twin
+
 _FM = {"nsz", "arcp", "contract", "afn", "reassoc"}   # no nnan/ninf: NaN and inf propagate
 
 
@@ -335,6 +338,21 @@ def _rows(x):
     return flat, bs
 
 
+_TWINS = {}
+
+
+def _run(kernel):
+    """kernel, or its serial twin where no parallel region can run (in a process forked after
+    the OpenMP pool started: ``threads.FORKED_AFTER_POOL``)."""
+    if not _threads.FORKED_AFTER_POOL:
+        return kernel
+    twin = _TWINS.get(kernel)
+    if twin is None:
+        name = kernel.py_func.__name__ + "_serial"
+        twin = _TWINS[kernel] = serial_twin(kernel, name)
+    return twin
+
+
 def forward(x, gamma, beta, eps, out, mean_out, var_out, relu=False):
     """Batch mean, biased variance and normalised output (shapes and dtypes checked by caller);
     relu: the output goes through max(., 0) in the same pass. x may be a channel slice of a
@@ -342,10 +360,11 @@ def forward(x, gamma, beta, eps, out, mean_out, var_out, relu=False):
     xf, xbs = _rows(x)
     hw = _small_plane(out)
     if hw:
-        _forward_small(xf, xbs, gamma, beta, float(eps), _rows2(out), hw, mean_out, var_out,
-                       bool(relu))
+        _run(_forward_small)(xf, xbs, gamma, beta, float(eps), _rows2(out), hw, mean_out,
+                             var_out, bool(relu))
     else:
-        _forward(xf, xbs, gamma, beta, float(eps), _flat(out), mean_out, var_out, bool(relu))
+        _run(_forward)(xf, xbs, gamma, beta, float(eps), _flat(out), mean_out, var_out,
+                       bool(relu))
     return out
 
 
@@ -375,13 +394,15 @@ def backward(dy, x, gamma, mean, var, eps, dx, dgamma, dbeta, y=None, acc=None):
     hw = _small_plane(dx, dy, y, acc)
     if hw:
         fdx = _rows2(dx)
-        _backward_small(_rows2(dy), fdx if y is None else _rows2(y), y is not None, xf, xbs,
-                        gamma, mean, var, float(eps), fdx, hw, dgamma, dbeta,
-                        fdx if acc is None else _rows2(acc), acc is not None)
+        _run(_backward_small)(_rows2(dy), fdx if y is None else _rows2(y), y is not None, xf,
+                              xbs, gamma, mean, var, float(eps), fdx, hw, dgamma, dbeta,
+                              fdx if acc is None else _rows2(acc), acc is not None)
     elif y is None:
-        _backward(_flat(dy), xf, xbs, gamma, mean, var, float(eps), _flat(dx), dgamma, dbeta)
+        _run(_backward)(_flat(dy), xf, xbs, gamma, mean, var, float(eps), _flat(dx), dgamma,
+                        dbeta)
     else:
         fdx = _flat(dx)
-        _backward_masked(_flat(dy), _flat(y), xf, xbs, gamma, mean, var, float(eps), fdx,
-                         dgamma, dbeta, fdx if acc is None else _flat(acc), acc is not None)
+        _run(_backward_masked)(_flat(dy), _flat(y), xf, xbs, gamma, mean, var, float(eps), fdx,
+                               dgamma, dbeta, fdx if acc is None else _flat(acc),
+                               acc is not None)
     return dx

@@ -36,6 +36,8 @@ import time
 import llvmlite.binding as llvm
 import numpy as np
 
+from cachedarrays import threads as _threads
+
 from . import _checks as ck
 from . import _dnnl_api as api
 from . import _bias, _bnorm, _sgd
@@ -374,10 +376,11 @@ class _Primitive:
                 status = _set_handle(self.scratch_mem, _scratchpad(self.scratch_bytes))
                 if status != _SUCCESS:
                     raise OneDNNError("dnnl_memory_set_data_handle", status, f"{self.label} scratchpad")
-            if self.total_bytes <= SERIAL_BYTES:
+            if self.total_bytes <= SERIAL_BYTES or _threads.FORKED_AFTER_POOL:
                 with _OneThread():
                     status = _primitive_execute(self.prim, _stream, len(self.exec_args), self.exec_args)
             else:
+                _threads.pool_started()             # a fork from now on cannot run regions
                 status = _primitive_execute(self.prim, _stream, len(self.exec_args), self.exec_args)
             if status != _SUCCESS:
                 raise OneDNNError("dnnl_primitive_execute", status, self.label)

@@ -27,10 +27,9 @@ the grouping, so all variants give bit-identical results.
 is passed as its own cache, so one kernel serves both.
 """
 
-import types
-
 import numpy as np
 from numba import njit, prange
+
 
 from ._intrinsics import (ROW_VECTOR_BYTES, add_rows1, add_rows4, add_rows8, prefetch_far,
                           prefetch_read, prefetch_read_l2, prefetch_write)
@@ -745,24 +744,6 @@ def sgd_dense(flat, rows, lo, hi, gacc, g0, lr, fs, delta):
 
 
 # ---- the kernels ----------------------------------------------------------------------------
-
-
-def serial_twin(kernel, name):
-    """``kernel``'s function compiled without ``parallel=True`` (its ``prange`` loops run on
-    the calling thread), as ``name``: the same sums in the same order, bit for bit.
-
-    numba names a cached kernel's files after its function's qualified name and first line.
-    A twin made from the same function object would share the parallel kernel's cache
-    entries, and whichever of the two compiled first would then serve both: the parallel
-    kernel loaded the serial code and ran on one thread.  A copy of the function under its
-    own name gets its own files."""
-    f = kernel.py_func
-    twin = types.FunctionType(f.__code__.replace(co_name=name, co_qualname=name), f.__globals__,
-                              name, f.__defaults__, f.__closure__)
-    twin.__qualname__ = name
-    twin.__module__ = f.__module__
-    twin.__doc__ = f.__doc__
-    return njit(**SERIAL)(twin)
 
 
 def make_kernels(FS):

@@ -15,7 +15,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ._fs_kernels import serial_twin
+from cachedarrays import threads as _threads
+from cachedarrays.threads import serial_twin
 
 #: Rows per parallel work item (float64 partial sums each); a batch of at most this many rows
 #: is one item and runs on the calling thread (a parallel region would only add the wake of a
@@ -100,7 +101,8 @@ def output_layer_backward(dz, y, w, dx, dw, db, dbp):
         db[...] = 0
         dbp[...] = 0
         return dx
-    kernel = _output_layer_backward_serial if n <= CHUNK_ROWS else _output_layer_backward
+    serial = n <= CHUNK_ROWS or _threads.FORKED_AFTER_POOL
+    kernel = _output_layer_backward_serial if serial else _output_layer_backward
     kernel(dz.reshape(n), y, w.reshape(h), dx, dw.reshape(h), db, dbp)
     return dx
 

@@ -41,11 +41,12 @@ from numba import njit, prange
 import cachedarrays as ca
 from cachedarrays import costmodel
 from cachedarrays.copyengine import check_switch
+from cachedarrays.threads import serial_twin
 
 from . import kernels
 from ._fs_kernels import PPI as _PLACE_PER_ITEM
 from ._fs_kernels import SCAN_AHEAD as _SCAN_AHEAD
-from ._fs_kernels import at, place_misses, serial_twin, span
+from ._fs_kernels import at, place_misses, span
 from ._intrinsics import prefetch_write
 
 __all__ = [
@@ -111,6 +112,12 @@ def _place_rows(base, cache, where, backedge, rows, slots):
 _place_rows_serial = serial_twin(_place_rows, "_place_rows_serial")
 #: Rows below which the cache's copies run on one thread.
 SERIAL_ROWS = 4096
+
+
+def _serial_rows(n):
+    """True when a kernel over n rows runs its serial twin: fewer than SERIAL_ROWS, or no
+    parallel region can run here (``threads.FORKED_AFTER_POOL``)."""
+    return n < SERIAL_ROWS or ca.threads.FORKED_AFTER_POOL
 #: The slots of a caching lookup that caches nothing.
 _NO_SLOTS = np.empty(0, dtype=np.int64)
 
@@ -872,7 +879,7 @@ class CachedEmbeddingTable(EmbeddingTable):
     def _place(self, base_view, cache_view, misses, slots):
         """Copy the planned rows into their slots (inside a kernel that writes the pool)."""
         if slots.size:
-            place = _place_rows_serial if misses.shape[0] < SERIAL_ROWS else _place_rows
+            place = _place_rows_serial if _serial_rows(misses.shape[0]) else _place_rows
             place(base_view, cache_view, self.where, self.backedge, misses, slots)
         else:
             self.where[misses] = -1
@@ -1068,13 +1075,13 @@ class CachedEmbeddingTable(EmbeddingTable):
                 staged = kernels.scratch("flush_rows", nkeep * self.featuresize, self.dtype)
                 staged = staged.reshape(nkeep, self.featuresize)
                 order = np.arange(nkeep, dtype=np.int64)
-                copy = _copy_slots_serial if nkeep < SERIAL_ROWS else _copy_slots
+                copy = _copy_slots_serial if _serial_rows(nkeep) else _copy_slots
                 copy(c, keep, staged, order)
             # (an oldest-first table never marks a row: no marks to clear)
             nrows = _release_slots(self.where, self.backedge, self.dirty_slots, self.refs, slots,
                                    keep, kept_rows, kept_dirty, self._second_chance, not writeback)
             if writeback:
-                drop = _drop_slots_serial if slots.shape[0] < SERIAL_ROWS else _drop_slots
+                drop = _drop_slots_serial if _serial_rows(slots.shape[0]) else _drop_slots
                 copied = drop(views[-1], c, self.where, self.backedge, self.dirty_slots, slots)
             else:
                 copied = 0

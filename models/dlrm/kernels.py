@@ -17,8 +17,11 @@ import numba
 import numpy as np
 from numba.typed import List as TypedList
 
+from cachedarrays import threads as _threads
+from cachedarrays.threads import serial_twin
+
 from ._fs_kernels import BAGS_PER_ITEM as _BAGS_PER_ITEM
-from ._fs_kernels import NO_BOUND, make_kernels, mark_refs, reindex, serial_twin
+from ._fs_kernels import NO_BOUND, make_kernels, mark_refs, reindex
 
 __all__ = [
     "lookup",
@@ -82,13 +85,14 @@ _serial_cache = {}
 
 
 def _small(nidx, nbags=0):
-    """True when a kernel over nidx indices (or unique rows) in nbags bags runs serially."""
-    return nidx <= SERIAL_INDICES and nbags <= SERIAL_BAGS
+    """True when a kernel over nidx indices (or unique rows) in nbags bags runs serially: it is
+    small, or no parallel region can run here (``threads.FORKED_AFTER_POOL``)."""
+    return (nidx <= SERIAL_INDICES and nbags <= SERIAL_BAGS) or _threads.FORKED_AFTER_POOL
 
 
 def _pick(name, fs, serial=False):
     """The kernel ``name`` for feature size ``fs`` (0: any size): specialised if it may be;
-    its serial twin (``_fs_kernels.serial_twin``, built on first use) if ``serial``."""
+    its serial twin (``threads.serial_twin``, built on first use) if ``serial``."""
     fs = int(fs)
     if not _USE_SPECIALISED or fs < 1 or fs > MAX_SPECIALISED_FS:
         fs = 0

@@ -18,12 +18,13 @@ import numpy as np
 from numba import njit, prange
 
 import cachedarrays as ca
+from cachedarrays import threads as _threads
 from cachedarrays.models.backend import get_backend
+from cachedarrays.threads import serial_twin
 
 from . import embedding as emb
 from . import kernels
 from ._head import output_layer_backward
-from ._fs_kernels import serial_twin
 from ._interaction_kernels import BLOCKS_PER_ITEM, LANES, make_backward, make_forward
 from ._intrinsics import fma
 from .configs import DLRMConfig, get_config
@@ -133,7 +134,13 @@ def _specialised(nfeat, fs, t, *arrays, backward=False):
                 f, b = make_forward(nfeat, fs), make_backward(nfeat, fs)
                 k = _kernels[key] = (f, b, serial_twin(f, "forward_serial"),
                                      serial_twin(b, "backward_serial"))
-    return k[(1 if backward else 0) + (2 if t.shape[0] <= SERIAL_SAMPLES else 0)]
+    return k[(1 if backward else 0) + (2 if _serial(t) else 0)]
+
+
+def _serial(t):
+    """True when the interaction of t's samples runs on the calling thread (see
+    SERIAL_SAMPLES, ``threads.FORKED_AFTER_POOL``)."""
+    return t.shape[0] <= SERIAL_SAMPLES or _threads.FORKED_AFTER_POOL
 
 
 def _check_interaction(t, nfeat, fs, what):
@@ -176,7 +183,7 @@ def dot_interaction(t, nfeat, fs, out=None):
     k = _specialised(nfeat, fs, t, out)
     if k is not None:
         k(t, out)
-    elif t.shape[0] <= SERIAL_SAMPLES:
+    elif _serial(t):
         _dot_forward_serial(t, nfeat, fs, out)
     else:
         _dot_forward(t, nfeat, fs, out)
@@ -194,7 +201,7 @@ def dot_interaction_backward(t, dr, nfeat, fs, dt=None):
     k = _specialised(nfeat, fs, t, dr, dt, backward=True)
     if k is not None:
         k(t, dr, dt)
-    elif t.shape[0] <= SERIAL_SAMPLES:
+    elif _serial(t):
         _dot_backward_serial(t, dr, nfeat, fs, dt)
     else:
         _dot_backward(t, dr, nfeat, fs, dt)
