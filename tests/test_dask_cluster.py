@@ -16,7 +16,7 @@ import cachedarrays as ca
 
 pytest.importorskip("distributed")
 import dask.array as da  # noqa: E402
-from distributed import Client, LocalCluster  # noqa: E402
+from distributed import Client, LocalCluster, wait  # noqa: E402
 
 from cachedarrays.dask import ManagerPlugin  # noqa: E402
 from helpers import load_benchmark  # noqa: E402
@@ -70,6 +70,11 @@ def _data(chunks):
 def test_cluster_computations_on_cached_chunks_equal_numpy(client, here, name):
     x, xc = _data((300, 300))
     a = x.compute()
+    # The chunks held on the workers at once (11 MiB against 2 x 4 MiB of fast memory): a
+    # reduction alone frees each chunk as it goes, and whether a worker then ever fills its
+    # fast memory depended on which tests ran before on its cluster.
+    xc = xc.persist()
+    wait(xc)
     expr, ref = {
         "blockwise": (np.exp(xc) - xc * 2, np.exp(a) - a * 2),
         "reduction": (xc.std(axis=0), a.std(axis=0)),
@@ -83,8 +88,9 @@ def test_cluster_computations_on_cached_chunks_equal_numpy(client, here, name):
     reports = client.run(_worker_report)
     assert len(reports) == 2
     for r in reports.values():
-        assert r["fast"] == FAST and r["moved"] > 0          # chunks outgrew fast memory
+        assert r["fast"] == FAST
         assert r["pinned"] == 0                              # no pin outlived its frame
+    assert sum(r["moved"] for r in reports.values()) > 0    # chunks outgrew fast memory
     assert sum(r["sent"] for r in reports.values()) > 0
 
 

@@ -42,6 +42,7 @@ dnn = get_backend("onednn")
 
 def work():
     """Every kind of parallel kernel, large enough for a parallel region."""
+    rng_pool = np.random.default_rng(1)
     out = [K.lookup_sum(table, idx, off)]
     upd = table.copy()
     K.sgd_update(upd, idx, off, dout, 0.1)
@@ -52,6 +53,12 @@ def work():
     mean, var = np.empty(32, np.float32), np.empty(32, np.float32)
     onednn._bnorm.forward(xb, g, bta, 1e-5, y, mean, var)
     out.append(y)
+    xp = rng_pool.standard_normal((16, 64, 32, 32)).astype(np.float32)
+    yp = np.empty((16, 64, 16, 16), np.float32)
+    state = dnn.maxpool_forward(xp, 2, 2, 0, yp)
+    dx = np.empty_like(xp)
+    dnn.maxpool_backward(np.ones_like(yp), xp, state, 2, 2, 0, dx)  # a primitive made for the
+    out += [yp, dx]                 # pool keeps its thread count: the child makes its own
     return out
 
 

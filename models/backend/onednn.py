@@ -30,6 +30,7 @@ from __future__ import annotations
 import collections
 import functools
 import logging
+import os
 import threading
 import time
 
@@ -401,13 +402,38 @@ def _cached(key, build):
     with _dnnl_lock:
         prim = _cache.get(key)
         if prim is None:
-            prim = build()
+            if _threads.FORKED_AFTER_POOL:      # made for one thread (see _after_fork_in_child)
+                with _OneThread():
+                    prim = build()
+            else:
+                prim = build()
             _cache[key] = prim
             while len(_cache) > _CACHE_LIMIT:
                 _cache.popitem(last=False)
         else:
             _cache.move_to_end(key)
         return prim
+
+
+_parent_primitives = []
+
+
+def _after_fork_in_child():
+    """A forked child gets a lock no parent thread holds; in one forked after the OpenMP pool
+    started (``threads.FORKED_AFTER_POOL``) primitives are made and run for one thread from
+    then on. oneDNN fixes a primitive's thread count when it makes it, so the parent's cached
+    primitives (made for the pool, their parallel regions would never return) are set aside,
+    kept alive rather than destroyed in the child."""
+    global _dnnl_lock, _cache
+    _dnnl_lock = threading.RLock()
+    if _threads.FORKED_AFTER_POOL:
+        _parent_primitives.append(_cache)
+        _cache = collections.OrderedDict()
+        if _gomp is not None:
+            _gomp.omp_set_num_threads(1)
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def clear_cache() -> None:
