@@ -101,24 +101,31 @@ class TorchDLRM:
         self.loss_fn = nn.BCELoss()
         self.timings = {p: [] for p in PHASES}
 
+    def _lookups(self, batch):
+        torch = self.torch
+        return [bag(torch.from_numpy(i), torch.from_numpy(o))
+                for bag, i, o in zip(self.tables, batch.indices, batch.offsets)]
+
+    def _interaction(self, x, ly):
+        """The top MLP's input from the bottom MLP's output x and the lookups ly."""
+        torch, cfg = self.torch, self.cfg
+        if cfg.interaction == "dot":
+            tt = torch.cat([x] + ly, dim=1).view(x.shape[0], -1, cfg.featuresize)
+            z = torch.bmm(tt, tt.transpose(1, 2))
+            return torch.cat([x, z[:, self.li, self.lj]], dim=1)
+        return torch.cat([x] + ly, dim=1)
+
     def predict(self, batch):
         """Click probabilities (B,) without gradients, as ``DLRM.predict``."""
-        torch, cfg = self.torch, self.cfg
+        torch = self.torch
         with torch.no_grad():
             x = self.bottom(torch.from_numpy(batch.dense))
-            ly = [bag(torch.from_numpy(i), torch.from_numpy(o))
-                  for bag, i, o in zip(self.tables, batch.indices, batch.offsets)]
-            if cfg.interaction == "dot":
-                tt = torch.cat([x] + ly, dim=1).view(x.shape[0], -1, cfg.featuresize)
-                z = torch.bmm(tt, tt.transpose(1, 2))
-                r = torch.cat([x, z[:, self.li, self.lj]], dim=1)
-            else:
-                r = torch.cat([x] + ly, dim=1)
+            r = self._interaction(x, self._lookups(batch))
             return torch.sigmoid(self.top(r)).view(-1).numpy()
 
     def train_step(self, batch, lr=None):
         """One SGD step; returns the loss. Phases are timed like ours (forward + backward)."""
-        torch, cfg = self.torch, self.cfg
+        torch = self.torch
         if lr is not None:
             for g in self.opt.param_groups:
                 g["lr"] = lr
@@ -128,15 +135,9 @@ class TorchDLRM:
         self.opt.zero_grad(set_to_none=True)
         x = self.bottom(dense)
         t1 = time.perf_counter()
-        ly = [bag(torch.from_numpy(i), torch.from_numpy(o))
-              for bag, i, o in zip(self.tables, batch.indices, batch.offsets)]
+        ly = self._lookups(batch)
         t2 = time.perf_counter()
-        if cfg.interaction == "dot":
-            tt = torch.cat([x] + ly, dim=1).view(x.shape[0], -1, cfg.featuresize)
-            z = torch.bmm(tt, tt.transpose(1, 2))
-            r = torch.cat([x, z[:, self.li, self.lj]], dim=1)
-        else:
-            r = torch.cat([x] + ly, dim=1)
+        r = self._interaction(x, ly)
         t3 = time.perf_counter()
         p = torch.sigmoid(self.top(r)).view(-1)
         loss = self.loss_fn(p, labels)

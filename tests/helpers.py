@@ -15,7 +15,21 @@ import cachedarrays as ca
 
 __all__ = ["assert_eq", "same", "numpy_outcome", "same_outcome", "RTOL", "load_benchmark",
            "layered_program", "layered_steps", "traced_training", "beside_fast_only",
-           "built_trace", "run_threads", "close_while_calling"]
+           "built_trace", "run_threads", "close_while_calling", "refuse_general_path"]
+
+
+def refuse_general_path(monkeypatch, module=None, what="took the general path"):
+    """Fail the test if a call leaves its routine for NumPy's general path (``module``'s
+    ``_call_on_views``, by default cachedarrays.dispatch's); returns the refusing function, to
+    shut other paths a call must not take too (a manager's ``acquire``, which that path pins
+    through)."""
+    from cachedarrays import dispatch
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(what)
+
+    monkeypatch.setattr(dispatch if module is None else module, "_call_on_views", refuse)
+    return refuse
 
 
 def run_threads(work, n=4):

@@ -423,80 +423,82 @@ def test_onednn_layout_rule_picks_plain_nhwc_and_blocked(dnnl, monkeypatch):
         assert any(k[0] == "conv_fwd" and k[-1] == layout for k in onednn._cache), layout
 
 
-def test_onednn_small_primitives_run_on_one_thread_and_restore_the_count(dnnl, monkeypatch):
+@pytest.fixture
+def two_threads(dnnl):
+    """oneDNN on two OpenMP threads for the test, the caller's count back after it."""
+    old = dnnl.get_threads()
+    dnnl.set_threads(2)
+    try:
+        yield
+    finally:
+        dnnl.set_threads(old)
+
+
+def _execution_threads(monkeypatch):
+    """The OpenMP thread count of every primitive executed from now on, in a list."""
+    from cachedarrays.models.backend import onednn
+    seen = []
+    real = onednn._primitive_execute
+
+    def spy(*args):
+        seen.append(onednn.get_threads())
+        return real(*args)
+
+    monkeypatch.setattr(onednn, "_primitive_execute", spy)
+    return seen
+
+
+def test_onednn_small_primitives_run_on_one_thread_and_restore_the_count(dnnl, monkeypatch,
+                                                                          two_threads):
     """Small reorders and convolutions run on one OpenMP thread (SERIAL_BYTES, SERIAL_FLOPS);
     the caller's thread count is back afterwards, also after an exception, and the results
     match the reference with the rule on and off."""
     from cachedarrays.models.backend import onednn
-    old = dnnl.get_threads()
-    dnnl.set_threads(2)
-    try:
-        seen = []
-        real = onednn._primitive_execute
-
-        def spy(*args):
-            seen.append(onednn.get_threads())
-            return real(*args)
-
-        monkeypatch.setattr(onednn, "_primitive_execute", spy)
-        rng = np.random.default_rng(8)
-        case = (2, 16, 6, 6, 16, 3, 3, 1, 1)       # 2 * 2*36*16*16*9 flops: one thread
-        x, w, b, stride, pad, oshape = conv_arrays(rng, case)
-        want = ref.conv2d_forward(x, w, b, stride, pad, np.empty(oshape, F32))
-        close(dnnl.conv2d_forward(x, w, b, stride, pad, np.empty(oshape, F32)), want)
-        assert seen and set(seen) == {1} and dnnl.get_threads() == 2
-        seen.clear()
-        monkeypatch.setattr(onednn, "SERIAL_FLOPS", 0)
-        monkeypatch.setattr(onednn, "SERIAL_BYTES", 0)
-        close(dnnl.conv2d_forward(x, w, b, stride, pad, np.empty(oshape, F32)), want)
-        assert seen and set(seen) == {2}
-        with pytest.raises(RuntimeError, match="inside"):
-            with onednn._OneThread():
-                assert dnnl.get_threads() == 1
-                raise RuntimeError("inside")
-        assert dnnl.get_threads() == 2
-    finally:
-        dnnl.set_threads(old)
+    seen = _execution_threads(monkeypatch)
+    rng = np.random.default_rng(8)
+    case = (2, 16, 6, 6, 16, 3, 3, 1, 1)       # 2 * 2*36*16*16*9 flops: one thread
+    x, w, b, stride, pad, oshape = conv_arrays(rng, case)
+    want = ref.conv2d_forward(x, w, b, stride, pad, np.empty(oshape, F32))
+    close(dnnl.conv2d_forward(x, w, b, stride, pad, np.empty(oshape, F32)), want)
+    assert seen and set(seen) == {1} and dnnl.get_threads() == 2
+    seen.clear()
+    monkeypatch.setattr(onednn, "SERIAL_FLOPS", 0)
+    monkeypatch.setattr(onednn, "SERIAL_BYTES", 0)
+    close(dnnl.conv2d_forward(x, w, b, stride, pad, np.empty(oshape, F32)), want)
+    assert seen and set(seen) == {2}
+    with pytest.raises(RuntimeError, match="inside"):
+        with onednn._OneThread():
+            assert dnnl.get_threads() == 1
+            raise RuntimeError("inside")
+    assert dnnl.get_threads() == 2
 
 
-def test_onednn_small_dense_layers_run_on_one_thread(dnnl, monkeypatch):
+def test_onednn_small_dense_layers_run_on_one_thread(dnnl, monkeypatch, two_threads):
     """A dense layer of at most SERIAL_FLOPS of arithmetic (forward and both gradients) runs on
     one OpenMP thread, a larger one on the caller's count; results match the reference."""
     from cachedarrays.models.backend import onednn
-    old = dnnl.get_threads()
-    dnnl.set_threads(2)
     monkeypatch.setattr(onednn, "SERIAL_BYTES", 0)     # the dense rule alone
     monkeypatch.setattr(onednn, "_dense_impl", "onednn")
-    try:
-        seen = []
-        real = onednn._primitive_execute
-
-        def spy(*args):
-            seen.append(onednn.get_threads())
-            return real(*args)
-
-        monkeypatch.setattr(onednn, "_primitive_execute", spy)
-        rng = np.random.default_rng(3)
-        for n, threads in ((4, 1), (onednn.SERIAL_FLOPS // (2 * 64 * 48) + 1, 2)):
-            x = rng.standard_normal((n, 64), dtype=F32)
-            w = rng.standard_normal((48, 64), dtype=F32)
-            b = rng.standard_normal(48, dtype=F32)
-            dy = rng.standard_normal((n, 48), dtype=F32)
-            seen.clear()
-            out = dnnl.dense_forward(x, w, b, np.empty((n, 48), F32))
-            close(out, ref.dense_forward(x, w, b, np.empty((n, 48), F32)))
-            dx = dnnl.dense_backward_data(dy, w, np.empty((n, 64), F32))
-            close(dx, ref.dense_backward_data(dy, w, np.empty((n, 64), F32)))
-            dw, db = np.empty((48, 64), F32), np.empty(48, F32)
-            dnnl.dense_backward_weights(x, dy, dw, db)
-            dw_ref, db_ref = np.empty((48, 64), F32), np.empty(48, F32)
-            ref.dense_backward_weights(x, dy, dw_ref, db_ref)
-            close(dw, dw_ref)
-            close(db, db_ref)
-            assert seen and set(seen) == {threads}, (n, seen)
-        assert dnnl.get_threads() == 2
-    finally:
-        dnnl.set_threads(old)
+    seen = _execution_threads(monkeypatch)
+    rng = np.random.default_rng(3)
+    for n, threads in ((4, 1), (onednn.SERIAL_FLOPS // (2 * 64 * 48) + 1, 2)):
+        x = rng.standard_normal((n, 64), dtype=F32)
+        w = rng.standard_normal((48, 64), dtype=F32)
+        b = rng.standard_normal(48, dtype=F32)
+        dy = rng.standard_normal((n, 48), dtype=F32)
+        seen.clear()
+        out = dnnl.dense_forward(x, w, b, np.empty((n, 48), F32))
+        close(out, ref.dense_forward(x, w, b, np.empty((n, 48), F32)))
+        dx = dnnl.dense_backward_data(dy, w, np.empty((n, 64), F32))
+        close(dx, ref.dense_backward_data(dy, w, np.empty((n, 64), F32)))
+        dw, db = np.empty((48, 64), F32), np.empty(48, F32)
+        dnnl.dense_backward_weights(x, dy, dw, db)
+        dw_ref, db_ref = np.empty((48, 64), F32), np.empty(48, F32)
+        ref.dense_backward_weights(x, dy, dw_ref, db_ref)
+        close(dw, dw_ref)
+        close(db, db_ref)
+        assert seen and set(seen) == {threads}, (n, seen)
+    assert dnnl.get_threads() == 2
 
 
 @pytest.mark.parametrize("shape", [(3, 130, 2, 2), (16, 64, 4, 4), (2, 65, 3, 1), (1, 1, 1, 1),

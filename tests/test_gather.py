@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import cachedarrays as ca
-from cachedarrays import dispatch
+from helpers import refuse_general_path
 
 
 def _outcome(f):
@@ -55,10 +55,7 @@ def test_gathers_give_numpys_result_or_error(shape, dtype, idx, idx_dtype, idx_s
 
 @pytest.mark.parametrize("call", [lambda x, k: x[k], lambda x, k: np.take(x, k, axis=0)])
 def test_indices_in_range_gather_into_a_placed_result(call, monkeypatch):
-    def refuse(*args, **kwargs):
-        raise AssertionError("took the general path")
-
-    monkeypatch.setattr(dispatch, "_call_on_views", refuse)
+    refuse = refuse_general_path(monkeypatch)
     with ca.Manager(fast="1MiB", slow="4MiB") as m:
         a = np.arange(60.0).reshape(12, 5)
         x = ca.asarray(a, manager=m)

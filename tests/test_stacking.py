@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 import cachedarrays as ca
 from cachedarrays.routines import joining
-from helpers import numpy_outcome
+from helpers import numpy_outcome, refuse_general_path
 
 FUNCS = {"stack": np.stack, "vstack": np.vstack, "hstack": np.hstack,
          "concatenate": np.concatenate}
@@ -60,10 +60,7 @@ def test_joins_give_numpys_result_or_error(name, shape, n, other, dtypes, axis, 
     ("vstack", {}, [(2, 3), (5, 3)]), ("vstack", {}, [(), ()]), ("hstack", {}, [(3,), (5,)]),
     ("hstack", {}, [(2, 3), (2, 1)]), ("hstack", {}, [(), ()])])
 def test_the_common_join_fills_a_placed_result_in_one_step(name, kwargs, shapes, monkeypatch):
-    def refuse(*args, **kw):
-        raise AssertionError("the common join took the general path")
-
-    monkeypatch.setattr(joining, "_call_on_views", refuse)
+    refuse_general_path(monkeypatch, joining, "the common join took the general path")
     with ca.Manager(fast="1MiB", slow="4MiB") as m:
         arrays = [np.asarray(np.arange(np.prod(s, dtype=int), dtype=np.float32).reshape(s) + k)
                   for k, s in enumerate(shapes)]

@@ -7,8 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import cachedarrays as ca
-from cachedarrays import dispatch
-from helpers import numpy_outcome, same_outcome
+from helpers import numpy_outcome, refuse_general_path, same_outcome
 
 
 _SHAPES = st.lists(st.integers(0, 4), min_size=0, max_size=3).map(tuple)
@@ -53,10 +52,7 @@ def test_tile_gives_numpys_result_or_error(shape, dtype, layout, reps):
 @pytest.mark.parametrize("call", [lambda x: np.roll(x, 3), lambda x: np.roll(x, -1, 1),
                                   lambda x: np.tile(x, 2), lambda x: np.tile(x, (2, 1, 3))])
 def test_the_common_forms_fill_a_placed_result(call, monkeypatch):
-    def refuse(*args, **kwargs):
-        raise AssertionError("took the general path")
-
-    monkeypatch.setattr(dispatch, "_call_on_views", refuse)
+    refuse_general_path(monkeypatch)
     with ca.Manager(fast="1MiB", slow="4MiB") as m:
         a = np.arange(20.0).reshape(4, 5)
         got = call(ca.asarray(a, manager=m))
@@ -90,10 +86,7 @@ def test_outer_gives_numpys_result_or_error(sa, sb, da, db, ufunc, form, layout)
 
 
 def test_outer_of_arrays_of_one_manager_is_placed_in_one_step(monkeypatch):
-    def refuse(*args, **kwargs):
-        raise AssertionError("took the general path")
-
-    monkeypatch.setattr(dispatch, "_call_on_views", refuse)
+    refuse = refuse_general_path(monkeypatch)
     with ca.Manager(fast="1MiB", slow="4MiB") as m:
         a, b = np.arange(5.0), np.arange(7.0) - 3
         x, y = ca.asarray(a, manager=m), ca.asarray(b, manager=m)

@@ -9,6 +9,7 @@ from hypothesis import given, settings, strategies as st
 import cachedarrays as ca
 from cachedarrays import _records
 from cachedarrays.routines import selection
+from helpers import refuse_general_path
 
 def _available_isas():
     old = _records.select_isa()
@@ -42,9 +43,7 @@ def isa(request):
 @pytest.fixture
 def fast_only(monkeypatch):
     """Fail any call that would leave the select for the general path."""
-    def refuse(*args, **kwargs):
-        raise AssertionError("np.where took the general path")
-    monkeypatch.setattr(selection, "_call_on_views", refuse)
+    refuse_general_path(monkeypatch, selection, "np.where took the general path")
 
 
 def _outcome(f):

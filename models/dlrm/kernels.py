@@ -1177,13 +1177,24 @@ def _deltas(tables):
         return None
     out = np.empty(len(tables), dtype=np.uint64)
     itemsize = tables[0].itemsize
-    first = tables[0].__array_interface__["data"][0]      # (see _distance) once, not per table
+    first = _address(tables[0])                 # once, not once per table
     for t, table in enumerate(tables):
-        gap = table.__array_interface__["data"][0] - first
-        if gap % itemsize:
+        d = _elements(_address(table) - first, itemsize)
+        if d is None:
             return None
-        out[t] = (gap // itemsize) % (1 << 64)
+        out[t] = d
     return out
+
+
+def _address(a):
+    """a's first byte: the array interface's (``.ctypes.data`` builds a ctypes object, several
+    microseconds)."""
+    return a.__array_interface__["data"][0]
+
+
+def _elements(gap, itemsize):
+    """A gap of bytes in elements modulo 2**64, or None when it is not a whole number."""
+    return None if gap % itemsize else np.uint64((gap // itemsize) % (1 << 64))
 
 
 def _distance(base, other):
@@ -1195,11 +1206,7 @@ def _distance(base, other):
     would fail."""
     if numba.config.BOUNDSCHECK:
         return None
-    # the array interface's address: ``.ctypes.data`` builds a ctypes object (several us)
-    gap = other.__array_interface__["data"][0] - base.__array_interface__["data"][0]
-    if gap % base.itemsize:
-        return None
-    return np.uint64((gap // base.itemsize) % (1 << 64))
+    return _elements(_address(other) - _address(base), base.itemsize)
 
 
 #: Tables whose gradient sums (one row of values per table row) fit in this many bytes are
