@@ -69,11 +69,31 @@ def _worker_counters(dask_worker):
     return out
 
 
+#: The line a worker logs when its heartbeat finds the scheduler gone, as it is when the
+#: clusters close (at the end, or on Ctrl-C / SIGTERM while a worker's heartbeat is under way).
+HEARTBEAT_LOST = "Failed to communicate with scheduler during heartbeat"
+
+
+def quiet_heartbeat_loss(record):
+    """A logging filter: the lost-heartbeat line keeps its message but not its traceback (the
+    scheduler closing first is how a cluster ends, not a failure); every record passes."""
+    if record.getMessage().startswith(HEARTBEAT_LOST):
+        record.exc_info = None
+        record.exc_text = None
+    return True
+
+
 def _warm_up():
-    """Import what the tasks use, so that no timed phase pays for it."""
+    """Import what the tasks use, so that no timed phase pays for it; filter the worker's
+    lost-heartbeat traceback (``quiet_heartbeat_loss``)."""
+    import logging
+
     import dask.array  # noqa: F401
 
     import cachedarrays.dask  # noqa: F401
+    log = logging.getLogger("distributed.worker")
+    if quiet_heartbeat_loss not in log.filters:
+        log.addFilter(quiet_heartbeat_loss)
 
 
 def _worker_threads():

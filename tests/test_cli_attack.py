@@ -422,11 +422,18 @@ def test_run_turns_interrupts_and_pipes_into_statuses(capsys):
     assert common.run(lambda: [1, 2]) == 0 and common.run(lambda: 3) == 3
 
 
+def _ctrl_c_reaches(argv):
+    """A benchmark started as from a terminal, where Ctrl-C interrupts it: a test run in the
+    background (``make test &``, a runner without job control) inherits SIGINT ignored, and
+    Python then installs no handler for it in the child."""
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=ROOT, env=dict(os.environ, OMP_WAIT_POLICY="PASSIVE"),
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+
+
 def test_ctrl_c_mid_run_exits_130_without_a_traceback():
-    p = subprocess.Popen([sys.executable, str(BENCH / "overhead.py"), "--sizes", "10",
-                          "--repeats", "100000", "--budget", "0.001", "--threads", "1"],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                         env=dict(os.environ, OMP_WAIT_POLICY="PASSIVE"))
+    p = _ctrl_c_reaches([sys.executable, str(BENCH / "overhead.py"), "--sizes", "10",
+                         "--repeats", "100000", "--budget", "0.001", "--threads", "1"])
     assert p.stdout.readline().startswith("machine:")
     time.sleep(0.5)
     p.send_signal(signal.SIGINT)
@@ -437,10 +444,8 @@ def test_ctrl_c_mid_run_exits_130_without_a_traceback():
 
 def test_run_all_interrupted_in_a_script_leaves_a_marked_log_and_no_summary(tmp_path):
     (tmp_path / "SUMMARY.md").write_text("## Goals: 9 of 9 met\n")
-    p = subprocess.Popen([sys.executable, str(BENCH / "run_all.py"), "--only", "overhead",
-                          "--out", str(tmp_path), "--threads", "1", "--no-progress"],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                         env=dict(os.environ, OMP_WAIT_POLICY="PASSIVE"))
+    p = _ctrl_c_reaches([sys.executable, str(BENCH / "run_all.py"), "--only", "overhead",
+                         "--out", str(tmp_path), "--threads", "1", "--no-progress"])
     assert p.stdout.readline().startswith("machine:")
     time.sleep(1.0)                             # overhead.py is running
     p.send_signal(signal.SIGINT)
@@ -468,6 +473,34 @@ def test_sigterm_mid_run_cleans_up_and_exits_143(tmp_path):
     assert p.returncode == 143 and "dask_tiers: terminated" in err
     assert "Traceback" not in err
     assert not any(x.name.startswith("dask_tiers_") for x in tmp_path.iterdir())
+
+
+def test_a_lost_heartbeat_at_teardown_logs_one_line(monkeypatch):
+    """A worker whose heartbeat finds the scheduler closed (the clusters ending, on SIGTERM
+    too) logs the line without distributed's traceback; other errors keep theirs."""
+    import io
+    import logging
+    pytest.importorskip("distributed")
+    tiers = load_benchmark("dask_tiers")
+    log = logging.getLogger("distributed.worker")
+    monkeypatch.setattr(log, "filters", list(log.filters))     # restored after the test
+    tiers._warm_up()                    # as each worker runs it
+    tiers._warm_up()                    # twice: one filter
+    assert log.filters.count(tiers.quiet_heartbeat_loss) == 1
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)
+    log.addHandler(handler)
+    try:
+        for message in (tiers.HEARTBEAT_LOST + ".", "Unexpected exception during heartbeat."):
+            try:
+                raise OSError("Stream is closed")
+            except OSError:
+                log.exception(message)
+    finally:
+        log.removeHandler(handler)
+    lost, other = out.getvalue().split("Unexpected exception", 1)
+    assert lost.strip() == tiers.HEARTBEAT_LOST + "."
+    assert "Traceback" in other and "Stream is closed" in other
 
 
 def test_a_corrupt_cached_trace_is_recorded_again(tmp_path, monkeypatch):
