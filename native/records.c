@@ -3790,7 +3790,54 @@ kernel_exit(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE;
 }
 
+/* element_offsets(arrays): each ndarray's first byte in elements (of arrays[0]'s itemsize) from
+ * arrays[0]'s, modulo 2**64, as a uint64 array; None when a gap is not a whole number of
+ * elements. For kernels that read several arrays through the first one's flat buffer: the
+ * addresses without building each array's __array_interface__ (2.5 us apiece on a slow CPU). */
+static PyObject *
+element_offsets(PyObject *module, PyObject *arrays)
+{
+    PyObject *seq = PySequence_Fast(arrays, "element_offsets: expected a sequence of "
+                                    "numpy.ndarray");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (!PyArray_Check(items[i])) {
+            PyErr_Format(PyExc_TypeError, "element_offsets: item %zd is a %.100s, not a "
+                         "numpy.ndarray", i, Py_TYPE(items[i])->tp_name);
+            Py_DECREF(seq);
+            return NULL;
+        }
+    npy_intp dims = n;
+    PyObject *out = PyArray_SimpleNew(1, &dims, NPY_UINT64);
+    if (out == NULL) {
+        Py_DECREF(seq);
+        return NULL;
+    }
+    if (n > 0) {
+        uint64_t *o = (uint64_t *)PyArray_DATA((PyArrayObject *)out);
+        uintptr_t first = (uintptr_t)PyArray_DATA((PyArrayObject *)items[0]);
+        intptr_t item = (intptr_t)PyArray_ITEMSIZE((PyArrayObject *)items[0]);
+        for (Py_ssize_t i = 0; i < n; i++) {
+            intptr_t gap = (intptr_t)((uintptr_t)PyArray_DATA((PyArrayObject *)items[i]) - first);
+            if (item <= 0 || gap % item != 0) {
+                Py_DECREF(out);
+                Py_DECREF(seq);
+                Py_RETURN_NONE;
+            }
+            o[i] = (uint64_t)(gap / item);               /* a negative gap wraps, mod 2**64 */
+        }
+    }
+    Py_DECREF(seq);
+    return out;
+}
+
 static PyMethodDef records_methods[] = {
+    {"element_offsets", (PyCFunction)element_offsets, METH_O,
+     "element_offsets(arrays): each ndarray's start in elements from the first's, modulo "
+     "2**64 (uint64 array), or None when a gap is not a whole number of elements."},
     {"bind", (PyCFunction)(void (*)(void))bind, METH_FASTCALL,
      "bind(alloc_address, free_address, Region, Object): the native heap's alloc and free "
      "functions and the manager's record classes, for create_fast and drain."},

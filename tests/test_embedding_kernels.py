@@ -1158,3 +1158,45 @@ def test_small_kernels_work_in_a_child_forked_after_parallel_ones():
                          timeout=300)
     assert run.returncode == 0, run.stderr
     assert run.stdout.split()[-1] == "0", (run.stdout, run.stderr)
+
+
+def _offsets_by_interface(arrays):
+    """element_offsets computed from each array's __array_interface__ address."""
+    first, item = arrays[0].__array_interface__["data"][0], arrays[0].itemsize
+    out = []
+    for a in arrays:
+        gap = a.__array_interface__["data"][0] - first
+        if gap % item:
+            return None
+        out.append((gap // item) % (1 << 64))
+    return out
+
+
+@settings(max_examples=200, deadline=None)
+@given(starts=st.lists(st.integers(0, 799), min_size=1, max_size=8),
+       itemsize=st.sampled_from([1, 2, 4, 8]), shift=st.integers(0, 7))
+def test_element_offsets_are_the_address_gaps_in_elements(starts, itemsize, shift):
+    """Views of one buffer at byte starts (before and after the first, misaligned too): the
+    distances in the first's elements modulo 2**64, or None when one is not whole."""
+    from cachedarrays.layout import element_offsets
+    buf = np.zeros(1024, dtype=np.uint8)
+    views = [buf[shift + s:shift + s + 8 * itemsize].view(f"u{itemsize}") if k == 0 else
+             buf[s:s + 8 * itemsize].view(f"u{itemsize}") for k, s in enumerate(starts)]
+    got = element_offsets(views)
+    want = _offsets_by_interface(views)
+    if want is None:
+        assert got is None
+    else:
+        assert got.dtype == np.uint64 and got.tolist() == want
+        assert K._deltas(views).tolist() == want
+        assert K._distance(views[0], views[-1]) == want[-1]
+
+
+def test_element_offsets_refuses_what_is_not_arrays():
+    from cachedarrays.layout import element_offsets
+    a = np.zeros(4, np.float32)
+    assert element_offsets([]).tolist() == [] and element_offsets((a,)).tolist() == [0]
+    with pytest.raises(TypeError, match="item 1 is a list, not a numpy.ndarray"):
+        element_offsets([a, [1.0]])
+    with pytest.raises(TypeError, match="sequence of numpy.ndarray"):
+        element_offsets(3)

@@ -1276,18 +1276,20 @@ def _columns(tables, column_offsets, width, what):
         raise TypeError(f"column_offsets must be whole numbers (each table's first column in "
                         f"{what}), got {raw.tolist()!r}")
     cols = raw.astype(np.int64)
-    for t, c, fs in zip(tables, cols, fss):
+    starts = cols.tolist()        # Python ints: NumPy scalars cost ~1 us per table here
+    for t, c, fs in zip(tables, starts, fss):
         if c < 0 or c + fs > width:
             raise ValueError(f"table {t.name!r}: columns {c}..{c + fs} do not fit in an "
                              f"output of width {width}")
     if what == "out":
-        order = np.argsort(cols, kind="stable")
+        order = sorted(range(len(starts)), key=starts.__getitem__)     # stable
         for a, b in zip(order[:-1], order[1:]):
-            if cols[a] + fss[a] > cols[b]:
+            if starts[a] + fss[a] > starts[b]:
                 raise ValueError(
-                    f"tables {tables[a].name!r} (columns {cols[a]}..{cols[a] + fss[a]}) and "
-                    f"{tables[b].name!r} (columns {cols[b]}..{cols[b] + fss[b]}) overlap in out; "
-                    f"give each table columns of its own (column_offsets=None packs them)")
+                    f"tables {tables[a].name!r} (columns {starts[a]}..{starts[a] + fss[a]}) "
+                    f"and {tables[b].name!r} (columns {starts[b]}..{starts[b] + fss[b]}) "
+                    f"overlap in out; give each table columns of its own (column_offsets=None "
+                    f"packs them)")
     return cols
 
 

@@ -18,6 +18,7 @@ import numpy as np
 from numba.typed import List as TypedList
 
 from cachedarrays import threads as _threads
+from cachedarrays.layout import element_offsets
 from cachedarrays.threads import serial_twin
 
 from ._fs_kernels import BAGS_PER_ITEM as _BAGS_PER_ITEM
@@ -972,7 +973,7 @@ def _columns(tables, column_offsets, width, names):
     if cols.shape != (len(tables),):
         raise ValueError(f"column_offsets must have one entry per table ({len(tables)}), "
                          f"got shape {cols.shape}")
-    for t, (c, fs) in enumerate(zip(cols, fss)):
+    for t, (c, fs) in enumerate(zip(cols.tolist(), fss)):     # Python ints: cheaper
         if c < 0 or (width is not None and c + fs > width):
             raise ValueError(f"table {names[t]!r}: columns {c}..{c + fs} do not fit in an "
                              f"output of width {width}")
@@ -1175,26 +1176,7 @@ def _deltas(tables):
     """Each table's start, in elements from the first's (``_distance``), or None."""
     if numba.config.BOUNDSCHECK:
         return None
-    out = np.empty(len(tables), dtype=np.uint64)
-    itemsize = tables[0].itemsize
-    first = _address(tables[0])                 # once, not once per table
-    for t, table in enumerate(tables):
-        d = _elements(_address(table) - first, itemsize)
-        if d is None:
-            return None
-        out[t] = d
-    return out
-
-
-def _address(a):
-    """a's first byte: the array interface's (``.ctypes.data`` builds a ctypes object, several
-    microseconds)."""
-    return a.__array_interface__["data"][0]
-
-
-def _elements(gap, itemsize):
-    """A gap of bytes in elements modulo 2**64, or None when it is not a whole number."""
-    return None if gap % itemsize else np.uint64((gap // itemsize) % (1 << 64))
+    return element_offsets(tables)
 
 
 def _distance(base, other):
@@ -1204,9 +1186,8 @@ def _distance(base, other):
     None (the kernels then take the arrays apart) when the distance is not a whole number of
     elements, or when numba checks bounds (``NUMBA_BOUNDSCHECK=1``), which such an index
     would fail."""
-    if numba.config.BOUNDSCHECK:
-        return None
-    return _elements(_address(other) - _address(base), base.itemsize)
+    d = _deltas((base, other))
+    return None if d is None else d[1]
 
 
 #: Tables whose gradient sums (one row of values per table row) fit in this many bytes are
