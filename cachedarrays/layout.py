@@ -12,7 +12,7 @@ import numpy as np
 # first's, modulo 2**64 (a uint64 array), or None when a gap is not a whole number of elements;
 # for kernels that reach several arrays through the first one's flat buffer. In C: reading an
 # address through ``__array_interface__`` builds a dict per array.
-from ._records import element_offsets  # noqa: E402,F401
+from ._records import element_offsets  # noqa: F401
 
 _OK_DTYPES = {}                # hashable dtype spelling ("f8", float, ...) -> checked np.dtype
 

@@ -118,6 +118,8 @@ def _serial_rows(n):
     """True when a kernel over n rows runs its serial twin: fewer than SERIAL_ROWS, or no
     parallel region can run here (``threads.FORKED_AFTER_POOL``)."""
     return n < SERIAL_ROWS or ca.threads.FORKED_AFTER_POOL
+
+
 #: The slots of a caching lookup that caches nothing.
 _NO_SLOTS = np.empty(0, dtype=np.int64)
 
