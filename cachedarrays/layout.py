@@ -14,6 +14,19 @@ import numpy as np
 # address through ``__array_interface__`` builds a dict per array.
 from ._records import element_offsets  # noqa: F401
 
+
+
+def readonly_view(a):
+    """a if it is read-only, else a read-only view of it. numba compiles one specialisation per
+    argument type and read-only is part of an array's type, so kernels that take their inputs
+    through this compile once whether the caller's arrays are writable or not."""
+    if not a.flags.writeable:
+        return a
+    v = a.view()
+    v.flags.writeable = False
+    return v
+
+
 _OK_DTYPES = {}                # hashable dtype spelling ("f8", float, ...) -> checked np.dtype
 
 

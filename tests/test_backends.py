@@ -329,6 +329,7 @@ def test_sgd_parallel_chunks_cover_every_element_once(n, chunks):
     p, g = rng.standard_normal(n, dtype=F32), rng.standard_normal(n, dtype=F32)
     want = p.copy()
     want -= F32(0.25) * g
+    g.flags.writeable = False                  # as sgd_update passes it
     _sgd._sgd_parallel(p, g, F32(0.25), chunks)
     assert np.array_equal(p.view(np.int32), want.view(np.int32))
 
@@ -878,3 +879,47 @@ def test_onednn_rejects_layouts_it_cannot_bind(dnnl):
         dnnl.relu_forward(x.transpose(0, 1, 3, 2), np.zeros_like(x))
     with pytest.raises(ValueError, match="relu_forward: x has dtype float64, expected float32"):
         dnnl.relu_forward(x.astype(np.float64), np.zeros_like(x))
+
+
+def _frozen(*arrays):
+    """Read-only copies of arrays."""
+    out = []
+    for a in arrays:
+        a = a.copy()
+        a.flags.writeable = False
+        out.append(a)
+    return out
+
+
+def _signatures(*kernels):
+    return [tuple(k.signatures) for k in kernels]
+
+
+@pytest.mark.parametrize("shape", [(4, 6, 2, 2), (2, 3, 9, 9)])
+def test_batchnorm_kernels_compile_once_whatever_the_inputs_flags(shape):
+    """Read-only and writable inputs (a parameter, a read-scope view, a fresh gradient) reach
+    the batch-norm kernels as one numba type: a second call with other flags compiles nothing
+    (each specialisation takes seconds to compile)."""
+    from cachedarrays.models.backend import _bnorm
+    kernels = (_bnorm._forward, _bnorm._forward_small, _bnorm._backward,
+               _bnorm._backward_masked, _bnorm._backward_small)
+    rng = np.random.default_rng(5)
+    n, c, h, w = shape
+    inputs = [rand(rng, *shape), rand(rng, c), rand(rng, c), rand(rng, *shape),
+              rand(rng, *shape), rand(rng, *shape)]
+
+    def run(x, g, b, dy, y_in, acc):
+        for relu in (False, True):
+            y, mean, var = np.empty(shape, F32), np.empty(c, F32), np.empty(c, F32)
+            _bnorm.forward(x, g, b, 1e-5, y, mean, var, relu=relu)
+        if not y_in.flags.writeable:
+            mean, var, y = _frozen(mean, var, y)
+        for kw in ({}, {"y": y}, {"y": y, "acc": acc}):
+            dx, dg, db = np.empty(shape, F32), np.empty(c, F32), np.empty(c, F32)
+            _bnorm.backward(dy, x, g, mean, var, 1e-5, dx, dg, db, **kw)
+        return dx
+
+    first = run(*inputs)
+    compiled = _signatures(*kernels)
+    assert np.array_equal(run(*_frozen(*inputs)), first)
+    assert _signatures(*kernels) == compiled

@@ -448,6 +448,31 @@ def test_output_layer_backward_equals_the_separate_kernels(n, h):
     np.testing.assert_allclose(dbp, expect_dx.astype(np.float64).sum(0), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("n", [4, 600])           # serial and parallel kernels
+def test_output_layer_backward_compiles_once_for_read_only_or_writable_inputs(n):
+    """Inputs from a read scope (read-only) and fresh ones reach the kernel as one numba type."""
+    from cachedarrays.models.dlrm import _head
+
+    rng = np.random.default_rng(n)
+    h = 16
+    inputs = [rng.standard_normal(s).astype(np.float32) for s in ((n, 1), (n, h), (1, h))]
+    results = []
+    for frozen in (False, True):
+        if frozen:
+            seen = [tuple(k.signatures) for k in (_head._output_layer_backward,
+                                                   _head._output_layer_backward_serial)]
+            for a in inputs:
+                a.flags.writeable = False
+        out = [np.empty((n, h), np.float32), np.empty((1, h), np.float32),
+               np.empty(1, np.float32), np.empty(h, np.float32)]
+        _head.output_layer_backward(*inputs, *out)
+        results.append(out)
+    assert [tuple(k.signatures) for k in (_head._output_layer_backward,
+                                          _head._output_layer_backward_serial)] == seen
+    for a, b in zip(*results):
+        assert np.array_equal(a, b)
+
+
 def test_output_layer_backward_refuses_bad_arguments():
     from cachedarrays.models.dlrm._head import output_layer_backward
 
@@ -515,6 +540,7 @@ def test_small_batches_pick_the_serial_interaction_kernels(specialised):
 
 @pytest.mark.parametrize("n", [1, 256, 257, 700])
 def test_output_layer_backward_on_the_calling_thread_matches_the_parallel_kernel(monkeypatch, n):
+    from cachedarrays.layout import readonly_view
     from cachedarrays.models.dlrm import _head
 
     rng = np.random.default_rng(n)
@@ -522,11 +548,12 @@ def test_output_layer_backward_on_the_calling_thread_matches_the_parallel_kernel
     dz = rng.standard_normal((n, 1)).astype(np.float32)
     y = np.maximum(rng.standard_normal((n, h)), 0).astype(np.float32)
     w = rng.standard_normal((1, h)).astype(np.float32)
+    inputs = [readonly_view(a) for a in (dz.reshape(n), y, w.reshape(h))]   # as the wrapper
     got = []
     for kernel in (_head._output_layer_backward, _head._output_layer_backward_serial):
         dx, dw = np.empty((n, h), np.float32), np.empty(h, np.float32)
         db, dbp = np.empty(1, np.float32), np.empty(h, np.float32)
-        kernel(dz.reshape(n), y, w.reshape(h), dx, dw, db, dbp)
+        kernel(*inputs, dx, dw, db, dbp)
         got.append((dx, dw, db, dbp))
     for a, b in zip(*got):
         assert np.array_equal(a, b)

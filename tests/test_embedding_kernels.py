@@ -360,6 +360,38 @@ def test_update_many_equals_per_table_updates(rng, layout):
         assert np.array_equal(many[t], single)
 
 
+def _every_signature():
+    """The signatures compiled so far of every embedding kernel (generic and specialised sets,
+    and the serial twins built)."""
+    kernels = [k for ks in list(K._specialised_cache.values()) for k in ks.values()]
+    kernels += list(K._serial_cache.values())
+    return {id(k): tuple(k.signatures) for k in kernels if hasattr(k, "signatures")}
+
+
+@pytest.mark.parametrize("batch", [3, 700])          # serial and parallel kernels
+def test_updates_compile_once_for_a_read_only_or_writable_gradient(rng, batch):
+    """A read-only dout (a view from a read scope) and a writable one reach the update kernels
+    as one numba type: the second call compiles nothing."""
+    sizes, fss = [40, 300], [8, 8]
+    bags = [make_bags(rng, batch, n, 6) for n in sizes]
+    dout = rng.standard_normal((batch, sum(fss))).astype(np.float32)
+    results = []
+    for frozen in (False, True):
+        if frozen:
+            seen = _every_signature()
+            dout = dout.copy()
+            dout.flags.writeable = False
+        buf = np.zeros(sum(n * f for n, f in zip(sizes, fss)), np.float32)
+        many = [buf[:320].reshape(40, 8), buf[320:].reshape(300, 8)]
+        K.update_many(many, [b[0] for b in bags], [b[1] for b in bags], dout, 0.5, [0, 8])
+        single = np.zeros((40, 8), np.float32)
+        K.sgd_update(single, *bags[0], dout[:, :8], 0.5)
+        results.append((buf, single))
+    assert _every_signature() == seen
+    for a, b in zip(*results):
+        assert np.array_equal(a, b)
+
+
 @pytest.mark.parametrize("kernels", ["generic", "specialised"])
 @pytest.mark.parametrize("layout", ["flat", "apart"])
 def test_dense_update_is_bit_identical_to_the_reindexed_one(rng, monkeypatch, kernels, layout,
@@ -650,11 +682,11 @@ def test_specialised_lookup_and_update_write_nothing_under_home(tmp_path):
 _LOOKUP_FS5 = """
 import numpy as np
 from cachedarrays.models.dlrm import kernels as K
-n = K.SERIAL_INDICES + 1       # a parallel lookup, then a small one (the serial twin)
-K.lookup_sum(np.ones((10, 5), np.float32), np.arange(n) % 10, np.array([0, 4]))
-K.lookup_sum(np.ones((10, 5), np.float32), np.arange(10), np.array([0, 4]))
+n = K.SERIAL_INDICES + 1       # a parallel gather, then a small one (the serial twin)
+K.lookup(np.ones((10, 5), np.float32), np.arange(n) % 10)
+K.lookup(np.ones((10, 5), np.float32), np.arange(10))
 for serial in (False, True):
-    stats = K.specialised_kernel("bag_sum", 5, serial).stats
+    stats = K.specialised_kernel("gather", 5, serial).stats
     print(sum(stats.cache_hits.values()), sum(stats.cache_misses.values()))
 """
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from cachedarrays import threads as _threads
+from cachedarrays.layout import readonly_view as _readonly
 
 CHUNK_ROWS = 256               # rows per work item (a float64 partial row each)
 PARALLEL_MIN = 1 << 16         # elements; below this NumPy's serial passes are faster than a launch
@@ -89,9 +90,9 @@ def relu_backward_bias(dy: np.ndarray, y: np.ndarray, dx: np.ndarray, db: np.nda
         np.multiply(dy, y > 0, out=dx)         # NumPy buffers a partly overlapping dx itself
         np.sum(dx, axis=0, out=db)
     elif inplace:
-        _masked_sums_inplace(dx, y, db)
+        _masked_sums_inplace(dx, _readonly(y), db)
     else:
-        _masked_sums(dy, y, dx, db)
+        _masked_sums(_readonly(dy), _readonly(y), dx, db)
 
 
 def bias_grad(dy: np.ndarray, db: np.ndarray) -> None:
@@ -99,4 +100,4 @@ def bias_grad(dy: np.ndarray, db: np.ndarray) -> None:
     if numba is None or dy.size < PARALLEL_MIN or _threads.FORKED_AFTER_POOL:
         np.sum(dy, axis=0, out=db)
         return
-    _sums(dy, db)
+    _sums(_readonly(dy), db)

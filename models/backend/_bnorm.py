@@ -19,6 +19,7 @@ import numpy as np
 from numba import njit, prange
 
 from cachedarrays import threads as _threads
+from cachedarrays.layout import readonly_view as _readonly
 from cachedarrays.threads import serial_twin
 
 _FM = {"nsz", "arcp", "contract", "afn", "reassoc"}   # no nnan/ninf: NaN and inf propagate
@@ -308,15 +309,6 @@ def _flat(a):
     return a.reshape(a.shape[0], a.shape[1], -1)
 
 
-def _readonly(a):
-    """A read-only view: x always reaches the kernels as the same numba type (one compiled
-    specialisation, so a slice and its copy give bitwise the same results)."""
-    if a.flags.writeable:
-        a = a.view()
-        a.flags.writeable = False
-    return a
-
-
 def _rows(x):
     """(flat, batch stride) of x (N, C, H, W): channel ch of sample i is
     flat[i * stride + ch * H * W:][:H * W]. A channel slice of a larger C-contiguous NCHW array
@@ -353,11 +345,18 @@ def _run(kernel):
     return twin
 
 
+# The inputs reach the kernels read-only (``_readonly``, and ``_rows`` for x) whatever the
+# caller's flags: one compiled specialisation per dtype and layout, where a model's layers (a
+# parameter, a view from a read scope, a fresh gradient) used to compile up to four, several
+# seconds each.
+
+
 def forward(x, gamma, beta, eps, out, mean_out, var_out, relu=False):
     """Batch mean, biased variance and normalised output (shapes and dtypes checked by caller);
     relu: the output goes through max(., 0) in the same pass. x may be a channel slice of a
     larger NCHW array (read in place)."""
     xf, xbs = _rows(x)
+    gamma, beta = _readonly(gamma), _readonly(beta)
     hw = _small_plane(out)
     if hw:
         _run(_forward_small)(xf, xbs, gamma, beta, float(eps), _rows2(out), hw, mean_out,
@@ -391,18 +390,20 @@ def backward(dy, x, gamma, mean, var, eps, dx, dgamma, dbeta, y=None, acc=None):
     xf, xbs = _rows(x)
     if y is None and acc is not None:
         raise ValueError("_bnorm.backward: acc needs y (the masked kernel)")
+    gamma, mean, var = _readonly(gamma), _readonly(mean), _readonly(var)
     hw = _small_plane(dx, dy, y, acc)
     if hw:
         fdx = _rows2(dx)
-        _run(_backward_small)(_rows2(dy), fdx if y is None else _rows2(y), y is not None, xf,
-                              xbs, gamma, mean, var, float(eps), fdx, hw, dgamma, dbeta,
-                              fdx if acc is None else _rows2(acc), acc is not None)
+        fdy = _readonly(_rows2(dy))     # y and acc, when absent, are stand-ins the kernel skips
+        _run(_backward_small)(fdy, fdy if y is None else _readonly(_rows2(y)), y is not None,
+                              xf, xbs, gamma, mean, var, float(eps), fdx, hw, dgamma, dbeta,
+                              fdy if acc is None else _readonly(_rows2(acc)), acc is not None)
     elif y is None:
-        _run(_backward)(_flat(dy), xf, xbs, gamma, mean, var, float(eps), _flat(dx), dgamma,
-                        dbeta)
+        _run(_backward)(_readonly(_flat(dy)), xf, xbs, gamma, mean, var, float(eps), _flat(dx),
+                        dgamma, dbeta)
     else:
-        fdx = _flat(dx)
-        _run(_backward_masked)(_flat(dy), _flat(y), xf, xbs, gamma, mean, var, float(eps), fdx,
-                               dgamma, dbeta, fdx if acc is None else _flat(acc),
+        fdx, fdy = _flat(dx), _readonly(_flat(dy))
+        _run(_backward_masked)(fdy, _readonly(_flat(y)), xf, xbs, gamma, mean, var, float(eps),
+                               fdx, dgamma, dbeta, fdy if acc is None else _readonly(_flat(acc)),
                                acc is not None)
     return dx

@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from cachedarrays import threads as _threads
+from cachedarrays.layout import readonly_view as _readonly
 
 PARALLEL_MIN = 1 << 18          # elements; below this the serial kernel is faster
 
@@ -52,7 +53,7 @@ def sgd_update(param: np.ndarray, grad: np.ndarray, lr) -> np.ndarray:
     if numba is None or param.dtype != np.float32:
         param -= lr32 * grad
         return param
-    p, g = param.reshape(-1), grad.reshape(-1)
+    p, g = param.reshape(-1), _readonly(grad.reshape(-1))
     if p.size >= PARALLEL_MIN and not _threads.FORKED_AFTER_POOL:
         _sgd_parallel(p, g, lr32, numba.get_num_threads())
     elif p.size:

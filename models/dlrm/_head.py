@@ -16,6 +16,7 @@ import numpy as np
 from numba import njit, prange
 
 from cachedarrays import threads as _threads
+from cachedarrays.layout import readonly_view as _readonly
 from cachedarrays.threads import serial_twin
 
 #: Rows per parallel work item (float64 partial sums each); a batch of at most this many rows
@@ -103,6 +104,7 @@ def output_layer_backward(dz, y, w, dx, dw, db, dbp):
         return dx
     serial = n <= CHUNK_ROWS or _threads.FORKED_AFTER_POOL
     kernel = _output_layer_backward_serial if serial else _output_layer_backward
-    kernel(dz.reshape(n), y, w.reshape(h), dx, dw.reshape(h), db, dbp)
+    kernel(_readonly(dz.reshape(n)), _readonly(y), _readonly(w.reshape(h)), dx, dw.reshape(h),
+           db, dbp)
     return dx
 

@@ -41,6 +41,7 @@ from numba import njit, prange
 import cachedarrays as ca
 from cachedarrays import costmodel
 from cachedarrays.copyengine import check_switch
+from cachedarrays.layout import readonly_view
 from cachedarrays.threads import serial_twin
 
 from . import kernels
@@ -1084,7 +1085,8 @@ class CachedEmbeddingTable(EmbeddingTable):
                                    keep, kept_rows, kept_dirty, self._second_chance, not writeback)
             if writeback:
                 drop = _drop_slots_serial if _serial_rows(slots.shape[0]) else _drop_slots
-                copied = drop(views[-1], c, self.where, self.backedge, self.dirty_slots, slots)
+                copied = drop(views[-1], c if c is None else readonly_view(c), self.where,
+                              self.backedge, self.dirty_slots, slots)    # one numba type
             else:
                 copied = 0
             self._free_pages.extend(reversed(popped))

@@ -19,6 +19,7 @@ from numba.typed import List as TypedList
 
 from cachedarrays import threads as _threads
 from cachedarrays.layout import element_offsets
+from cachedarrays.layout import readonly_view as _readonly
 from cachedarrays.threads import serial_twin
 
 from ._fs_kernels import BAGS_PER_ITEM as _BAGS_PER_ITEM
@@ -390,7 +391,7 @@ def _gradient(dout, nbags, ncols, dtype, name):
     flat, stride = _flat_rows(dout, nbags, ncols, dtype, name, "dout")
     if flat is None:
         flat, stride = np.ascontiguousarray(_plain(dout, name, "dout")).reshape(-1), ncols
-    return flat, stride
+    return _readonly(flat), stride      # read-only: one numba type whatever dout's flags
 
 
 def _nbags_of(out, offsets):
@@ -608,6 +609,7 @@ def lookup_sum_plain(table, indices, offsets, out, name="table"):
     nbags = out.shape[0]
     bad = np.zeros(1, dtype=np.uint8)
     bag_sum = _pick("bag_sum", table.shape[1], _small(indices.shape[0], nbags))
+    table = _readonly(table)        # a writable table too, without a second compile
     bag_sum(table, table, None, indices, offsets, nbags, out.reshape(-1), table.shape[1], 0,
             _NO_MARKS, np.uint64(table.shape[0]), bad)
     if bad[0]:
@@ -854,16 +856,6 @@ _INDIRECT_LOOKUP = "bag_sum_cached"
 #: checked (and converted) first.  A bad index raises the same IndexError after the kernel
 #: ran, so a caller's ``out`` may be left partly written.
 IN_KERNEL = "in-kernel"
-
-
-def _readonly(a):
-    """A read-only view: every array in an ensemble then has one numba type (one compile).
-    An array that is read-only already (a ``ca.kernel`` read view) serves as it is."""
-    if not a.flags.writeable:
-        return a
-    v = a.view()
-    v.flags.writeable = False
-    return v
 
 
 def _check_writable(table, name, what="table"):

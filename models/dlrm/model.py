@@ -19,6 +19,7 @@ from numba import njit, prange
 
 import cachedarrays as ca
 from cachedarrays import threads as _threads
+from cachedarrays.layout import readonly_view as _readonly
 from cachedarrays.models.backend import get_backend
 from cachedarrays.threads import serial_twin
 
@@ -180,6 +181,7 @@ def dot_interaction(t, nfeat, fs, out=None):
     if out is None:
         out = np.empty((t.shape[0], width), dtype=t.dtype)
     _check_interaction_output(out, (t.shape[0], width), t, "out", "dot_interaction", t)
+    t = _readonly(t)                    # one numba type whatever the caller's flags
     k = _specialised(nfeat, fs, t, out)
     if k is not None:
         k(t, out)
@@ -198,6 +200,7 @@ def dot_interaction_backward(t, dr, nfeat, fs, dt=None):
     if dt is None:
         dt = np.empty_like(t)
     _check_interaction_output(dt, t.shape, t, "dt", "dot_interaction_backward", t, dr)
+    t, dr = _readonly(t), _readonly(dr)
     k = _specialised(nfeat, fs, t, dr, dt, backward=True)
     if k is not None:
         k(t, dr, dt)
