@@ -212,7 +212,7 @@ def test_main_twice_prints_the_same_numbers(bench, tmp_path, monkeypatch):
     # DeepTM's figures at one target and two betas: each searches budgets with a planner
     monkeypatch.setattr(bench, "FIG17", ((0.9, ("deeptm", None), ("lru", None)),))
     monkeypatch.setattr(bench, "BETAS", (0.5, 1.0))
-    args = ["--models", "tinycnn", "--budgets", "25,100", "--steps", "3", "--backend", "numpy",
+    args = ["--models", "tinycnn", "--budgets", "25", "--steps", "3", "--backend", "numpy",
             "--traces", str(tmp_path), "--plot", str(tmp_path / "sweep.png")]
     outs = []
     for extra in (["--record"], []):         # record and save; then load and replay again
