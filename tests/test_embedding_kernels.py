@@ -1232,3 +1232,57 @@ def test_element_offsets_refuses_what_is_not_arrays():
         element_offsets([a, [1.0]])
     with pytest.raises(TypeError, match="sequence of numpy.ndarray"):
         element_offsets(3)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_cached_ensemble_lookup_equals_one_table_at_a_time(seed):
+    """lookup_cached_many reaches every table's ``where`` and marks through the first's (at
+    higher or lower addresses), lists the missed rows only of the tables given a list and
+    marks only those given marks: the same sums, hits, lists and marks as one call per table."""
+    rng = np.random.default_rng(seed)
+    n, fs, nbags = 4, 8, 30
+    sizes = rng.integers(20, 200, n)
+    tables = [_indirect_tables(rng, int(r), fs, int(r) // 2, np.int32) for r in sizes]
+    order = rng.permutation(n)          # the wheres copied in a random order: random addresses
+    wheres = [None] * n
+    for t in order:
+        wheres[t] = tables[t][2].copy()
+    bases = [t[0] for t in tables]
+    caches = [t[1] for t in tables]
+    bags = [make_bags(rng, nbags, int(r), 6) for r in sizes]
+    listed = [k % 2 == seed % 2 for k in range(n)]
+    marked = [k != seed % n for k in range(n)]
+    misseds = [np.full(b[0].shape[0], -7, np.int64) if want else None
+               for b, want in zip(bags, listed)]
+    refss = [np.zeros(int(r), np.uint8) if want else None for r, want in zip(sizes, marked)]
+    out = np.full((nbags, n * fs), np.nan, np.float32)
+    hits, nmissed = K.lookup_cached_many(bases, caches, wheres, [b[0] for b in bags],
+                                         [b[1] for b in bags], out, None, misseds, refss)
+    for t in range(n):
+        missed = np.zeros(bags[t][0].shape[0], np.int64)
+        refs = np.zeros(int(sizes[t]), np.uint8)
+        one, h = K.lookup_sum_indirect_hits(bases[t], caches[t], wheres[t], *bags[t], None,
+                                            missed, refs=refs)
+        assert np.array_equal(out[:, t * fs:(t + 1) * fs], one)
+        assert hits[t] == h
+        if listed[t]:
+            assert nmissed[t] == bags[t][0].shape[0] - h
+            assert np.array_equal(misseds[t][:nmissed[t]], missed[:nmissed[t]])
+        if marked[t]:
+            assert np.array_equal(refss[t], refs)
+
+
+def test_a_cached_ensemble_whose_wheres_are_not_whole_elements_apart_is_left_to_the_caller():
+    """A ``where`` two bytes off the int32 grid of the first cannot be reached through it: the
+    ensemble call returns None and writes nothing (the tables then go one at a time)."""
+    rng = np.random.default_rng(3)
+    tables = [_indirect_tables(rng, 40, 8, 20, np.int32) for _ in range(2)]
+    raw = np.zeros(40 * 4 + 4, np.uint8)
+    odd = np.frombuffer(raw.data, np.int32, count=40, offset=2)
+    odd[...] = tables[1][2]
+    bags = [make_bags(rng, 5, 40, 4) for _ in range(2)]
+    out = np.full((5, 16), 3.0, np.float32)
+    assert K.lookup_cached_many([t[0] for t in tables], [t[1] for t in tables],
+                                [tables[0][2], odd], [b[0] for b in bags],
+                                [b[1] for b in bags], out) is None
+    assert (out == 3.0).all()

@@ -74,6 +74,8 @@ AHEAD = PREFETCH_AHEAD
 RAHEAD = ROW_PREFETCH
 #: The bound of a lookup whose indices were checked before the kernel: no index is above it.
 NO_BOUND = np.uint64(2**64 - 1)
+#: A zero distance (a single table's own ``where`` and marks: see ``translate``).
+ZERO = np.uint64(0)
 
 
 # ---- helpers without a feature loop -------------------------------------------------------
@@ -184,14 +186,15 @@ def addr(where, r, fs):
 
 
 @njit(**INLINE)
-def position(where, r, fs, delta):
+def position(where, wi, r, fs, delta):
     """(flat start counted from the base, 1 if cached else 0) of logical row r of an indirect
-    table whose pool lies ``delta`` elements from the base (modulo 2**64).
+    table whose pool lies ``delta`` elements from the base (modulo 2**64); its ``where`` entry
+    is ``where[wi]``.
 
     Without a branch: whether a row is cached is as unpredictable as the hit rate makes it,
     and a mispredicted branch per row made a 327,680-index lookup 0.6-1.0 ms slower at 50%
     hits."""
-    w = where[r]
+    w = where[wi]
     c = np.int64(w >= 0)
     home = at(r, fs)
     return home + np.uint64(c) * (at(w, fs) + delta - home), c
@@ -385,14 +388,16 @@ def sum_bag_indirect(bflat, cflat, where, indices, start, end, acc, missed, fs, 
 
 
 @njit(**INLINE)
-def translate(where, indices, lo, hi, pos, missed, fs, delta, refs, nrows, bad):
+def translate(where, wd, indices, lo, hi, pos, missed, fs, delta, refs, rd, mark, nrows, bad):
     """pos[j] = flat start, counted from the base, of row indices[j] where it lives, for j in
     lo..hi; returns how many are cached. The positions j of the others go to missed[lo],
     missed[lo + 1], ... in index order (an empty ``missed``: none listed); an index out of
     range (as unsigned, against ``nrows``) sets ``bad[0]``, gets row 0's position and is neither
-    counted nor listed. ``refs`` (one byte per base row, or empty) gets 1 for every cached
+    counted nor listed. With ``mark``, ``refs`` (one byte per base row) gets 1 for every cached
     row read; it is indexed by the row, so it is prefetched with ``where``, and a row already
-    marked is not written again, so its cache line stays shared between the cores.
+    marked is not written again, so its cache line stays shared between the cores. Row r's
+    ``where`` entry is ``where[wd + r]`` and its mark ``refs[rd + r]`` (uint64 sums, modulo
+    2**64: an ensemble reaches every table's arrays through the first table's, as the rows).
 
     A cache row's start is its start in the pool plus ``delta``, the pool's distance from
     the base in elements (modulo 2**64): the sums then read every row from one flat buffer,
@@ -402,25 +407,26 @@ def translate(where, indices, lo, hi, pos, missed, fs, delta, refs, nrows, bad):
     hits = 0
     listed = lo
     record = missed.shape[0] > 0
-    mark = refs.shape[0] > 0
     for j in range(lo, hi):
         if j + WAHEAD < hi:
-            prefetch_far(where, np.uint64(indices[j + WAHEAD]))
+            ahead = np.uint64(indices[j + WAHEAD])
+            prefetch_far(where, wd + ahead)
             if mark:
-                prefetch_far(refs, np.uint64(indices[j + WAHEAD]))
+                prefetch_far(refs, rd + ahead)
         r = indices[j]
-        if np.uint64(r) >= nrows:
+        ur = np.uint64(r)
+        if ur >= nrows:
             bad[0] = 1
             pos[j] = 0
             continue
-        p, c = position(where, r, fs, delta)
+        p, c = position(where, wd + ur, r, fs, delta)
         pos[j] = p
         hits += c
         if record:          # written always, kept only for a miss: no branch on the hit
             missed[listed] = j
             listed += 1 - c
-        if mark and c and refs[r] == 0:
-            refs[r] = 1
+        if mark and c and refs[rd + ur] == 0:
+            refs[rd + ur] = 1
     return hits
 
 
@@ -836,8 +842,8 @@ def make_kernels(FS):
         cached = np.empty(nitems, dtype=np.int64)  # per item: no parfor reduction
         for it in prange(nitems):
             lo, hi = span(it, IPI, nidx)
-            cached[it] = translate(where, indices, lo, hi, pos, missed, fs, delta, refs, nrows,
-                                   bad)
+            cached[it] = translate(where, ZERO, indices, lo, hi, pos, missed, fs, delta, refs,
+                                   ZERO, refs.shape[0] > 0, nrows, bad)
         for it in prange((nbags + BPI - 1) // BPI):
             acc = np.empty(fs, dtype=base.dtype)
             lo, hi = span(it, BPI, nbags)
@@ -859,8 +865,8 @@ def make_kernels(FS):
         cached = np.empty(nitems, dtype=np.int64)
         for it in prange(nitems):
             lo, hi = span(it, IPI, nidx)
-            cached[it] = translate(where, indices, lo, hi, pos, missed, fs, delta, refs, nrows,
-                                   bad)
+            cached[it] = translate(where, ZERO, indices, lo, hi, pos, missed, fs, delta, refs,
+                                   ZERO, refs.shape[0] > 0, nrows, bad)
         if bad[0]:
             return cached.sum(), 0, 0
         n = pack_positions(missed, nidx, IPI, cached)
@@ -889,35 +895,41 @@ def make_kernels(FS):
                           SPECIALISED)
 
     @njit(**PARALLEL)
-    def bag_sum_cached_many(ref, wheres, indices, offsets, nbags, out, ostride, cols, origins,
-                            deltas, misseds, poss, refss, bad, chunk, nmissed):
+    def bag_sum_cached_many(ref, where, wds, nrows, icat, ib, ocat, ob, nbags, out, ostride,
+                            cols, origins, deltas, mcat, listed, poss, refs, rds, marks, bad,
+                            chunk, nmissed):
         """``bag_sum_cached`` of an ensemble of indirect tables of one feature size, every
         row read through ``ref``'s flat buffer: table t's base starts ``origins[t]``
         elements from ref's start, its pool ``deltas[t]`` elements from its base (modulo
-        2**64). Work items are (bag chunk, table) pairs: each translates the indices of its
-        bags into ``poss[t]`` (one entry per index of table t), then sums those bags, so one
-        parallel region serves every table. Same sums, same order of additions as
-        ``bag_sum_cached``. Returns each table's cached indices; ``nmissed[t]`` gets how
-        many of table t's missed rows are listed, in index order, at the front of
-        ``misseds[t]`` (an empty one: none listed). ``refss[t]`` marks table t's cached rows
-        read (see ``translate``); an index out of its table's range sets ``bad[0]``."""
+        2**64). Table t's indices are ``icat[ib[t]:ib[t + 1]]`` and its offsets
+        ``ocat[ob[t]:ob[t + 1]]`` (one array each for every table: typed lists of them cost
+        more to build than a small lookup). Work items are (bag chunk, table) pairs: each
+        translates the indices of its bags into ``poss`` (laid out as ``icat``), then sums
+        those bags, so one parallel region serves every table. Same sums, same order of
+        additions as ``bag_sum_cached``. Returns each table's cached indices; for a table with
+        ``listed[t]``, ``nmissed[t]`` gets how many of its missed rows are listed, in index
+        order, at the front of ``mcat[ib[t]:ib[t + 1]]``. Table t's ``where`` (``nrows[t]``
+        entries) lies ``wds[t]`` elements from ``where``'s start and, where ``marks[t]``, its
+        marks of the cached rows read (see ``translate``) ``rds[t]`` from ``refs``'s; an index
+        out of its table's range sets ``bad[0]``."""
         fs = FS or ref.shape[1]
         rflat = ref.reshape(-1)
-        ntables = len(wheres)
+        ntables = nrows.shape[0]
         nchunks = (nbags + chunk - 1) // chunk
         cached = np.empty(nchunks * ntables, dtype=np.int64)   # per item: no reduction
         for it in prange(nchunks * ntables):
             c = it // ntables
             t = it - c * ntables      # tables vary fastest: each thread gets a mix of them
             lo, hi = span(c, chunk, nbags)
-            idx = indices[t]
-            off = offsets[t]
-            pos = poss[t]
+            idx = icat[ib[t]:ib[t + 1]]
+            off = ocat[ob[t]:ob[t + 1]]
+            pos = poss[ib[t]:ib[t + 1]]
+            missed = mcat[ib[t]:ib[t + 1]] if listed[t] else mcat[:0]
             nidx = idx.shape[0]
             ilo = bag_bounds(off, lo, nidx)[0]
             ihi = bag_bounds(off, hi - 1, nidx)[1]
-            cached[it] = translate(wheres[t], idx, ilo, ihi, pos, misseds[t], fs, deltas[t],
-                                   refss[t], np.uint64(wheres[t].shape[0]), bad)
+            cached[it] = translate(where, wds[t], idx, ilo, ihi, pos, missed, fs, deltas[t],
+                                   refs, rds[t], marks[t] != 0, np.uint64(nrows[t]), bad)
             origin = origins[t]
             for j in range(ilo, ihi):
                 pos[j] += origin
@@ -925,9 +937,9 @@ def make_kernels(FS):
             bag_sums_flat(rflat, pos, off, lo, hi, out, ostride, cols[t], acc, fs, SPECIALISED)
         hits = np.zeros(ntables, dtype=np.int64)
         for t in range(ntables):
-            missed = misseds[t]
-            off = offsets[t]
-            idx = indices[t]
+            idx = icat[ib[t]:ib[t + 1]]
+            off = ocat[ob[t]:ob[t + 1]]
+            missed = mcat[ib[t]:ib[t + 1]]
             nidx = idx.shape[0]
             n = 0
             for c in range(nchunks):
@@ -936,7 +948,7 @@ def make_kernels(FS):
                 ihi = bag_bounds(off, hi - 1, nidx)[1]
                 got = cached[c * ntables + t]
                 hits[t] += got
-                if missed.shape[0]:
+                if listed[t]:
                     count = ihi - ilo - got
                     for q in range(count):
                         missed[n + q] = idx[missed[ilo + q]]
