@@ -1286,3 +1286,34 @@ def test_a_cached_ensemble_whose_wheres_are_not_whole_elements_apart_is_left_to_
                                 [tables[0][2], odd], [b[0] for b in bags],
                                 [b[1] for b in bags], out) is None
     assert (out == 3.0).all()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_cached_ensemble_update_equals_one_table_at_a_time(seed):
+    """update_cached_many reaches every table, map and set of dirty marks through the first
+    table's (at higher or lower addresses) and marks only the tables given marks: the same
+    rows, hits, values and marks as one update per table."""
+    rng = np.random.default_rng(seed)
+    n, fs, nbags = 4, 8, 30
+    sizes = rng.integers(20, 200, n)
+    made = [_indirect_tables(rng, int(r), fs, int(r) // 2, np.int32) for r in sizes]
+    order = rng.permutation(n)          # copied in a random order: random addresses
+    bases, caches, wheres = [None] * n, [None] * n, [None] * n
+    for t in order:
+        bases[t], caches[t], wheres[t] = (a.copy() for a in made[t])
+    bags = [make_bags(rng, nbags, int(r), 6) for r in sizes]
+    dout = rng.standard_normal((nbags, n * fs)).astype(np.float32)
+    marked = [k != seed % n for k in range(n)]
+    dirties = [np.zeros(c.shape[0], np.uint8) if want else None
+               for c, want in zip(caches, marked)]
+    rows, hits = K.update_cached_many(bases, caches, wheres, [b[0] for b in bags],
+                                      [b[1] for b in bags], dout, 0.25, None, dirties)
+    for t in range(n):
+        base, cache, where = (a.copy() for a in made[t])
+        dirty = np.zeros(cache.shape[0], np.uint8)
+        one, h = K.sgd_update_indirect_hits(base, cache, where, *bags[t],
+                                            dout[:, t * fs:(t + 1) * fs], 0.25, dirty)
+        assert np.array_equal(rows[t], one) and hits[t] == h
+        assert np.array_equal(bases[t], base) and np.array_equal(caches[t], cache)
+        if marked[t]:
+            assert np.array_equal(dirties[t], dirty)

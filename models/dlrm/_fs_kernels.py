@@ -612,40 +612,42 @@ def sgd_rows(bflat, cflat, where, rows, bounds, occ, lo, hi, dout, gstride, gcol
 
 @njit(**INLINE)
 def sgd_rows_flat(t, where, rows, bounds, occ, lo, hi, dout, gstride, gcol, lr, acc, fs, delta,
-                  dirty):
-    """sgd_rows through one flat buffer ``t``. With ``where``, an indirect table: a cached
-    row's start is its start in the pool plus ``delta`` (see ``translate``), each written
-    pool slot is marked in ``dirty`` (an empty ``dirty``: none; its byte is prefetched for
-    writing with the row), and the result is how many of the rows were cached. With
-    ``where=None``, a plain table ``delta`` elements from t (see ``gather_many``); the result
-    is 0."""
+                  dirty, origin, wd, dd):
+    """sgd_rows through one flat buffer ``t``. With ``where``, an indirect table whose base
+    starts ``origin`` elements from t: a cached row's start is its start in the pool plus
+    ``delta`` (see ``translate``), each written pool slot is marked in ``dirty`` (an empty
+    ``dirty``: none; its byte is prefetched for writing with the row), and the result is how
+    many of the rows were cached; row r's ``where`` entry is ``where[wd + r]`` and slot s's
+    mark ``dirty[dd + s]`` (uint64 sums, modulo 2**64: an ensemble reaches every table's
+    through the first one's). With ``where=None``, a plain table ``delta`` elements from t
+    (see ``gather_many``); the result is 0."""
     hits = 0
     mark = dirty.shape[0] > 0
     for u in range(lo, hi):
         if where is not None and u + UWAHEAD < hi:
-            prefetch_far(where, np.uint64(rows[u + UWAHEAD]))
+            prefetch_far(where, wd + np.uint64(rows[u + UWAHEAD]))
         if u + AHEAD < hi:
             r = rows[u + AHEAD]
             if where is None:
                 q = at(r, fs) + delta
             else:
-                w = where[r]
-                q = at(w, fs) + delta if w >= 0 else at(r, fs)
+                w = where[wd + np.uint64(r)]
+                q = origin + (at(w, fs) + delta if w >= 0 else at(r, fs))
                 if mark and w >= 0:
-                    prefetch_write(dirty, np.uint64(w))
+                    prefetch_write(dirty, dd + np.uint64(w))
             prefetch_row_write(t, q, fs)
         r = rows[u]
         if where is None:
             p = at(r, fs) + delta
         else:
-            w = where[r]
+            w = where[wd + np.uint64(r)]
             if w >= 0:
-                p = at(w, fs) + delta
+                p = origin + at(w, fs) + delta
                 if mark:
-                    dirty[w] = 1
+                    dirty[dd + np.uint64(w)] = 1
                 hits += 1
             else:
-                p = at(r, fs)
+                p = origin + at(r, fs)
         sgd_row(t, p, lr, dout, gstride, gcol, occ, bounds[u + 1], bounds[u + 2], acc, fs)
     return hits
 
@@ -998,7 +1000,7 @@ def make_kernels(FS):
             acc = np.empty(fs, dtype=base.dtype)
             lo, hi = span(it, RPI, nu)
             hits[it] = sgd_rows_flat(bflat, where, rows, bounds, occ, lo, hi, dout, gstride,
-                                     gcol, lr, acc, fs, delta, dirty)
+                                     gcol, lr, acc, fs, delta, dirty, ZERO, ZERO, ZERO)
         return hits.sum()
 
     @njit(**PARALLEL)
@@ -1040,35 +1042,38 @@ def make_kernels(FS):
         return nus, rows
 
     @njit(**PARALLEL)
-    def apply_sgd_cached_many(bases, wheres, indices, offsets, obase, idx_base, nbags, dout,
-                              gstride, cols, lr, deltas, dirties, slots, nworkers, rows, nus,
-                              hits):
+    def apply_sgd_cached_many(ref, origins, where, wds, indices, offsets, obase, idx_base,
+                              nbags, dout, gstride, cols, lr, deltas, dirty, dds, marks, slots,
+                              nworkers, rows, nus, hits):
         """``apply_sgd_cached`` of an ensemble of indirect tables of one feature size, each
         re-indexed first (``reindex``): worker w takes tables w, w + nworkers, ... with its
         row of ``slots``, so one parallel region serves every table. Table t's indices and
         offsets are concatenated from ``idx_base[t]`` and ``obase[t]``, its unique rows land
-        in ``rows`` from ``idx_base[t]`` (``nus[t]`` of them), its pool lies ``deltas[t]``
-        elements from its base, its written slots are marked in ``dirties[t]``, and
-        ``hits[t]`` gets how many of its unique rows were cached. Same sums as one table at
-        a time."""
-        ntables = len(bases)
+        in ``rows`` from ``idx_base[t]`` (``nus[t]`` of them), its base lies ``origins[t]``
+        elements from ``ref``'s start and its pool ``deltas[t]`` from its base, its ``where``
+        ``wds[t]`` from ``where``'s, and (where ``marks[t]``) its dirty marks ``dds[t]`` from
+        ``dirty``'s; ``hits[t]`` gets how many of its unique rows were cached. Every array is
+        reached through the first table's, as typed lists of them cost more to build than a
+        small update. Same sums as one table at a time."""
+        ntables = origins.shape[0]
+        fs = FS or ref.shape[1]
+        rflat = ref.reshape(-1)
         total = idx_base[ntables]
         occ = np.empty(total, dtype=np.int64)
         bounds = np.empty(total + 2 * ntables, dtype=np.int64)
         for w in prange(nworkers):
             for t in range(w, ntables, nworkers):
-                base = bases[t]
-                fs = FS or base.shape[1]
-                acc = np.empty(fs, dtype=base.dtype)
+                acc = np.empty(fs, dtype=ref.dtype)
                 lo = idx_base[t]
                 hi = idx_base[t + 1]
                 b = bounds[lo + 2 * t:hi + 2 * t + 2]
                 nu = reindex(indices[lo:hi], offsets[obase[t]:obase[t + 1]], nbags, slots[w],
                              rows[lo:hi], b, occ[lo:hi])
                 nus[t] = nu
-                hits[t] = sgd_rows_flat(base.reshape(-1), wheres[t], rows[lo:hi], b, occ[lo:hi],
-                                        0, nu, dout, gstride, cols[t], lr, acc, fs, deltas[t],
-                                        dirties[t])
+                d = dirty if marks[t] else dirty[:0]
+                hits[t] = sgd_rows_flat(rflat, where, rows[lo:hi], b, occ[lo:hi], 0, nu, dout,
+                                        gstride, cols[t], lr, acc, fs, deltas[t], d,
+                                        origins[t], wds[t], dds[t])
 
     @njit(**PARALLEL)
     def update_many_flat(base, deltas, widths, indices, offsets, obase, nbags, dout, gstride,
@@ -1096,7 +1101,8 @@ def make_kernels(FS):
                     acc = np.empty(fs, dtype=bflat.dtype)
                     sgd_rows_flat(bflat, None, rows[first:first + nu],
                                   bounds[first + 2 * t:end + 2 * t + 2], occ[first:end], lo, hi,
-                                  dout, gstride, cols[t], lr, acc, fs, deltas[t], dirty)
+                                  dout, gstride, cols[t], lr, acc, fs, deltas[t], dirty, ZERO,
+                                  ZERO, ZERO)
         return nus, rows
 
     return dict(gather=gather, gather_many=gather_many, bag_sum=bag_sum,

@@ -1166,6 +1166,18 @@ def update_cached_many(bases, caches, wheres, indices_list, offsets_list, dout, 
     dirties = [None] * n if dirties is None else dirties
     for t, (c, d) in enumerate(zip(caches, dirties)):
         _check_dirty(d, c.shape[0], names[t])
+    # every table, map and set of dirty marks through the first one's (as the lookups)
+    origins, wds = _deltas(tl), _deltas(wheres)
+    marks = np.array([d is not None for d in dirties], dtype=np.uint8)
+    marked = [d for d in dirties if d is not None]
+    dds = np.zeros(n, dtype=np.uint64)
+    if marked:
+        got = _deltas(marked)
+        if got is None:
+            return None
+        dds[marks.view(bool)] = got
+    if origins is None or wds is None:
+        return None
     idx_base = np.zeros(n + 1, dtype=np.int64)
     np.cumsum([a.shape[0] for a in il], out=idx_base[1:])
     obase = np.zeros(n + 1, dtype=np.int64)
@@ -1177,11 +1189,10 @@ def update_cached_many(bases, caches, wheres, indices_list, offsets_list, dout, 
         nworkers = max(1, min(numba.get_num_threads(), n))
         slots = _slots.take(nworkers, max(t.shape[0] for t in tl))
         _pick("apply_sgd_cached_many", fs, _small(int(idx_base[-1])))(
-            TypedList(tl), TypedList([_readonly(w) for w in wheres]), np.concatenate(il),
-            np.concatenate(ol), obase, idx_base, nbags, gflat, gstride, cols, dtype.type(lr),
-            np.array(deltas, dtype=np.uint64),
-            TypedList([_NO_MARKS if d is None else d for d in dirties]), slots, nworkers,
-            rows, nus, hits)
+            tl[0], origins, _readonly(wheres[0]), wds, np.concatenate(il), np.concatenate(ol),
+            obase, idx_base, nbags, gflat, gstride, cols, dtype.type(lr),
+            np.array(deltas, dtype=np.uint64), marked[0] if marked else _NO_MARKS, dds, marks,
+            slots, nworkers, rows, nus, hits)
         _slots.give(slots)  # not on error: a half-used histogram is not zero
     return [rows[idx_base[t]:idx_base[t] + nus[t]] for t in range(n)], hits
 
