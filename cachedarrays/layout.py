@@ -15,7 +15,6 @@ import numpy as np
 from ._records import element_offsets  # noqa: F401
 
 
-
 def readonly_view(a):
     """a if it is read-only, else a read-only view of it. numba compiles one specialisation per
     argument type and read-only is part of an array's type, so kernels that take their inputs

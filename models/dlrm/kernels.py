@@ -1112,31 +1112,22 @@ def lookup_cached_many(bases, caches, wheres, indices_list, offsets_list, out,
     mcat = scratch("missed_all", int(ib[-1]) if listed.any() else 0, np.int64)
     # every table's where and marks through the first one's; its indices, offsets, missed rows
     # and positions in one array each: a typed list of 26 arrays costs about 130 us to build
-    marks = np.array([r is not None for r in refss], dtype=np.uint8)
-    marked = [r for r in refss if r is not None]
-    wds, rds = _deltas(wheres), np.zeros(n, dtype=np.uint64)
-    if marked:
-        got = _deltas(marked)
-        if got is None:
-            return None
-        rds[marks.view(bool)] = got
-    if wds is None:
+    wds, marked = _deltas(wheres), _through_first(refss)
+    if wds is None or marked is None:
         return None
     hits = _pick("bag_sum_cached_many", fs, small)(
         _readonly(tl[0]), _readonly(wheres[0]), wds,
         np.array([w.shape[0] for w in wheres], np.int64), _readonly(np.concatenate(il)), ib,
         _readonly(np.concatenate(ol)), ob, nbags, flat, stride, cols, origins,
         np.array(deltas, dtype=np.uint64), mcat, listed,
-        scratch("positions", int(ib[-1]), np.uint64), marked[0] if marked else _NO_MARKS, rds,
-        marks, bad, chunk, nmissed)
-    if not bad[0]:
-        for t in np.flatnonzero(listed).tolist():
-            k = int(nmissed[t])
-            misseds[t][:k] = mcat[ib[t]:ib[t] + k]
+        scratch("positions", int(ib[-1]), np.uint64), *marked, bad, chunk, nmissed)
     if bad[0]:
         for t in range(n):
             check_indices(il[t], tl[t].shape[0], names[t])     # raises, naming the index
         raise AssertionError("the lookup kernel flagged an index that is in range")
+    for t in np.flatnonzero(listed).tolist():
+        k = int(nmissed[t])
+        misseds[t][:k] = mcat[ib[t]:ib[t] + k]
     if scratch_out is not None:
         out[...] = scratch_out
     return hits, nmissed
@@ -1167,16 +1158,8 @@ def update_cached_many(bases, caches, wheres, indices_list, offsets_list, dout, 
     for t, (c, d) in enumerate(zip(caches, dirties)):
         _check_dirty(d, c.shape[0], names[t])
     # every table, map and set of dirty marks through the first one's (as the lookups)
-    origins, wds = _deltas(tl), _deltas(wheres)
-    marks = np.array([d is not None for d in dirties], dtype=np.uint8)
-    marked = [d for d in dirties if d is not None]
-    dds = np.zeros(n, dtype=np.uint64)
-    if marked:
-        got = _deltas(marked)
-        if got is None:
-            return None
-        dds[marks.view(bool)] = got
-    if origins is None or wds is None:
+    origins, wds, marked = _deltas(tl), _deltas(wheres), _through_first(dirties)
+    if origins is None or wds is None or marked is None:
         return None
     idx_base = np.zeros(n + 1, dtype=np.int64)
     np.cumsum([a.shape[0] for a in il], out=idx_base[1:])
@@ -1191,8 +1174,7 @@ def update_cached_many(bases, caches, wheres, indices_list, offsets_list, dout, 
         _pick("apply_sgd_cached_many", fs, _small(int(idx_base[-1])))(
             tl[0], origins, _readonly(wheres[0]), wds, np.concatenate(il), np.concatenate(ol),
             obase, idx_base, nbags, gflat, gstride, cols, dtype.type(lr),
-            np.array(deltas, dtype=np.uint64), marked[0] if marked else _NO_MARKS, dds, marks,
-            slots, nworkers, rows, nus, hits)
+            np.array(deltas, dtype=np.uint64), *marked, slots, nworkers, rows, nus, hits)
         _slots.give(slots)  # not on error: a half-used histogram is not zero
     return [rows[idx_base[t]:idx_base[t] + nus[t]] for t in range(n)], hits
 
@@ -1202,6 +1184,23 @@ def _deltas(tables):
     if numba.config.BOUNDSCHECK:
         return None
     return element_offsets(tables)
+
+
+def _through_first(marks):
+    """(first, distances, flags) of per-table uint8 marks, None where a table has none: the
+    first array given (or an empty one), each one's distance from it in elements (0 for
+    None) and 1 where one is given; for kernels that reach every table's marks through the
+    first's buffer. None when a distance is not whole."""
+    flags = np.array([m is not None for m in marks], dtype=np.uint8)
+    given = [m for m in marks if m is not None]
+    dists = np.zeros(len(marks), dtype=np.uint64)
+    if not given:
+        return _NO_MARKS, dists, flags
+    got = _deltas(given)
+    if got is None:
+        return None
+    dists[flags.view(bool)] = got
+    return given[0], dists, flags
 
 
 def _distance(base, other):
