@@ -165,6 +165,69 @@ def test_two_pass_cached_lookup_is_bit_identical_to_the_one_pass_kernel(rng, mon
     np.testing.assert_array_equal(mb, indices[where[indices] < 0])
 
 
+@pytest.mark.parametrize("wdtype", [np.int64, np.int32])
+def test_translation_counts_lists_and_marks_in_range_rows_only(rng, wdtype):
+    """The translation pass (gathers of ``where`` with no branch) gives an index out of range
+    row 0's position, sets the flag and neither counts nor marks it, whether row 0 is cached
+    or not; every other index is counted, marked and (with no index out of range) listed as a
+    scalar loop would. (With the flag set the caller raises: the list is not read.)"""
+    n, fs = 6000, 8
+    base = rng.standard_normal((n, fs)).astype(np.float32)
+    cache = rng.standard_normal((2000, fs)).astype(np.float32)
+    delta = K._distance(base, cache)
+    bound = np.uint64(n)
+    for row0 in (-1, 17):
+        where = np.full(n, -1, dtype=wdtype)
+        where[rng.choice(np.arange(1, n), 1999, replace=False)] = np.arange(1, 2000)
+        where[0] = row0
+        idx = rng.integers(0, n, 9000)                  # three translation items
+        wild = rng.choice(9000, 40, replace=False)
+        idx[wild] = rng.choice([-1, -n, n, n + 3, 2**40], 40)
+        inside = (idx >= 0) & (idx < n)
+        hit = inside & (where[np.where(inside, idx, 0)] >= 0)
+        off = np.arange(0, 9000, 30)
+        out = np.zeros(off.shape[0] * fs, np.float32)
+        pos = np.zeros(9000, np.uint64)
+        missed = np.full(9000, -7, np.int64)
+        refs = np.zeros(n, np.uint8)
+        bad = np.zeros(1, np.uint8)
+        hits, nmissed = K._pick("bag_sum_cached", fs)(base, where, idx, off, off.shape[0], out,
+                                                      fs, 0, missed, delta, pos, refs, bound,
+                                                      bad)
+        assert bad[0] == 1 and hits == np.count_nonzero(hit)
+        want = np.zeros(n, np.uint8)
+        want[idx[hit]] = 1
+        np.testing.assert_array_equal(refs, want)
+        home = np.where(inside, idx, 0).astype(np.uint64) * np.uint64(fs)
+        slot = (where[np.where(inside, idx, 0)].astype(np.int64) * fs).astype(np.uint64) + delta
+        np.testing.assert_array_equal(pos, np.where(hit, slot, np.where(inside, home, 0)))
+        bad[0] = 0
+        clean = np.where(inside, idx, 0)
+        hits, nmissed = K._pick("bag_sum_cached", fs)(base, where, clean, off, off.shape[0],
+                                                      out, fs, 0, missed, delta, pos,
+                                                      K._NO_MARKS, bound, bad)
+        assert bad[0] == 0 and hits == np.count_nonzero(where[clean] >= 0)
+        np.testing.assert_array_equal(missed[:nmissed], clean[where[clean] < 0])
+        np.testing.assert_allclose(out.reshape(-1, fs), ref_bag_sum(
+            np.where(where[:, None] >= 0, cache[np.maximum(where, 0)], base), clean, off),
+            rtol=1e-5)
+        # the caching pass stops at the flag: no row numbered, nothing marked in where
+        before = where.copy()
+        rows, kof = np.zeros(9000, np.int64), np.zeros(9000, np.int64)
+        bad[0] = 0
+        got = K._pick("translate_cached", fs)(base, where, idx, missed, delta, pos, K._NO_MARKS,
+                                              bound, bad, rows, kof)
+        assert bad[0] == 1 and got == (np.count_nonzero(hit), 0, 0)
+        np.testing.assert_array_equal(where, before)
+    # a table of no rows: every index is out of range, and where (empty) is never read
+    bad[0] = 0
+    empty = np.zeros((0, fs), np.float32)
+    got = K._pick("translate_cached", fs)(empty, np.zeros(0, wdtype), np.array([0, 5]),
+                                          missed, np.uint64(0), pos, K._NO_MARKS,
+                                          np.uint64(0), bad, rows, kof)
+    assert bad[0] == 1 and got == (0, 0, 0) and not pos[:2].any()
+
+
 def test_scratch_is_reused_per_thread_grows_and_keeps_nothing_huge(monkeypatch):
     """A thread's scratch comes back for the next call (no new pages per lookup), grows
     when asked for more, is its own in every thread, and is not kept above SCRATCH_KEEP."""
