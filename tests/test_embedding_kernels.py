@@ -1297,13 +1297,16 @@ def test_element_offsets_refuses_what_is_not_arrays():
         element_offsets(3)
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_cached_ensemble_lookup_equals_one_table_at_a_time(seed):
+@pytest.mark.parametrize("seed,nbags", [(0, 30), (1, 30), (2, 30), (3, 30), (4, 700),
+                                        (5, 700)])
+def test_cached_ensemble_lookup_equals_one_table_at_a_time(seed, nbags):
     """lookup_cached_many reaches every table's ``where`` and marks through the first's (at
     higher or lower addresses), lists the missed rows only of the tables given a list and
-    marks only those given marks: the same sums, hits, lists and marks as one call per table."""
+    marks only those given marks: the same sums, hits, lists and marks as one call per table,
+    serially (30 bags) and in parallel over several bag chunks per table (700), with the
+    first table's offsets given their closing entry."""
     rng = np.random.default_rng(seed)
-    n, fs, nbags = 4, 8, 30
+    n, fs = 4, 8
     sizes = rng.integers(20, 200, n)
     tables = [_indirect_tables(rng, int(r), fs, int(r) // 2, np.int32) for r in sizes]
     order = rng.permutation(n)          # the wheres copied in a random order: random addresses
@@ -1313,6 +1316,7 @@ def test_cached_ensemble_lookup_equals_one_table_at_a_time(seed):
     bases = [t[0] for t in tables]
     caches = [t[1] for t in tables]
     bags = [make_bags(rng, nbags, int(r), 6) for r in sizes]
+    bags[0] = (bags[0][0], np.append(bags[0][1], bags[0][0].shape[0]))
     listed = [k % 2 == seed % 2 for k in range(n)]
     marked = [k != seed % n for k in range(n)]
     misseds = [np.full(b[0].shape[0], -7, np.int64) if want else None
@@ -1324,8 +1328,9 @@ def test_cached_ensemble_lookup_equals_one_table_at_a_time(seed):
     for t in range(n):
         missed = np.zeros(bags[t][0].shape[0], np.int64)
         refs = np.zeros(int(sizes[t]), np.uint8)
-        one, h = K.lookup_sum_indirect_hits(bases[t], caches[t], wheres[t], *bags[t], None,
-                                            missed, refs=refs)
+        one, h = K.lookup_sum_indirect_hits(bases[t], caches[t], wheres[t], *bags[t],
+                                            np.zeros((nbags, fs), np.float32), missed,
+                                            refs=refs)
         assert np.array_equal(out[:, t * fs:(t + 1) * fs], one)
         assert hits[t] == h
         if listed[t]:

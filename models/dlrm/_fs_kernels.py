@@ -521,16 +521,15 @@ def point_misses(pos, missed, kof, lo, hi, slots, delta, fs):
 
 
 @njit(**INLINE)
-def sum_bag_flat(t, pos, start, end, acc, fs, specialised):
+def sum_bag_flat(t, pos, start, end, limit, acc, fs, specialised):
     """sum_bag over translated positions (see ``translate``), 8 rows at a time; the same
-    order of additions."""
-    nidx = pos.shape[0]
+    order of additions. The rows are prefetched up to position ``limit``."""
     zero(acc, fs)
     j = start
     while j < end:
         n = 8 if j + 8 <= end else 1
         if specialised:
-            for q in range(j + RAHEAD, min(j + RAHEAD + n, nidx)):
+            for q in range(j + RAHEAD, min(j + RAHEAD + n, limit)):
                 prefetch_row(t, pos[q], fs)
         if n == 8:
             add8(acc, t, pos[j], pos[j + 1], pos[j + 2], pos[j + 3], pos[j + 4], pos[j + 5],
@@ -541,12 +540,24 @@ def sum_bag_flat(t, pos, start, end, acc, fs, specialised):
 
 
 @njit(**INLINE)
-def bag_sums_flat(t, pos, offsets, lo, hi, out, ostride, ocol, acc, fs, specialised):
-    """bag_sums over translated positions."""
-    nidx = pos.shape[0]
+def bag_range(offsets, obase, oend, ibase, iend, b):
+    """(start, end) of bag b of a table whose offsets are ``offsets[obase:oend]`` and
+    indices positions ``ibase:iend`` of a concatenation (the whole arrays: 0, len, 0, len)."""
+    start = ibase + offsets[obase + b]
+    end = ibase + offsets[obase + b + 1] if obase + b + 1 < oend else iend
+    return start, end
+
+
+@njit(**INLINE)
+def bag_sums_flat(t, pos, offsets, obase, oend, ibase, iend, lo, hi, out, ostride, ocol, acc,
+                  fs, specialised):
+    """bag_sums over translated positions, of a table whose offsets and positions lie in
+    concatenations (see ``bag_range``): a kernel that slices its arrays inside a parallel
+    loop loses numba's no-alias promise for that loop, and with it LLVM's vector gathers in
+    ``translate``."""
     for b in range(lo, hi):
-        start, end = bag_bounds(offsets, b, nidx)
-        sum_bag_flat(t, pos, start, end, acc, fs, specialised)
+        start, end = bag_range(offsets, obase, oend, ibase, iend, b)
+        sum_bag_flat(t, pos, start, end, iend, acc, fs, specialised)
         store(acc, out, np.uint64(b * ostride + ocol), fs)
 
 
@@ -853,8 +864,8 @@ def make_kernels(FS):
         for it in prange((nbags + BPI - 1) // BPI):
             acc = np.empty(fs, dtype=base.dtype)
             lo, hi = span(it, BPI, nbags)
-            bag_sums_flat(bflat, pos, offsets, lo, hi, out, ostride, ocol, acc, fs,
-                          SPECIALISED)
+            bag_sums_flat(bflat, pos, offsets, 0, offsets.shape[0], 0, pos.shape[0], lo, hi, out,
+                          ostride, ocol, acc, fs, SPECIALISED)
         nmissed = pack_missed(missed, indices, nidx, IPI, cached) if missed.shape[0] else 0
         return cached.sum(), nmissed
 
@@ -897,8 +908,8 @@ def make_kernels(FS):
         for it in prange((nbags + BPI - 1) // BPI):
             acc = np.empty(fs, dtype=base.dtype)
             lo, hi = span(it, BPI, nbags)
-            bag_sums_flat(bflat, pos, offsets, lo, hi, out, ostride, ocol, acc, fs,
-                          SPECIALISED)
+            bag_sums_flat(bflat, pos, offsets, 0, offsets.shape[0], 0, pos.shape[0], lo, hi, out,
+                          ostride, ocol, acc, fs, SPECIALISED)
 
     @njit(**PARALLEL)
     def bag_sum_cached_many(ref, where, wds, nrows, icat, ib, ocat, ob, nbags, out, ostride,
@@ -927,37 +938,33 @@ def make_kernels(FS):
             c = it // ntables
             t = it - c * ntables      # tables vary fastest: each thread gets a mix of them
             lo, hi = span(c, chunk, nbags)
-            idx = icat[ib[t]:ib[t + 1]]
-            off = ocat[ob[t]:ob[t + 1]]
-            pos = poss[ib[t]:ib[t + 1]]
-            missed = mcat[ib[t]:ib[t + 1]] if listed[t] else mcat[:0]
-            nidx = idx.shape[0]
-            ilo = bag_bounds(off, lo, nidx)[0]
-            ihi = bag_bounds(off, hi - 1, nidx)[1]
-            cached[it] = translate(where, wds[t], idx, ilo, ihi, pos, missed, fs, deltas[t],
+            i0, i1, o0, o1 = ib[t], ib[t + 1], ob[t], ob[t + 1]
+            ilo = bag_range(ocat, o0, o1, i0, i1, lo)[0]
+            ihi = bag_range(ocat, o0, o1, i0, i1, hi - 1)[1]
+            # whole arrays and positions in them, no slices (see bag_sums_flat); every table
+            # lists its misses when one is listed (the others' lists are not read)
+            cached[it] = translate(where, wds[t], icat, ilo, ihi, poss, mcat, fs, deltas[t],
                                    refs, rds[t], marks[t] != 0, np.uint64(nrows[t]), bad)
             origin = origins[t]
             for j in range(ilo, ihi):
-                pos[j] += origin
+                poss[j] += origin
             acc = np.empty(fs, dtype=ref.dtype)
-            bag_sums_flat(rflat, pos, off, lo, hi, out, ostride, cols[t], acc, fs, SPECIALISED)
+            bag_sums_flat(rflat, poss, ocat, o0, o1, i0, i1, lo, hi, out, ostride, cols[t], acc,
+                          fs, SPECIALISED)
         hits = np.zeros(ntables, dtype=np.int64)
         for t in range(ntables):
-            idx = icat[ib[t]:ib[t + 1]]
-            off = ocat[ob[t]:ob[t + 1]]
-            missed = mcat[ib[t]:ib[t + 1]]
-            nidx = idx.shape[0]
+            i0, i1, o0, o1 = ib[t], ib[t + 1], ob[t], ob[t + 1]
             n = 0
             for c in range(nchunks):
                 lo, hi = span(c, chunk, nbags)
-                ilo = bag_bounds(off, lo, nidx)[0]
-                ihi = bag_bounds(off, hi - 1, nidx)[1]
+                ilo = bag_range(ocat, o0, o1, i0, i1, lo)[0]
+                ihi = bag_range(ocat, o0, o1, i0, i1, hi - 1)[1]
                 got = cached[c * ntables + t]
                 hits[t] += got
                 if listed[t]:
                     count = ihi - ilo - got
                     for q in range(count):
-                        missed[n + q] = idx[missed[ilo + q]]
+                        mcat[i0 + n + q] = icat[mcat[ilo + q]]
                     n += count
             nmissed[t] = n
         return hits
