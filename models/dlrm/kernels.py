@@ -1088,7 +1088,8 @@ def lookup_cached_many(bases, caches, wheres, indices_list, offsets_list, out,
     if suits is None:
         return None
     fs, deltas, names = suits
-    tl, il, ol, _, dtype, names = _ensemble(bases, indices_list, offsets_list, nbags, names)
+    tl, il, ol, ones, dtype, names = _ensemble(bases, indices_list, offsets_list, nbags,
+                                               names)
     origins = _deltas(tl)
     if origins is None:
         return None
@@ -1106,8 +1107,10 @@ def lookup_cached_many(bases, caches, wheres, indices_list, offsets_list, out,
     small = _small(sum(i.shape[0] for i in il), nbags * n)
     ib = np.zeros(n + 1, dtype=np.int64)
     np.cumsum([i.shape[0] for i in il], out=ib[1:])
+    unit = all(ones)            # bags of one index: the offsets are not read (nor joined)
     ob = np.zeros(n + 1, dtype=np.int64)
-    np.cumsum([o.shape[0] for o in ol], out=ob[1:])
+    if not unit:
+        np.cumsum([o.shape[0] for o in ol], out=ob[1:])
     listed = np.array([m is not None and m.shape[0] > 0 for m in misseds], dtype=np.uint8)
     mcat = scratch("missed_all", int(ib[-1]) if listed.any() else 0, np.int64)
     # every table's where and marks through the first one's; its indices, offsets, missed rows
@@ -1118,9 +1121,9 @@ def lookup_cached_many(bases, caches, wheres, indices_list, offsets_list, out,
     hits = _pick("bag_sum_cached_many", fs, small)(
         _readonly(tl[0]), _readonly(wheres[0]), wds,
         np.array([w.shape[0] for w in wheres], np.int64), _readonly(np.concatenate(il)), ib,
-        _readonly(np.concatenate(ol)), ob, nbags, flat, stride, cols, origins,
-        np.array(deltas, dtype=np.uint64), mcat, listed,
-        scratch("positions", int(ib[-1]), np.uint64), *marked, bad, chunk, nmissed)
+        _readonly(_NO_ROWS if unit else np.concatenate(ol)), ob, nbags, flat, stride, cols,
+        origins, np.array(deltas, dtype=np.uint64), mcat, listed,
+        scratch("positions", int(ib[-1]), np.uint64), *marked, bad, chunk, nmissed, unit)
     if bad[0]:
         for t in range(n):
             check_indices(il[t], tl[t].shape[0], names[t])     # raises, naming the index
