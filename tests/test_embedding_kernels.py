@@ -301,6 +301,32 @@ def test_lookup_many_matches_per_table_and_keeps_prepended_columns(rng):
     np.testing.assert_array_equal(packed, out[:, 5:])
 
 
+@pytest.mark.parametrize("fss,nbags", [((16, 16, 16), 37), ((16, 16, 16), 900),
+                                        ((16, 8, 33), 37), ((16, 8, 33), 900)])
+def test_ensemble_bag_sums_equal_one_table_at_a_time_in_place_or_through_typed_lists(
+        rng, fss, nbags):
+    """lookup_many of bags of several indices reads every table through the first one's
+    buffer and takes the indices and offsets as one array each: the same bits as one
+    ``lookup_sum`` per table, serially and in parallel, for one feature size (specialised) or
+    several (generic), and as the typed-list kernel that serves tables not a whole number of
+    elements apart (one table moved two bytes off the first one's grid)."""
+    sizes = [int(n) for n in rng.integers(30, 400, len(fss))]
+    tables = [rng.standard_normal((n, f)).astype(np.float32) for n, f in zip(sizes, fss)]
+    bags = [make_bags(rng, nbags, n, 9) for n in sizes]
+    bags[1] = (bags[1][0], np.append(bags[1][1], bags[1][0].shape[0]))   # a closing offset
+    want = np.concatenate([K.lookup_sum(t, i, o, np.zeros((nbags, t.shape[1]), np.float32))
+                           for t, (i, o) in zip(tables, bags)], axis=1)
+    got = K.lookup_many(tables, [b[0] for b in bags], [b[1] for b in bags])
+    np.testing.assert_array_equal(got, want)
+    raw = np.zeros(tables[2].nbytes + 8, np.uint8)
+    odd = np.frombuffer(raw.data, np.float32, count=tables[2].size, offset=2)
+    odd = odd.reshape(tables[2].shape)
+    odd[...] = tables[2]
+    assert K._deltas([tables[0], odd]) is None           # the typed-list kernel serves these
+    listed = K.lookup_many(tables[:2] + [odd], [b[0] for b in bags], [b[1] for b in bags])
+    np.testing.assert_array_equal(listed, want)
+
+
 # --- gradients and the fused update ---------------------------------------------------------
 
 

@@ -268,8 +268,10 @@ def store(acc, out, o, fs):
 
 
 @njit(**INLINE)
-def sum_bag(t, indices, start, end, acc, fs, specialised, nrows, bad):
-    """acc = rows indices[start:end] summed in index order.
+def sum_bag(t, indices, start, end, acc, fs, specialised, nrows, bad, delta, limit):
+    """acc = rows indices[start:end] summed in index order, row r read at ``at(r) + delta``
+    (0, or a table's distance from the flat buffer ``t``: see ``gather_many``); rows are
+    prefetched up to index position ``limit``.
 
     Rows are taken 8 (then 4, then 1) at a time: the element-wise order of additions is
     unchanged, but acc is loaded and stored once per group and 8 rows are in flight.
@@ -280,33 +282,34 @@ def sum_bag(t, indices, start, end, acc, fs, specialised, nrows, bad):
     before its rows are read: a group with an index out of range is skipped and ``bad[0]``
     set.  The kernel checks the indices as it reads them, instead of a pass of their own
     before it (``NO_BOUND``: checked already)."""
-    nidx = indices.shape[0]
     zero(acc, fs)
     j = start
     while j < end:
         n = 8 if j + 8 <= end else (4 if j + 4 <= end else 1)
         if specialised:
-            for q in range(j + RAHEAD, min(j + RAHEAD + n, nidx)):
-                prefetch_row(t, at(indices[q], fs), fs)
+            for q in range(j + RAHEAD, min(j + RAHEAD + n, limit)):
+                prefetch_row(t, at(indices[q], fs) + delta, fs)
         if n == 8:
             i0, i1, i2, i3 = indices[j], indices[j + 1], indices[j + 2], indices[j + 3]
             i4, i5, i6, i7 = indices[j + 4], indices[j + 5], indices[j + 6], indices[j + 7]
             top = max(max(max(np.uint64(i0), np.uint64(i1)), max(np.uint64(i2), np.uint64(i3))),
                       max(max(np.uint64(i4), np.uint64(i5)), max(np.uint64(i6), np.uint64(i7))))
             if top < nrows:
-                add8(acc, t, at(i0, fs), at(i1, fs), at(i2, fs), at(i3, fs), at(i4, fs),
-                     at(i5, fs), at(i6, fs), at(i7, fs), fs)
+                add8(acc, t, at(i0, fs) + delta, at(i1, fs) + delta, at(i2, fs) + delta,
+                     at(i3, fs) + delta, at(i4, fs) + delta, at(i5, fs) + delta,
+                     at(i6, fs) + delta, at(i7, fs) + delta, fs)
             else:
                 bad[0] = 1
         elif n == 4:
             i0, i1, i2, i3 = indices[j], indices[j + 1], indices[j + 2], indices[j + 3]
             top = max(max(np.uint64(i0), np.uint64(i1)), max(np.uint64(i2), np.uint64(i3)))
             if top < nrows:
-                add4(acc, t, at(i0, fs), at(i1, fs), at(i2, fs), at(i3, fs), fs)
+                add4(acc, t, at(i0, fs) + delta, at(i1, fs) + delta, at(i2, fs) + delta,
+                     at(i3, fs) + delta, fs)
             else:
                 bad[0] = 1
         elif np.uint64(indices[j]) < nrows:
-            add1(acc, t, at(indices[j], fs), fs)
+            add1(acc, t, at(indices[j], fs) + delta, fs)
         else:
             bad[0] = 1
         j += n
@@ -601,7 +604,7 @@ def bag_sums(bflat, cflat, where, indices, offsets, lo, hi, out, ostride, ocol, 
             bad[0] = 2
             zero(acc, fs)
         elif where is None:
-            sum_bag(bflat, indices, start, end, acc, fs, specialised, nrows, bad)
+            sum_bag(bflat, indices, start, end, acc, fs, specialised, nrows, bad, ZERO, nidx)
         else:
             hits += sum_bag_indirect(bflat, cflat, where, indices, start, end, acc, missed, fs,
                                      specialised)
@@ -1014,6 +1017,33 @@ def make_kernels(FS):
                      acc, None, fs, SPECIALISED, NO_BOUND, unused)
 
     @njit(**PARALLEL)
+    def bag_sum_many_flat(base, deltas, widths, icat, ib, ocat, ob, nbags, out, ostride, cols,
+                          chunk):
+        """``bag_sum_many`` with table t read ``deltas[t]`` elements from ``base`` through
+        base's flat buffer (see ``gather_many``) and its indices and offsets at
+        ``icat[ib[t]:ib[t + 1]]`` and ``ocat[ob[t]:ob[t + 1]]``, indexed in place (see
+        ``bag_sums_flat``): no typed lists, whose helpers numba compiled again in every
+        process (1.4-1.8 s before the first lookup) and which took 0.6 ms to build for 8
+        small tables. Checked indices and offsets; the same sums in the same order."""
+        ntables = deltas.shape[0]
+        bflat = base.reshape(-1)
+        nchunks = (nbags + chunk - 1) // chunk
+        unused = np.zeros(1, dtype=np.uint8)  # the indices were checked: nothing sets it
+        for it in prange(nchunks * ntables):
+            c = it // ntables
+            t = it - c * ntables  # tables vary fastest so each thread gets a mix of tables
+            fs = FS or widths[t]
+            acc = np.empty(fs, dtype=bflat.dtype)
+            lo, hi = span(c, chunk, nbags)
+            i0, i1, o0, o1 = ib[t], ib[t + 1], ob[t], ob[t + 1]
+            d = deltas[t]
+            col = cols[t]
+            for b in range(lo, hi):
+                start, end = bag_range(ocat, o0, o1, i0, i1, b)
+                sum_bag(bflat, icat, start, end, acc, fs, SPECIALISED, NO_BOUND, unused, d, i1)
+                store(acc, out, np.uint64(b * ostride + col), fs)
+
+    @njit(**PARALLEL)
     def apply_sgd(base, cache, where, rows, bounds, occ, nu, dout, gstride, gcol, lr):
         """SGD of the re-indexed unique rows; ``(table, table, None)`` for a plain table."""
         fs = FS or base.shape[1]
@@ -1148,6 +1178,7 @@ def make_kernels(FS):
                 bag_sum_cached=bag_sum_cached, bag_sum_cached_many=bag_sum_cached_many,
                 translate_cached=translate_cached, bag_sum_placed=bag_sum_placed,
                 apply_sgd_cached_many=apply_sgd_cached_many,
-                bag_sum_many=bag_sum_many, apply_sgd=apply_sgd,
+                bag_sum_many=bag_sum_many, bag_sum_many_flat=bag_sum_many_flat,
+                apply_sgd=apply_sgd,
                 apply_sgd_cached=apply_sgd_cached, grad=grad, update_many=update_many,
                 update_many_flat=update_many_flat)

@@ -1000,14 +1000,25 @@ def lookup_many(tables, indices_list, offsets_list, out=None, column_offsets=Non
     if nbags:
         nthreads = numba.get_num_threads()
         fs = _common_fs(tables)     # one feature size: the kernels specialised for it
-        deltas = _deltas(tl) if all(ones) else None
-        if deltas is not None:
+        deltas = _deltas(tl)        # every table through the first one's buffer
+        widths = np.array([t.shape[1] for t in tl], dtype=np.int64)
+        if deltas is not None and all(ones):
             # bags of one index (DLRM's): a gather, each work item streaming through a table
             chunk = max(1, min(nbags, max(1024, -(-nbags * len(tl) // (4 * nthreads)))))
-            widths = np.array([t.shape[1] for t in tl], dtype=np.int64)
             gather_many = _pick("gather_many", fs, _small(nbags * len(tl)))
             gather_many(_readonly(tl[0]), deltas, widths, np.concatenate(il), nbags, flat,
                         stride, cols, chunk)
+        elif deltas is not None:
+            # the indices and offsets of every table in one array each (see bag_sum_many_flat)
+            chunk = max(1, min(_BAGS_PER_ITEM, -(-nbags * len(tables) // (8 * nthreads))))
+            ib = np.zeros(len(tl) + 1, dtype=np.int64)
+            np.cumsum([i.shape[0] for i in il], out=ib[1:])
+            ob = np.zeros(len(tl) + 1, dtype=np.int64)
+            np.cumsum([o.shape[0] for o in ol], out=ob[1:])
+            bag_sum_many_flat = _pick("bag_sum_many_flat", fs,
+                                      _small(int(ib[-1]), nbags * len(tl)))
+            bag_sum_many_flat(_readonly(tl[0]), deltas, widths, _readonly(np.concatenate(il)), ib,
+                              _readonly(np.concatenate(ol)), ob, nbags, flat, stride, cols, chunk)
         else:
             # read-only views: every array in a typed list then has one numba type
             chunk = max(1, min(_BAGS_PER_ITEM, -(-nbags * len(tables) // (8 * nthreads))))
