@@ -50,7 +50,7 @@ PREFETCH_AHEAD = 16
 #: 16 ahead into L1 left a uniform 1M x 64 lookup latency-bound, 8.4 ms against 6.3-7.2 ms).
 ROW_PREFETCH = 64
 #: Indices ahead whose marks (``refs``) the translation prefetches (``prefetch_far``).
-WHERE_PREFETCH = 96
+MARK_PREFETCH = 96
 #: Missed rows ahead whose ``where`` entries ``first_misses`` (and ``embedding._scan_misses``)
 #: prefetch for writing: the entries are random and cold after the sums; 26,000 of them took
 #: 0.56 ms unprefetched, 0.38 ms 32 ahead (0.41 ms 16 ahead, 0.38 ms 64 ahead).
@@ -61,7 +61,7 @@ PPI = 256
 PLACE_AHEAD = 8
 #: Indices translated by one parallel work item.
 INDICES_PER_ITEM = 4096
-WAHEAD = WHERE_PREFETCH
+MAHEAD = MARK_PREFETCH
 #: Rows ahead whose ``where`` entries the indirect SGD prefetches: the row prefetch AHEAD on
 #: reads ``where`` to find the row, and a miss there stalled it (the SGD of a cached 1M x 64
 #: table, 280,000 unique rows, took 4.4-5.3 instead of 7.6-8.8 ms; 32 ahead measured 5% faster
@@ -429,8 +429,8 @@ def translate(where, wd, indices, lo, hi, pos, missed, fs, delta, refs, rd, mark
             listed += 1 - np.int64(kept[k])
     if mark:
         for j in range(lo, hi):
-            if j + WAHEAD < hi:
-                prefetch_far(refs, rd + np.uint64(indices[j + WAHEAD]))
+            if j + MAHEAD < hi:
+                prefetch_far(refs, rd + np.uint64(indices[j + MAHEAD]))
             ur = np.uint64(indices[j])
             if ur < nrows and where[wd + ur] >= 0 and refs[rd + ur] == 0:
                 refs[rd + ur] = 1
