@@ -83,9 +83,8 @@ ZERO = np.uint64(0)
 
 @njit(**SERIAL)
 def bag_bounds(offsets, b, nidx):
-    start = offsets[b]
-    end = offsets[b + 1] if b + 1 < offsets.shape[0] else nidx
-    return start, end
+    """(start, end) of bag b of one table's own offsets and nidx indices."""
+    return bag_range(offsets, 0, offsets.shape[0], 0, nidx, b)
 
 
 @njit(**SERIAL)

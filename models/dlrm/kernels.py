@@ -1011,10 +1011,7 @@ def lookup_many(tables, indices_list, offsets_list, out=None, column_offsets=Non
         elif deltas is not None:
             # the indices and offsets of every table in one array each (see bag_sum_many_flat)
             chunk = max(1, min(_BAGS_PER_ITEM, -(-nbags * len(tables) // (8 * nthreads))))
-            ib = np.zeros(len(tl) + 1, dtype=np.int64)
-            np.cumsum([i.shape[0] for i in il], out=ib[1:])
-            ob = np.zeros(len(tl) + 1, dtype=np.int64)
-            np.cumsum([o.shape[0] for o in ol], out=ob[1:])
+            ib, ob = _starts(il), _starts(ol)
             bag_sum_many_flat = _pick("bag_sum_many_flat", fs,
                                       _small(int(ib[-1]), nbags * len(tl)))
             bag_sum_many_flat(_readonly(tl[0]), deltas, widths, _readonly(np.concatenate(il)), ib,
@@ -1116,12 +1113,9 @@ def lookup_cached_many(bases, caches, wheres, indices_list, offsets_list, out,
     bad = np.zeros(1, dtype=np.uint8)
     nmissed = np.zeros(n, dtype=np.int64)
     small = _small(sum(i.shape[0] for i in il), nbags * n)
-    ib = np.zeros(n + 1, dtype=np.int64)
-    np.cumsum([i.shape[0] for i in il], out=ib[1:])
+    ib = _starts(il)
     unit = all(ones)            # bags of one index: the offsets are not read (nor joined)
-    ob = np.zeros(n + 1, dtype=np.int64)
-    if not unit:
-        np.cumsum([o.shape[0] for o in ol], out=ob[1:])
+    ob = np.zeros(n + 1, dtype=np.int64) if unit else _starts(ol)
     listed = np.array([m is not None and m.shape[0] > 0 for m in misseds], dtype=np.uint8)
     mcat = scratch("missed_all", int(ib[-1]) if listed.any() else 0, np.int64)
     # every table's where and marks through the first one's; its indices, offsets, missed rows
@@ -1175,10 +1169,7 @@ def update_cached_many(bases, caches, wheres, indices_list, offsets_list, dout, 
     origins, wds, marked = _deltas(tl), _deltas(wheres), _through_first(dirties)
     if origins is None or wds is None or marked is None:
         return None
-    idx_base = np.zeros(n + 1, dtype=np.int64)
-    np.cumsum([a.shape[0] for a in il], out=idx_base[1:])
-    obase = np.zeros(n + 1, dtype=np.int64)
-    np.cumsum([a.shape[0] for a in ol], out=obase[1:])
+    idx_base, obase = _starts(il), _starts(ol)
     rows = np.empty(idx_base[-1], dtype=np.int64)
     nus = np.zeros(n, dtype=np.int64)
     hits = np.zeros(n, dtype=np.int64)
@@ -1198,6 +1189,13 @@ def _deltas(tables):
     if numba.config.BOUNDSCHECK:
         return None
     return element_offsets(tables)
+
+
+def _starts(arrays):
+    """Where each array starts in their concatenation, and (last) its length: int64."""
+    starts = np.zeros(len(arrays) + 1, dtype=np.int64)
+    np.cumsum([a.shape[0] for a in arrays], out=starts[1:])
+    return starts
 
 
 def _through_first(marks):
@@ -1263,8 +1261,7 @@ def update_many(tables, indices_list, offsets_list, dout, lr, column_offsets=Non
     lr = check_lr(lr, names[0], dtype)
     cols = _columns(tables, column_offsets, dout.shape[1], names)
     gflat, gstride = _gradient(dout, nbags, dout.shape[1], dtype, names[0])
-    idx_base = np.zeros(len(tables) + 1, dtype=np.int64)
-    np.cumsum([a.shape[0] for a in il], out=idx_base[1:])
+    idx_base = _starts(il)
     if nbags == 0 or idx_base[-1] == 0:
         return [np.empty(0, dtype=np.int64) for _ in tables]
     maxrows = max(t.shape[0] for t in tables)
@@ -1272,8 +1269,7 @@ def update_many(tables, indices_list, offsets_list, dout, lr, column_offsets=Non
     slots = _slots.take(nworkers, maxrows)
     fs = _common_fs(tables)
     deltas = _deltas(tl)
-    obase = np.zeros(len(tables) + 1, dtype=np.int64)
-    np.cumsum([a.shape[0] for a in ol], out=obase[1:])
+    obase = _starts(ol)
     icat, ocat = np.concatenate(il), np.concatenate(ol)
     widths = np.array([t.shape[1] for t in tl], dtype=np.int64)
     dense = _dense_tables(tl, il)
